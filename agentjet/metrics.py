@@ -1,0 +1,37 @@
+"""Metrics as JSON lines: one file per role under <run dir>/metrics/, one object per event.
+
+Keys are namespaced (`charts/…`, `losses/…`, `perf/…`) as in cleanrl; every row carries
+`time` (unix seconds) and `role`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+
+class MetricsWriter:
+    def __init__(self, run_dir: str | Path, role: str) -> None:
+        self.role = role
+        self.path = Path(run_dir) / "metrics" / f"{role}.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "a", buffering=1)  # line-buffered: readers see whole rows
+
+    def write(self, row: dict[str, Any]) -> None:
+        self._file.write(json.dumps({"time": time.time(), "role": self.role, **row}) + "\n")
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """All complete rows of a metrics file (a torn last line from a live writer is skipped)."""
+    rows = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows

@@ -1,0 +1,273 @@
+"""Every wire message, in one place: msgspec Structs, msgpack on the wire.
+
+Two sockets, each with its own tagged union and decoder:
+
+    coordinator (ROUTER) ◀── CoordinatorRequest ── rollout node / any node (DEALER)
+                          ── CoordinatorReply   ──▶
+    trainer     (ROUTER) ◀── TrainerRequest     ── rollout node (DEALER)
+                          ── TrainerReply       ──▶
+
+Handshake: a node's first message on a socket is `Hello`; the server answers `Welcome`
+or `Error(code="version")` when `protocol_version` differs. Token arrays travel as
+packed little-endian bytes (int32 ids, float32 logprobs, uint8 masks), not lists.
+Schema evolution: add fields at the end, with defaults.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+import numpy as np
+
+PROTOCOL_VERSION = 1
+
+
+class _Msg(msgspec.Struct, kw_only=True, tag_field="t", forbid_unknown_fields=True):
+    pass
+
+
+class Task(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """One task of one environment. `answer` is what the environment's verifier checks."""
+
+    id: str
+    env: str
+    prompt: str
+    answer: int
+    op: str = ""
+    difficulty: int = 0
+
+
+# ── handshake and errors (both sockets) ───────────────────────────────────────────
+
+
+class Hello(_Msg, tag="hello"):
+    node_id: str
+    role: Literal["rollout", "trainer", "coordinator", "client"]
+    protocol_version: int = PROTOCOL_VERSION
+
+
+class Welcome(_Msg, tag="welcome"):
+    protocol_version: int = PROTOCOL_VERSION
+    run_id: str = ""
+    policy_version: int = 0
+
+
+class Error(_Msg, tag="error"):
+    code: Literal["decode", "version", "invalid", "unknown", "busy", "gone"]
+    message: str
+
+
+class Ok(_Msg, tag="ok"):
+    pass
+
+
+# ── coordinator ───────────────────────────────────────────────────────────────────
+
+
+class WorkRequest(_Msg, tag="work_request"):
+    node_id: str
+    max_groups: int
+    policy_version: int = 0
+
+
+class WorkGrant(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    grant_id: str
+    task: Task
+    group_size: int
+    lease_s: float
+
+
+class WorkGrants(_Msg, tag="work_grants"):
+    grants: list[WorkGrant]
+
+
+class GroupReport(_Msg, tag="group_report"):
+    """A rollout node's outcome for one grant: the scheduler learns from it."""
+
+    node_id: str
+    grant_id: str
+    rewards: list[float]
+    completion_tokens: int = 0
+    turns: float = 0.0
+    wall_s: float = 0.0
+    failed: bool = False
+    error: str = ""
+
+
+class Heartbeat(_Msg, tag="heartbeat"):
+    """Keeps a node's leases alive while it works on long episodes."""
+
+    node_id: str
+    role: str
+    policy_version: int = 0
+
+
+class StatusRequest(_Msg, tag="status_request"):
+    pass
+
+
+class CoordinatorStatus(_Msg, tag="coordinator_status"):
+    grants_issued: int
+    grants_completed: int
+    grants_expired: int
+    leases_open: int
+    nodes: dict[str, float]  # node id -> seconds since last seen
+    rejected_messages: int
+
+
+CoordinatorRequest = Hello | WorkRequest | GroupReport | Heartbeat | StatusRequest
+CoordinatorReply = Welcome | WorkGrants | Ok | CoordinatorStatus | Error
+
+
+# ── trainer ───────────────────────────────────────────────────────────────────────
+
+
+class Sample(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """One sequence to train on: prompt then completion, token-in/token-out.
+
+    `completion_ids`, `logprobs` and `loss_mask` have one entry per completion token.
+    In multi-turn episodes the completion holds the model's turns *and* the tool output
+    fed back between them; `loss_mask` is 1 on the model's own tokens only, and
+    `logprobs` is the sampler's logprob there (0 elsewhere).
+    """
+
+    prompt_ids: bytes  # int32
+    completion_ids: bytes  # int32
+    logprobs: bytes  # float32
+    loss_mask: bytes  # uint8
+    reward: float
+    advantage: float
+    policy_version: int
+    turns: int = 1
+    finish_reason: str = ""
+    error: str = ""
+
+
+class TrajectoryGroup(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    group_id: str
+    grant_id: str
+    node_id: str
+    task_id: str
+    env: str
+    samples: list[Sample]
+    created_at: float
+    wall_s: float = 0.0
+
+
+class SubmitGroup(_Msg, tag="submit_group"):
+    group: TrajectoryGroup
+
+
+class GroupAck(_Msg, tag="group_ack"):
+    group_id: str
+    status: Literal["accepted", "duplicate", "stale", "rejected"]
+    policy_version: int
+    reason: str = ""
+
+
+class PolicyQuery(_Msg, tag="policy_query"):
+    pass
+
+
+class PolicyInfo(_Msg, tag="policy_info"):
+    """The newest complete policy version a trainer serves (version 0 = base weights)."""
+
+    version: int
+    nbytes: int
+    sha256: str
+    num_chunks: int
+
+
+class WeightChunkRequest(_Msg, tag="weight_chunk_request"):
+    version: int
+    index: int
+
+
+class WeightChunk(_Msg, tag="weight_chunk"):
+    version: int
+    index: int
+    data: bytes
+
+
+TrainerRequest = Hello | SubmitGroup | PolicyQuery | WeightChunkRequest
+TrainerReply = Welcome | GroupAck | PolicyInfo | WeightChunk | Error
+
+
+# ── codecs ────────────────────────────────────────────────────────────────────────
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return _encoder.encode(msg)
+
+
+coordinator_request_decoder = msgspec.msgpack.Decoder(CoordinatorRequest)
+coordinator_reply_decoder = msgspec.msgpack.Decoder(CoordinatorReply)
+trainer_request_decoder = msgspec.msgpack.Decoder(TrainerRequest)
+trainer_reply_decoder = msgspec.msgpack.Decoder(TrainerReply)
+
+
+def pack_ids(ids: list[int] | np.ndarray) -> bytes:
+    return np.asarray(ids, dtype="<i4").tobytes()
+
+
+def unpack_ids(data: bytes) -> np.ndarray:
+    return np.frombuffer(data, dtype="<i4")
+
+
+def pack_floats(values: list[float] | np.ndarray) -> bytes:
+    return np.asarray(values, dtype="<f4").tobytes()
+
+
+def unpack_floats(data: bytes) -> np.ndarray:
+    return np.frombuffer(data, dtype="<f4")
+
+
+def pack_mask(values: list[int] | np.ndarray) -> bytes:
+    return np.asarray(values, dtype=np.uint8).tobytes()
+
+
+def unpack_mask(data: bytes) -> np.ndarray:
+    return np.frombuffer(data, dtype=np.uint8)
+
+
+def check_group(group: TrajectoryGroup, vocab_size: int, max_tokens: int) -> str | None:
+    """Why a decoded group cannot be trained, or None when it is well formed."""
+    if not group.samples:
+        return "group has no samples"
+    if len(group.samples) > 1024:
+        return f"group has {len(group.samples)} samples (at most 1024)"
+    for i, s in enumerate(group.samples):
+        if len(s.prompt_ids) % 4 or len(s.completion_ids) % 4 or len(s.logprobs) % 4:
+            return f"sample {i}: token arrays are not whole int32/float32 values"
+        n_prompt, n = len(s.prompt_ids) // 4, len(s.completion_ids) // 4
+        if n_prompt == 0 or n == 0:
+            return f"sample {i}: empty prompt or completion"
+        if n_prompt + n > max_tokens:
+            return f"sample {i}: {n_prompt + n} tokens (at most {max_tokens})"
+        if len(s.logprobs) // 4 != n or len(s.loss_mask) != n:
+            return f"sample {i}: logprobs/loss_mask length differs from completion length {n}"
+        for arr in (unpack_ids(s.prompt_ids), unpack_ids(s.completion_ids)):
+            if arr.min() < 0 or arr.max() >= vocab_size:
+                return f"sample {i}: token id outside the vocabulary (size {vocab_size})"
+        lp = unpack_floats(s.logprobs)
+        if not np.isfinite(lp).all() or (lp > 1e-3).any():
+            return f"sample {i}: logprobs must be finite and <= 0"
+        if not (np.isfinite(s.reward) and np.isfinite(s.advantage)):
+            return f"sample {i}: reward and advantage must be finite"
+        if s.policy_version < 0:
+            return f"sample {i}: negative policy version"
+    return None
+
+
+def answer_hello(hello: Hello, run_id: str, policy_version: int = 0) -> Welcome | Error:
+    """The server side of the handshake: refuse peers that speak another protocol version."""
+    if hello.protocol_version != PROTOCOL_VERSION:
+        return Error(
+            code="version",
+            message=f"protocol version {hello.protocol_version} is not supported "
+            f"(this peer speaks {PROTOCOL_VERSION}); upgrade agentjet on both ends",
+        )
+    return Welcome(run_id=run_id, policy_version=policy_version)

@@ -1,0 +1,75 @@
+"""The RL math, readable top to bottom. Symbols follow the GRPO / PPO papers.
+
+For a group of G samples of one task with rewards r_1..r_G:
+
+    A_i = (r_i - mean(r)) / (std(r) + eps)                       group-relative advantage
+
+For every trained token t of sample i, with pi_theta the learner's policy and mu the
+sampler's (possibly stale or engine-mismatched) policy that produced the token:
+
+    ratio_t = exp(log pi_theta(y_t) - log mu(y_t))              importance weight
+    loss_t  = max(-A_i * ratio_t, -A_i * clip(ratio_t, 1 - eps_clip, 1 + eps_clip))
+    loss    = sum_t mask_t * loss_t / N_tokens                   token-level mean over the step
+
+Because the ratio is taken against the sampler's own logprobs (decoupled PPO), samples
+from an older policy version stay correctly weighted up to the staleness bound.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+ADVANTAGE_EPS = 1e-6
+
+
+def group_advantages(rewards: Sequence[float]) -> list[float]:
+    """GRPO advantages; all zero when every sample got the same reward (no signal)."""
+    n = len(rewards)
+    mean = sum(rewards) / n
+    std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / n)
+    if std < ADVANTAGE_EPS:
+        return [0.0] * n
+    return [(r - mean) / (std + ADVANTAGE_EPS) for r in rewards]
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    sampler_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_eps: float,
+    num_tokens: int,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped importance-weighted policy-gradient loss.
+
+    Shapes: `logprobs`, `sampler_logprobs`, `mask`: [B, T]; `advantages`: [B].
+    `num_tokens` is the number of trained tokens in the whole optimizer step, so that
+    micro-batches add up to one token-level mean.
+    """
+    ratio = torch.exp(logprobs - sampler_logprobs)
+    adv = advantages.unsqueeze(1)
+    unclipped = -adv * ratio
+    clipped = -adv * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps)
+    per_token = torch.maximum(unclipped, clipped)
+    mask = mask.to(per_token.dtype)
+    loss = (per_token * mask).sum() / max(num_tokens, 1)
+    with torch.no_grad():
+        n = mask.sum().clamp(min=1)
+        stats = {
+            "ratio_mean": float((ratio * mask).sum() / n),
+            "clip_frac": float(((unclipped < clipped).to(mask.dtype) * mask).sum() / n),
+            "sampler_kl": float(((sampler_logprobs - logprobs) * mask).sum() / n),
+        }
+    return loss, stats
+
+
+def policy_lag(sample_version: int, current_version: int) -> int:
+    """How many policy versions behind the learner a sample is."""
+    return current_version - sample_version
+
+
+def is_stale(sample_version: int, current_version: int, max_policy_lag: int) -> bool:
+    return policy_lag(sample_version, current_version) > max_policy_lag

@@ -1,0 +1,140 @@
+"""Task sources: generated arithmetic problems and JSONL task files.
+
+Pure and torch-free, so the coordinator (which hands tasks out) can import it.
+Task file rows: {"id": str, "prompt": str, "answer": int, "op"?: str, "difficulty"?: int}.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Sequence
+from pathlib import Path
+
+import msgspec
+
+from agentjet.errors import TaskFileError
+from agentjet.protocol import Task
+
+OPS = ("+", "-", "*")
+MAX_TASK_FILE_ROWS = 1_000_000
+
+
+class _Row(msgspec.Struct, forbid_unknown_fields=True):
+    id: str
+    prompt: str
+    answer: int
+    op: str = ""
+    difficulty: int = 0
+
+
+def arithmetic_prompt(a: int, op: str, b: int) -> str:
+    return f"What is {a} {op} {b}? Answer with just the number."
+
+
+def make_arithmetic_task(rng: random.Random, difficulty: int, op: str, env: str) -> Task:
+    """An `op` problem whose operands both have `difficulty` digits (1-digit includes 0)."""
+    low = 0 if difficulty == 1 else 10 ** (difficulty - 1)
+    high = 10**difficulty - 1
+    a, b = rng.randint(low, high), rng.randint(low, high)
+    if op == "-" and b > a:
+        a, b = b, a  # non-negative results keep the three ops comparable in difficulty
+    answer = {"+": a + b, "-": a - b, "*": a * b}[op]
+    return Task(
+        id=f"d{difficulty}:{a}{op}{b}",
+        env=env,
+        prompt=arithmetic_prompt(a, op, b),
+        answer=answer,
+        op=op,
+        difficulty=difficulty,
+    )
+
+
+class TaskSource:
+    """Draws tasks for one environment: generated on the fly, or uniformly from a file."""
+
+    def __init__(
+        self,
+        env: str,
+        difficulties: Sequence[int] = (1, 2, 3),
+        ops: Sequence[str] = OPS,
+        task_file: str = "",
+    ) -> None:
+        self.env = env
+        self.difficulties = list(difficulties)
+        self.ops = list(ops)
+        self.rows = load_task_file(task_file, env) if task_file else None
+
+    def sample(self, rng: random.Random) -> Task:
+        if self.rows is not None:
+            return rng.choice(self.rows)
+        return make_arithmetic_task(
+            rng, rng.choice(self.difficulties), rng.choice(self.ops), self.env
+        )
+
+
+def generate_tasks(
+    count: int,
+    seed: int,
+    difficulties: Sequence[int] = (1, 2, 3),
+    ops: Sequence[str] = OPS,
+    env: str = "arithmetic",
+) -> list[Task]:
+    """`count` tasks balanced over (difficulty, op), distinct ids, reproducible by seed."""
+    rng = random.Random(seed)
+    tasks: dict[str, Task] = {}
+    cells = [(d, op) for d in difficulties for op in ops]
+    attempts = 0
+    while len(tasks) < count:
+        d, op = cells[len(tasks) % len(cells)]
+        task = make_arithmetic_task(rng, d, op, env)
+        attempts += 1
+        if attempts > 100 * count:
+            raise ValueError(f"cannot make {count} distinct tasks from {cells}")
+        tasks.setdefault(task.id, task)
+    return list(tasks.values())
+
+
+def write_task_file(tasks: Sequence[Task], path: str | Path) -> None:
+    with open(path, "w") as f:
+        for t in tasks:
+            row = {"id": t.id, "prompt": t.prompt, "answer": t.answer}
+            row |= {"op": t.op, "difficulty": t.difficulty}
+            f.write(json.dumps(row) + "\n")
+
+
+def load_task_file(path: str | Path, env: str = "arithmetic") -> list[Task]:
+    """Read a JSONL task file; a bad row raises TaskFileError naming file and line."""
+    path = Path(path).expanduser()
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as e:
+        raise TaskFileError(f"task file {path}: {e.strerror}") from None
+    decoder = msgspec.json.Decoder(_Row)
+    tasks: list[Task] = []
+    seen: set[str] = set()
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        if len(tasks) >= MAX_TASK_FILE_ROWS:
+            raise TaskFileError(f"task file {path}: more than {MAX_TASK_FILE_ROWS} rows")
+        try:
+            row = decoder.decode(line)
+        except msgspec.DecodeError as e:
+            raise TaskFileError(f"task file {path} line {lineno}: {e}") from None
+        if row.id in seen:
+            raise TaskFileError(f"task file {path} line {lineno}: duplicate id {row.id!r}")
+        seen.add(row.id)
+        tasks.append(
+            Task(
+                id=row.id,
+                env=env,
+                prompt=row.prompt,
+                answer=row.answer,
+                op=row.op,
+                difficulty=row.difficulty,
+            )
+        )
+    if not tasks:
+        raise TaskFileError(f"task file {path} has no tasks")
+    return tasks

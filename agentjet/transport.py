@@ -127,7 +127,7 @@ class Client:
         assert self._socket is not None
         await self._socket.send(protocol.encode(msg))
         timeout = self.timeout_s if timeout_s is None else timeout_s
-        if not await self._socket.poll(int(timeout * 1000), zmq.POLLIN):
+        if not await self._socket.poll(int(timeout * 1000), zmq.POLLIN):  # type: ignore[call-arg]
             self._reset()
             raise PeerUnavailable(f"no reply from {self.endpoint} within {timeout:.1f} s")
         payload = await self._socket.recv()

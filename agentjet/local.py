@@ -1,0 +1,228 @@
+"""`agentjet local`: coordinator, trainer and rollout node as processes on one box.
+
+    launcher ──spawn (own session each)──▶ coordinator, trainer, rollout  (logs/<role>.log)
+        │
+        └── every PROGRESS_POLL_S: tail metrics/<role>.jsonl ──▶ one progress line per version
+            stop on Ctrl-C / SIGTERM, at --max-steps (the trainer exits), or when a role dies:
+            SIGTERM each role's process group, wait, SIGKILL what is left, reap by PID.
+
+Imports no torch: the launcher stays light and the roles load what they need.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from agentjet.config import Config, to_toml
+from agentjet.metrics import read_metrics
+
+ROLES = ("coordinator", "trainer", "rollout")
+# How often the launcher reads metrics and checks on its children.
+PROGRESS_POLL_S = 1.0
+# How long a role gets to shut down cleanly (checkpoint, hivemind goodbye) before SIGKILL.
+STOP_GRACE_S = 60.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Child:
+    role: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    def tail(self, lines: int = 15) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+
+@dataclass
+class Progress:
+    """Turns metric rows into the lines a user watches."""
+
+    out: TextIO
+    offsets: dict[str, int] = field(default_factory=dict)
+    last_version: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+    def poll(self, run_dir: Path) -> None:
+        for role in ("rollout", "trainer"):
+            path = run_dir / "metrics" / f"{role}.jsonl"
+            if not path.exists():
+                continue
+            rows = read_metrics(path)
+            for row in rows[self.offsets.get(role, 0) :]:
+                self._show(row)
+            self.offsets[role] = len(rows)
+
+    def _show(self, row: dict[str, Any]) -> None:
+        elapsed = time.monotonic() - self.started
+        if row.get("event") == "step":
+            self.last_version = int(row["policy_version"])
+            print(
+                f"[{elapsed:6.0f}s] policy v{row['policy_version']:<4d}"
+                f" reward {row['charts/reward_mean']:.3f}"
+                f"  samples/s {row['perf/samples_per_s']:.2f}"
+                f"  staleness {row['charts/staleness_mean']:.2f}"
+                f"  zero-var groups {row['charts/zero_variance_groups']}"
+                f"  trained tokens {row['charts/trained_tokens']}"
+                f"  step {row['perf/step_s']:.1f}s",
+                file=self.out,
+                flush=True,
+            )
+        elif row.get("event") == "weights_loaded":
+            print(
+                f"[{elapsed:6.0f}s] rollout node switched to policy v{row['policy_version']}",
+                file=self.out,
+                flush=True,
+            )
+
+
+def prepare_run(config: Config, run_dir: Path) -> Path:
+    """Resolve endpoints to free loopback ports and write the config all roles will read."""
+    import msgspec
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "logs").mkdir(exist_ok=True)
+    resolved = msgspec.structs.replace(
+        config,
+        run=msgspec.structs.replace(config.run, dir=str(run_dir)),
+        coordinator=msgspec.structs.replace(
+            config.coordinator, endpoint=f"tcp://127.0.0.1:{free_port()}"
+        ),
+        net=msgspec.structs.replace(
+            config.net, trainer_endpoint=f"tcp://127.0.0.1:{free_port()}"
+        ),
+        swarm=msgspec.structs.replace(config.swarm, run_id=f"{config.swarm.run_id}-{os.getpid()}"),
+    )
+    path = run_dir / "config.toml"
+    path.write_text(to_toml(resolved))
+    return path
+
+
+def spawn(role: str, config_path: Path, run_dir: Path) -> Child:
+    argv = [sys.executable, "-m", "agentjet.cli"]
+    argv += ["coordinator"] if role == "coordinator" else ["node", "--role", role]
+    argv += ["--config", str(config_path)]
+    log_path = run_dir / "logs" / f"{role}.log"
+    with open(log_path, "ab") as log_file:
+        process = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # own process group: we can stop it and its daemons
+        )
+    return Child(role, process, log_path)
+
+
+def descendants(pid: int) -> set[int]:
+    """PIDs of every live process below `pid`, read from /proc (never matched by name)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    found: set[int] = set()
+    stack = [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.add(child)
+            stack.append(child)
+    return found
+
+
+def stop_children(children: list[Child], grace_s: float = STOP_GRACE_S) -> None:
+    """SIGTERM every role's process group, then SIGKILL whatever outlives the grace period.
+
+    Daemons a role started (hivemind's DHT process, p2pd) share its process group; any that
+    left it are found by PID through the process tree, recorded before anything stops.
+    """
+    daemons = {pid for child in children for pid in descendants(child.process.pid)}
+    for child in children:
+        _signal_group(child.process.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for child in children:
+        try:
+            child.process.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            print(f"{child.role} did not stop in {grace_s:.0f} s; killing it", file=sys.stderr)
+    for child in children:
+        _signal_group(child.process.pid, signal.SIGKILL)
+        child.process.wait()
+    for pid in daemons:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def run_local(config: Config, run_dir: Path, out: TextIO = sys.stdout) -> int:
+    config_path = prepare_run(config, run_dir)
+    print(f"run dir: {run_dir}  (config.toml, metrics/, logs/, checkpoints/)", file=out)
+    children: list[Child] = []
+    stopping = False
+
+    def request_stop(signum: int, frame: Any) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, request_stop)
+    signal.signal(signal.SIGTERM, request_stop)
+    progress = Progress(out)
+    code = 0
+    try:
+        for role in ROLES:
+            children.append(spawn(role, config_path, run_dir))
+        print(
+            "started coordinator, trainer and rollout node; the first policy version "
+            "appears after the first batch is generated and trained (Ctrl-C stops)",
+            file=out,
+            flush=True,
+        )
+        while not stopping:
+            time.sleep(PROGRESS_POLL_S)
+            progress.poll(run_dir)
+            finished = [c for c in children if c.process.poll() is not None]
+            if not finished:
+                continue
+            trainer_done = any(c.role == "trainer" and c.process.returncode == 0 for c in finished)
+            if trainer_done and config.run.max_steps:
+                print(f"reached --max-steps {config.run.max_steps}", file=out)
+            else:
+                for c in finished:
+                    print(f"{c.role} exited with code {c.process.returncode}; last log lines:\n"
+                          f"{c.tail()}", file=sys.stderr)
+                code = 1
+            break
+    finally:
+        print("stopping all roles ...", file=out, flush=True)
+        stop_children(children)
+        progress.poll(run_dir)
+    latest = run_dir / "checkpoints" / "latest"
+    if latest.exists():
+        print(f"latest checkpoint: {run_dir / 'checkpoints' / latest.read_text().strip()}", file=out)
+    return code

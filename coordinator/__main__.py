@@ -1,0 +1,31 @@
+"""`python -m coordinator CONFIG [--set key=value ...]`: run the coordinator role alone.
+
+The `agentjet` CLI is the usual entry; this one needs nothing but the config file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from agentjet.config import load_config
+from agentjet.errors import ConfigError
+
+
+def cli(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m coordinator", description=__doc__)
+    parser.add_argument("config", help="TOML config file")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    from coordinator.service import main  # after parsing: --help stays instant
+
+    return main(config)
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

@@ -1,0 +1,91 @@
+"""What to hand out next, and which leases have run out: pure decisions, no I/O.
+
+    config.envs ──▶ UniformScheduler.choose(k, rng) ──▶ [Task, …]  (env by weight, then uniform)
+    GroupReport ──▶ Scheduler.observe(task, report)     (EnvSched learns; uniform ignores)
+    [Lease] + now ──▶ expired(…) ──▶ leases whose node went silent
+
+The coordinator draws every batch from `draw_rng(seed, grants_issued)`, so the choice depends
+only on the durable history: a restarted coordinator continues the sequence instead of
+repeating it from the start.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple, Protocol
+
+from agentjet.config import EnvConfig
+from agentjet.protocol import GroupReport, Task
+from agentjet.tasks import TaskSource
+
+
+class Scheduler(Protocol):
+    """A policy that picks tasks and may learn from what the rollout nodes report."""
+
+    def choose(self, k: int, rng: random.Random | None = None) -> list[Task]:
+        """`k` tasks to grant next (repeats allowed)."""
+        ...
+
+    def observe(self, task: Task, report: GroupReport) -> None:
+        """Learn from the outcome of one granted task (called once per accepted report)."""
+        ...
+
+
+class UniformScheduler:
+    """The baseline: an environment by its configured weight, then a task uniformly from it."""
+
+    def __init__(self, envs: Sequence[EnvConfig], seed: int = 0) -> None:
+        if not envs:
+            raise ValueError("UniformScheduler needs at least one environment")
+        self.sources = [
+            TaskSource(env.name, env.difficulties, env.ops, env.task_file) for env in envs
+        ]
+        self.weights = [env.weight for env in envs]
+        # Used only when the caller passes no rng (e.g. a node's local fallback).
+        self.rng = random.Random(seed)
+
+    def choose(self, k: int, rng: random.Random | None = None) -> list[Task]:
+        rng = rng or self.rng
+        sources = rng.choices(self.sources, weights=self.weights, k=k)
+        return [source.sample(rng) for source in sources]
+
+    def observe(self, task: Task, report: GroupReport) -> None:
+        """Uniform sampling does not learn."""
+
+
+def draw_rng(seed: int, grants_issued: int) -> random.Random:
+    """The rng for the next batch: a function of the run seed and how much was issued before.
+
+    String seeds hash with SHA-512, so the stream is stable across processes and Python runs.
+    """
+    return random.Random(f"{seed}/{grants_issued}")
+
+
+class Lease(NamedTuple):
+    """An open grant as the lease logic sees it: which node holds it, when it was last heard."""
+
+    grant_id: str
+    node_id: str
+    last_seen: float  # unix seconds
+
+
+def expired(
+    leases: Iterable[Lease], now: float, lease_s: float, not_before: float = -math.inf
+) -> list[Lease]:
+    """The leases whose node has been silent for longer than `lease_s` at `now`.
+
+    Silence counts from `not_before` at the earliest: pass the coordinator's start time so that
+    nodes are not blamed for the time the coordinator itself was down.
+    """
+    return [lease for lease in leases if now - max(lease.last_seen, not_before) > lease_s]
+
+
+# A silent node's lease is noticed at most this long after it runs out (bounds re-grant delay).
+SWEEP_EVERY_S = 2.0
+
+
+def sweep_interval_s(lease_s: float) -> float:
+    """How often to look for expired leases: every SWEEP_EVERY_S, or four times per lease."""
+    return min(SWEEP_EVERY_S, lease_s / 4)

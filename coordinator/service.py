@@ -1,0 +1,281 @@
+"""The coordinator role: grants (env, task) work under leases, records outcomes, survives restarts.
+
+    rollout node ── Hello / WorkRequest / GroupReport / Heartbeat / StatusRequest ──┐
+                ◀── Welcome / WorkGrants / Ok / CoordinatorStatus / Error ────────┐ │
+                                                                                  │ ▼
+                        Server (ZMQ ROUTER on coordinator.endpoint) ──▶ Coordinator.handle(msg, now)
+                                                                        │            │
+                               Scheduler.choose(k, draw_rng(seed, issued))    Store (SQLite, WAL,
+                               Scheduler.observe(task, report)  ◀──────────   one fsync'ed txn
+                                                                              per request)
+    lease sweeper (every sweep_interval_s) ── Store.expire_silent ──▶ regrant queue ──▶ next grants
+    metrics (every METRICS_EVERY_S)        ── Store.stats ──▶ <run dir>/metrics/coordinator.jsonl
+
+Leases are per node: every request from a node refreshes its `last_seen`, and a node silent for
+longer than `coordinator.lease_s` loses its open grants, whose tasks go to the next WorkRequest.
+The coordinator never imports torch; it is small and may be killed and restarted at any time.
+
+How to run:  agentjet coordinator --config configs/coordinator.toml
+        or:  python -m coordinator configs/coordinator.toml
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any, assert_never
+
+from agentjet import protocol
+from agentjet.config import Config
+from agentjet.metrics import MetricsWriter
+from agentjet.protocol import (
+    CoordinatorReply,
+    CoordinatorRequest,
+    CoordinatorStatus,
+    Error,
+    GroupReport,
+    Heartbeat,
+    Hello,
+    Ok,
+    StatusRequest,
+    Task,
+    Welcome,
+    WorkGrants,
+    WorkRequest,
+)
+from agentjet.roles import run_role
+from agentjet.transport import Server
+from coordinator.scheduler import Scheduler, UniformScheduler, draw_rng, sweep_interval_s
+from coordinator.store import Accepted, Refused, Store
+
+log = logging.getLogger(__name__)
+
+# One WorkRequest asks for at most this many groups (bounds one reply and one transaction).
+MAX_GROUPS_PER_REQUEST = 1024
+# Longer node ids are refused: they key the nodes table and show up in every status reply.
+MAX_NODE_ID_CHARS = 128
+# Longer role names in heartbeats are refused (real roles are a single short word).
+MAX_ROLE_CHARS = 32
+# A group report carries at most this many rewards (config caps rollout.group_size at 256).
+MAX_REWARDS_PER_REPORT = 1024
+# A metrics row every this many seconds: frequent enough for a live plot, cheap on disk.
+METRICS_EVERY_S = 10.0
+
+
+def db_path(config: Config) -> Path:
+    """The history file: `coordinator.db_path`, or `<run dir>/coordinator.sqlite`."""
+    path = config.coordinator.db_path or str(Path(config.run.dir) / "coordinator.sqlite")
+    return Path(path).expanduser()
+
+
+def request_problem(msg: CoordinatorRequest) -> str | None:
+    """Why a decoded request cannot be served (answered with Error "invalid"), or None."""
+    match msg:
+        case (
+            Hello(node_id=node_id)
+            | WorkRequest(node_id=node_id)
+            | GroupReport(node_id=node_id)
+            | Heartbeat(node_id=node_id)
+        ) if not 0 < len(node_id) <= MAX_NODE_ID_CHARS:
+            return f"node_id must have 1 to {MAX_NODE_ID_CHARS} characters"
+        case WorkRequest(max_groups=n) if not 0 < n <= MAX_GROUPS_PER_REQUEST:
+            return f"max_groups is {n}; ask for 1 to {MAX_GROUPS_PER_REQUEST} groups"
+        case WorkRequest(policy_version=v) | Heartbeat(policy_version=v) if v < 0:
+            return f"policy_version is {v}; versions start at 0"
+        case Heartbeat(role=role) if len(role) > MAX_ROLE_CHARS:
+            return f"role must have at most {MAX_ROLE_CHARS} characters"
+        case GroupReport() if len(msg.rewards) > MAX_REWARDS_PER_REPORT:
+            return f"{len(msg.rewards)} rewards; a group has at most {MAX_REWARDS_PER_REPORT}"
+        case GroupReport() if not all(math.isfinite(r) for r in msg.rewards):
+            return "rewards must be finite numbers"
+        case GroupReport() if msg.completion_tokens < 0 or not (
+            math.isfinite(msg.turns) and math.isfinite(msg.wall_s)
+        ):
+            return "completion_tokens must be >= 0 and turns, wall_s finite"
+    return None
+
+
+class RewardWindow:
+    """Mean reward of the groups reported since the last metrics row."""
+
+    def __init__(self) -> None:
+        self.reports = 0
+        self.groups_with_rewards = 0
+        self.sum_of_means = 0.0
+
+    def add(self, rewards: list[float]) -> None:
+        self.reports += 1
+        if rewards:
+            self.groups_with_rewards += 1
+            self.sum_of_means += sum(rewards) / len(rewards)
+
+    def mean(self) -> float | None:
+        return self.sum_of_means / self.groups_with_rewards if self.groups_with_rewards else None
+
+
+class Coordinator:
+    """The role: `setup()` opens the history and binds the socket, `run()` serves until stopped.
+
+    Attributes made in `setup()` are released by the `cleanup` stack it is given.
+    """
+
+    store: Store
+    server: Server
+    metrics: MetricsWriter
+
+    def __init__(
+        self,
+        config: Config,
+        scheduler: Scheduler | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.config = config
+        self.scheduler = scheduler or UniformScheduler(config.envs, config.run.seed)
+        self.clock = clock  # wall clock: lease times are stored and must survive a restart
+        self.db_path = db_path(config)
+        self.started_at = 0.0
+        self.invalid_requests = 0
+        self.reward_window = RewardWindow()
+
+    def setup(self, cleanup: ExitStack) -> None:
+        self.started_at = self.clock()
+        self.store = Store(self.db_path, lease_s=self.config.coordinator.lease_s)
+        cleanup.callback(self.store.close)
+        self.server = Server(
+            self.config.coordinator.endpoint,
+            protocol.coordinator_request_decoder,
+            self.config.net.max_message_bytes,
+        )
+        cleanup.callback(self.server.close)
+        self.metrics = MetricsWriter(self.config.run.dir, "coordinator")
+        cleanup.callback(self.metrics.close)
+        log.info("coordinator serving on %s, history in %s", self.server.endpoint, self.db_path)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Serve until `stop` is set; a background loop that fails ends the run with its error."""
+        loops = [
+            asyncio.create_task(self._serve(), name="coordinator-serve"),
+            asyncio.create_task(self._sweep_leases(), name="coordinator-lease-sweeper"),
+            asyncio.create_task(self._write_metrics_periodically(), name="coordinator-metrics"),
+        ]
+        stopping = asyncio.create_task(stop.wait(), name="coordinator-stop")
+        try:
+            done, _ = await asyncio.wait([*loops, stopping], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in [*loops, stopping]:
+                task.cancel()
+            await asyncio.gather(*loops, stopping, return_exceptions=True)
+        for task in done - {stopping}:
+            task.result()  # re-raise the failure of a background loop
+            raise RuntimeError(f"{task.get_name()} stopped unexpectedly")
+        self._write_metrics()
+
+    # ── requests ──────────────────────────────────────────────────────────────────────
+
+    def handle(self, msg: CoordinatorRequest, now: float) -> CoordinatorReply:
+        """Answer one decoded request; state changes are committed before the reply is sent."""
+        problem = request_problem(msg)
+        if problem is not None:
+            return self._refuse(msg, problem)
+        match msg:
+            case Hello():
+                welcome = protocol.answer_hello(msg, run_id=self.config.swarm.run_id)
+                if isinstance(welcome, Welcome) and msg.role != "client":
+                    self.store.touch(msg.node_id, now, role=msg.role)
+                return welcome
+            case WorkRequest():
+                grants = self.store.grant(
+                    msg.node_id,
+                    msg.max_groups,
+                    now,
+                    self.config.rollout.group_size,
+                    self._draw_new,
+                    msg.policy_version,
+                )
+                log.debug("granted %d groups to %s", len(grants), msg.node_id)
+                return WorkGrants(grants=grants)
+            case GroupReport():
+                match self.store.complete(msg, now):
+                    case Accepted(task=task):
+                        self.scheduler.observe(task, msg)
+                        self.reward_window.add(msg.rewards)
+                        return Ok()
+                    case Refused(reason=reason):
+                        return self._refuse(msg, reason)
+            case Heartbeat():
+                self.store.touch(msg.node_id, now, msg.role, msg.policy_version)
+                return Ok()
+            case StatusRequest():
+                return self.status(now)
+            case _:
+                assert_never(msg)
+
+    def status(self, now: float) -> CoordinatorStatus:
+        stats = self.store.stats()
+        return CoordinatorStatus(
+            grants_issued=stats.grants_issued,
+            grants_completed=stats.grants_completed,
+            grants_expired=stats.grants_expired,
+            leases_open=stats.leases_open,
+            nodes={node: now - seen for node, seen in stats.nodes_last_seen.items()},
+            rejected_messages=self.server.rejected + self.invalid_requests,
+        )
+
+    def _draw_new(self, count: int, grants_issued: int) -> list[Task]:
+        return self.scheduler.choose(count, draw_rng(self.config.run.seed, grants_issued))
+
+    def _refuse(self, msg: CoordinatorRequest, reason: str) -> Error:
+        self.invalid_requests += 1
+        log.info("refused %s: %s", type(msg).__name__, reason)
+        return Error(code="invalid", message=reason)
+
+    # ── loops ─────────────────────────────────────────────────────────────────────────
+
+    async def _serve(self) -> None:
+        while True:
+            envelope, msg = await self.server.recv()
+            await self.server.reply(envelope, self.handle(msg, self.clock()))
+
+    async def _sweep_leases(self) -> None:
+        lease_s = self.config.coordinator.lease_s
+        while True:
+            await asyncio.sleep(sweep_interval_s(lease_s))
+            # Nodes cannot reach a coordinator that is down: count silence from our own start.
+            gone = self.store.expire_silent(self.clock(), not_before=self.started_at)
+            if gone:
+                log.info(
+                    "%d leases expired (node silent > %.1f s); their tasks will be granted again",
+                    len(gone),
+                    lease_s,
+                )
+
+    async def _write_metrics_periodically(self) -> None:
+        while True:
+            await asyncio.sleep(METRICS_EVERY_S)
+            self._write_metrics()
+
+    def _write_metrics(self) -> None:
+        stats = self.store.stats()
+        row: dict[str, Any] = {
+            "coordinator/grants_issued": stats.grants_issued,
+            "coordinator/grants_completed": stats.grants_completed,
+            "coordinator/grants_expired": stats.grants_expired,
+            "coordinator/leases_open": stats.leases_open,
+            "coordinator/regrants_queued": stats.regrants_queued,
+            "coordinator/nodes": len(stats.nodes_last_seen),
+            "coordinator/rejected_messages": self.server.rejected + self.invalid_requests,
+            "coordinator/reports": self.reward_window.reports,
+            "charts/mean_reward": self.reward_window.mean(),
+        }
+        self.metrics.write(row)
+        self.reward_window = RewardWindow()
+
+
+def main(config: Config) -> int:
+    """Run the coordinator on uvloop until SIGINT or SIGTERM; returns the exit status."""
+    return run_role(Coordinator(config), "coordinator")

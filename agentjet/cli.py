@@ -140,7 +140,9 @@ def _tasks(args: argparse.Namespace) -> int:
     try:
         difficulties = [int(d) for d in args.difficulties.split(",")]
     except ValueError:
-        raise AgentjetError(f"--difficulties: {args.difficulties!r} is not a list of 1,2,3") from None
+        raise AgentjetError(
+            f"--difficulties: {args.difficulties!r} is not a comma-separated list of 1,2,3"
+        ) from None
     ops = args.ops.split(",")
     if not set(difficulties) <= {1, 2, 3} or not set(ops) <= {"+", "-", "*"} or args.count < 1:
         raise AgentjetError("--difficulties must be within 1,2,3, --ops within +,-,*, --count >= 1")

@@ -89,6 +89,9 @@ class TrainerConfig(_Section):
     clip_eps: Annotated[float, Meta(gt=0, lt=1)] = 0.2
     # Groups sampled more than this many versions ago are dropped, not trained.
     max_policy_lag: NonNegInt = 4
+    # Groups waiting to be trained; beyond this the trainer answers "busy" and rollout nodes
+    # hold their groups (and then stop generating) instead of piling up stale work here.
+    max_queued_groups: PositiveInt = 16
     max_grad_norm: PositiveFloat = 1.0
     # Sequences per forward/backward pass (bounds activation memory).
     micro_batch_samples: PositiveInt = 16

@@ -11,6 +11,7 @@ Imports no torch: the launcher stays light and the roles load what they need.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -29,6 +30,8 @@ ROLES = ("coordinator", "trainer", "rollout")
 PROGRESS_POLL_S = 1.0
 # How long a role gets to shut down cleanly (checkpoint, hivemind goodbye) before SIGKILL.
 STOP_GRACE_S = 60.0
+# How long a SIGKILLed daemon may take to disappear from the process table.
+DAEMON_EXIT_S = 10.0
 
 
 def free_port() -> int:
@@ -101,9 +104,7 @@ def prepare_run(config: Config, run_dir: Path) -> Path:
         coordinator=msgspec.structs.replace(
             config.coordinator, endpoint=f"tcp://127.0.0.1:{free_port()}"
         ),
-        net=msgspec.structs.replace(
-            config.net, trainer_endpoint=f"tcp://127.0.0.1:{free_port()}"
-        ),
+        net=msgspec.structs.replace(config.net, trainer_endpoint=f"tcp://127.0.0.1:{free_port()}"),
         swarm=msgspec.structs.replace(config.swarm, run_id=f"{config.swarm.run_id}-{os.getpid()}"),
     )
     path = run_dir / "config.toml"
@@ -127,9 +128,16 @@ def spawn(role: str, config_path: Path, run_dir: Path) -> Child:
     return Child(role, process, log_path)
 
 
-def descendants(pid: int) -> set[int]:
-    """PIDs of every live process below `pid`, read from /proc (never matched by name)."""
-    children: dict[int, list[int]] = {}
+@dataclass(frozen=True)
+class ProcInfo:
+    state: str
+    ppid: int
+    pgid: int
+
+
+def process_table() -> dict[int, ProcInfo]:
+    """Every process's state, parent and process group, read from /proc."""
+    table = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -137,8 +145,16 @@ def descendants(pid: int) -> set[int]:
             stat = Path(f"/proc/{entry}/stat").read_text()
         except OSError:
             continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry))
+        fields = stat.rsplit(")", 1)[1].split()
+        table[int(entry)] = ProcInfo(fields[0], int(fields[1]), int(fields[2]))
+    return table
+
+
+def descendants(pid: int) -> set[int]:
+    """PIDs of every live process below `pid` (found by PID, never matched by name)."""
+    children: dict[int, list[int]] = {}
+    for child, info in process_table().items():
+        children.setdefault(info.ppid, []).append(child)
     found: set[int] = set()
     stack = [pid]
     while stack:
@@ -148,13 +164,19 @@ def descendants(pid: int) -> set[int]:
     return found
 
 
-def stop_children(children: list[Child], grace_s: float = STOP_GRACE_S) -> None:
+def running(pid: int) -> bool:
+    info = process_table().get(pid)
+    return info is not None and info.state != "Z"
+
+
+def stop_children(children: list[Child], seen: set[int], grace_s: float = STOP_GRACE_S) -> None:
     """SIGTERM every role's process group, then SIGKILL whatever outlives the grace period.
 
-    Daemons a role started (hivemind's DHT process, p2pd) share its process group; any that
-    left it are found by PID through the process tree, recorded before anything stops.
+    Daemons a role started (hivemind's DHT process, p2pd) share its process group; `seen`
+    holds every PID ever observed below the launcher, so daemons that left the group or
+    outlived their role are still found — by PID, never by name.
     """
-    daemons = {pid for child in children for pid in descendants(child.process.pid)}
+    daemons = seen | {pid for child in children for pid in descendants(child.process.pid)}
     for child in children:
         _signal_group(child.process.pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
@@ -167,23 +189,33 @@ def stop_children(children: list[Child], grace_s: float = STOP_GRACE_S) -> None:
         _signal_group(child.process.pid, signal.SIGKILL)
         child.process.wait()
     for pid in daemons:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    _wait_gone(daemons, {c.process.pid for c in children}, DAEMON_EXIT_S)
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, sig)
-    except ProcessLookupError:
-        pass
+
+
+def _wait_gone(pids: set[int], pgids: set[int], timeout_s: float) -> None:
+    """Signals are delivered asynchronously: wait until the killed processes really exited."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        table = process_table()
+        if not any(
+            info.state != "Z" and (pid in pids or info.pgid in pgids) for pid, info in table.items()
+        ):
+            return
+        time.sleep(0.05)
 
 
 def run_local(config: Config, run_dir: Path, out: TextIO = sys.stdout) -> int:
     config_path = prepare_run(config, run_dir)
     print(f"run dir: {run_dir}  (config.toml, metrics/, logs/, checkpoints/)", file=out)
     children: list[Child] = []
+    seen: set[int] = set()  # every PID observed below the launcher
     stopping = False
 
     def request_stop(signum: int, frame: Any) -> None:
@@ -205,6 +237,7 @@ def run_local(config: Config, run_dir: Path, out: TextIO = sys.stdout) -> int:
         )
         while not stopping:
             time.sleep(PROGRESS_POLL_S)
+            seen |= descendants(os.getpid())
             progress.poll(run_dir)
             finished = [c for c in children if c.process.poll() is not None]
             if not finished:
@@ -214,15 +247,19 @@ def run_local(config: Config, run_dir: Path, out: TextIO = sys.stdout) -> int:
                 print(f"reached --max-steps {config.run.max_steps}", file=out)
             else:
                 for c in finished:
-                    print(f"{c.role} exited with code {c.process.returncode}; last log lines:\n"
-                          f"{c.tail()}", file=sys.stderr)
+                    print(
+                        f"{c.role} exited with code {c.process.returncode}; last log lines:\n"
+                        f"{c.tail()}",
+                        file=sys.stderr,
+                    )
                 code = 1
             break
     finally:
         print("stopping all roles ...", file=out, flush=True)
-        stop_children(children)
+        stop_children(children, seen)
         progress.poll(run_dir)
     latest = run_dir / "checkpoints" / "latest"
     if latest.exists():
-        print(f"latest checkpoint: {run_dir / 'checkpoints' / latest.read_text().strip()}", file=out)
+        checkpoint = run_dir / "checkpoints" / latest.read_text().strip()
+        print(f"latest checkpoint: {checkpoint}", file=out)
     return code

@@ -17,7 +17,8 @@ class MetricsWriter:
         self.role = role
         self.path = Path(run_dir) / "metrics" / f"{role}.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "a", buffering=1)  # line-buffered: readers see whole rows
+        # Line-buffered so readers see whole rows; held open for the role's lifetime.
+        self._file = open(self.path, "a", buffering=1)  # noqa: SIM115
 
     def write(self, row: dict[str, Any]) -> None:
         self._file.write(json.dumps({"time": time.time(), "role": self.role, **row}) + "\n")

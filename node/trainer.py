@@ -1,0 +1,276 @@
+"""The trainer role: receive trajectory groups, train, publish policy versions.
+
+    rollout ──SubmitGroup──▶ Server ──check, dedupe by group id──▶ queue ──GroupAck──▶ rollout
+                                                                      │
+    learner task:  groups_per_step fresh groups ──(thread)──▶ Learner.train_step ──▶ version v+1
+                   ──▶ PolicySnapshot (served in chunks: PolicyQuery / WeightChunkRequest)
+                   ──▶ checkpoint every N versions ──▶ metrics/trainer.jsonl
+
+Run with `agentjet node --role trainer --config FILE`. Groups staler than
+`trainer.max_policy_lag` are dropped (acked "stale", counted) rather than trained.
+Blocking torch work runs in one worker thread (`asyncio.to_thread`); the event loop keeps
+answering peers meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter, deque
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+
+from agentjet import protocol, rl
+from agentjet.config import Config
+from agentjet.metrics import MetricsWriter
+from agentjet.roles import run_role
+from agentjet.transport import Server
+from node.learner import Learner
+from node.model import load_causal_lm, resolve_model
+from node.swarm import SwarmOptimizer
+from node.weights import PolicySnapshot, save_checkpoint, snapshot
+
+log = logging.getLogger(__name__)
+
+# Ids of acknowledged groups kept for duplicate detection; a re-send arrives within minutes.
+SEEN_GROUP_IDS = 1_000_000
+# Longest prompt+completion accepted from the wire, in tokens (bounds learner memory).
+MAX_SEQUENCE_TOKENS = 8192
+
+
+def take_batch(
+    queue: deque[protocol.TrajectoryGroup], size: int, version: int, max_policy_lag: int
+) -> tuple[list[protocol.TrajectoryGroup], list[protocol.TrajectoryGroup]]:
+    """Pop up to `size` fresh groups from the queue front; also return the stale ones dropped."""
+    batch, stale = [], []
+    while queue and len(batch) < size:
+        group = queue.popleft()
+        oldest = min(s.policy_version for s in group.samples)
+        (stale if rl.is_stale(oldest, version, max_policy_lag) else batch).append(group)
+    return batch, stale
+
+
+class Trainer:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.run_dir = Path(config.run.dir)
+        self.queue: deque[protocol.TrajectoryGroup] = deque()
+        self.seen: dict[str, None] = {}  # insertion-ordered set of group ids
+        self.counts: Counter[str] = Counter()
+        self.lag_histogram: Counter[int] = Counter()
+        self.published: PolicySnapshot | None = None
+        self.previous: PolicySnapshot | None = None
+        self.version = 0
+        self.checkpointed_version = -1
+        self.stale_ids: list[str] = []  # dropped as stale since the last metrics row
+
+    def setup(self, cleanup: ExitStack) -> None:
+        cfg = self.config
+        torch.set_num_threads(cfg.trainer.torch_threads)
+        torch.manual_seed(cfg.run.seed)
+        path = resolve_model(cfg.model.name, cfg.model.cache_dir)
+        self.model, self.tokenizer = load_causal_lm(path, cfg.model.dtype)
+        self.vocab_size = int(self.model.config.vocab_size)
+        self.swarm = SwarmOptimizer(
+            cfg.swarm,
+            self.model.parameters(),
+            lr=cfg.trainer.lr,
+            weight_decay=cfg.trainer.weight_decay,
+            target_batch_size=cfg.trainer.groups_per_step * cfg.rollout.group_size,
+        )
+        cleanup.callback(self.swarm.shutdown)
+        self.version = self.swarm.epoch
+        self.learner = Learner(
+            self.model,
+            self.swarm,
+            cfg.trainer,
+            temperature=cfg.rollout.sampling.temperature,
+            pad_token_id=int(self.tokenizer.pad_token_id or 0),
+        )
+        self.published = snapshot(self.model, self.version, cfg.net.weight_chunk_bytes)
+        self.server = Server(
+            cfg.net.trainer_endpoint,
+            protocol.trainer_request_decoder,
+            cfg.net.max_message_bytes,
+        )
+        cleanup.callback(self.server.close)
+        self.metrics = MetricsWriter(self.run_dir, "trainer")
+        cleanup.callback(self.metrics.close)
+        cleanup.callback(self._final_checkpoint)
+        self.batch_ready = asyncio.Event()
+        log.info(
+            "trainer ready: %s, policy version %d, swarm %s",
+            self.server.endpoint,
+            self.version,
+            " ".join(self.swarm.visible_maddrs()),
+        )
+
+    async def run(self, stop: asyncio.Event) -> None:
+        serve = asyncio.create_task(self._serve(), name="trainer-serve")
+        learn = asyncio.create_task(self._learn(stop), name="trainer-learn")
+        stopped = asyncio.create_task(stop.wait(), name="trainer-stop")
+        done, _ = await asyncio.wait({serve, learn, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        for task in (serve, learn, stopped):
+            task.cancel()
+        for task in done:
+            if task is not stopped and task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
+
+    def _final_checkpoint(self) -> None:
+        if self.version > self.checkpointed_version and self.version > 0:
+            self._checkpoint()
+        self.metrics.write(
+            {
+                "event": "stopped",
+                "policy_version": self.version,
+                "queued_group_ids": [g.group_id for g in self.queue],
+                "stale_group_ids": self.stale_ids,
+                **self._counts(),
+            }
+        )
+
+    # ── serving ──────────────────────────────────────────────────────────────────
+
+    async def _serve(self) -> None:
+        while True:
+            envelope, msg = await self.server.recv()
+            await self.server.reply(envelope, self._answer(msg))
+
+    def _answer(self, msg: protocol.TrainerRequest) -> protocol.TrainerReply:
+        match msg:
+            case protocol.Hello():
+                return protocol.answer_hello(msg, self.config.swarm.run_id, self.version)
+            case protocol.SubmitGroup(group=group):
+                return self._receive(group)
+            case protocol.PolicyQuery():
+                snap = self.published
+                assert snap is not None
+                return protocol.PolicyInfo(
+                    version=snap.version,
+                    nbytes=len(snap.blob),
+                    sha256=snap.sha256,
+                    num_chunks=snap.num_chunks,
+                )
+            case protocol.WeightChunkRequest(version=version, index=index):
+                for snap in (self.published, self.previous):
+                    if snap is not None and snap.version == version:
+                        if not 0 <= index < snap.num_chunks:
+                            return protocol.Error(code="invalid", message=f"no chunk {index}")
+                        return protocol.WeightChunk(
+                            version=version, index=index, data=snap.chunk(index)
+                        )
+                return protocol.Error(code="gone", message=f"policy version {version} is gone")
+        return protocol.Error(code="unknown", message=f"unexpected {type(msg).__name__}")
+
+    def _receive(self, group: protocol.TrajectoryGroup) -> protocol.GroupAck | protocol.Error:
+        def ack(status: str, reason: str = "") -> protocol.GroupAck:
+            self.counts[f"groups_{status}"] += 1
+            return protocol.GroupAck(
+                group_id=group.group_id,
+                status=status,  # type: ignore[arg-type]
+                policy_version=self.version,
+                reason=reason,
+            )
+
+        if group.group_id in self.seen:
+            return ack("duplicate")
+        if len(self.queue) >= self.config.trainer.max_queued_groups:
+            self.counts["busy_replies"] += 1
+            return protocol.Error(code="busy", message=f"{len(self.queue)} groups queued")
+        problem = protocol.check_group(group, self.vocab_size, MAX_SEQUENCE_TOKENS)
+        if problem is not None:
+            log.warning("rejected group %s from %s: %s", group.group_id, group.node_id, problem)
+            return ack("rejected", problem)
+        self._remember(group.group_id)
+        oldest = min(s.policy_version for s in group.samples)
+        if oldest > self.version:
+            return ack("rejected", f"policy version {oldest} is from the future")
+        if rl.is_stale(oldest, self.version, self.config.trainer.max_policy_lag):
+            self.stale_ids.append(group.group_id)
+            return ack("stale")
+        self.queue.append(group)
+        if len(self.queue) >= self.config.trainer.groups_per_step:
+            self.batch_ready.set()
+        return ack("accepted")
+
+    def _remember(self, group_id: str) -> None:
+        self.seen[group_id] = None
+        if len(self.seen) > SEEN_GROUP_IDS:
+            del self.seen[next(iter(self.seen))]
+
+    # ── learning ─────────────────────────────────────────────────────────────────
+
+    async def _learn(self, stop: asyncio.Event) -> None:
+        cfg = self.config
+        last = time.perf_counter()
+        while True:
+            await self.batch_ready.wait()
+            batch, stale = take_batch(
+                self.queue, cfg.trainer.groups_per_step, self.version, cfg.trainer.max_policy_lag
+            )
+            self.counts["groups_dropped_stale"] += len(stale)
+            self.stale_ids += [g.group_id for g in stale]
+            if len(batch) < cfg.trainer.groups_per_step:
+                self.queue.extendleft(reversed(batch))
+                self.batch_ready.clear()
+                continue
+            lags = [rl.policy_lag(s.policy_version, self.version) for g in batch for s in g.samples]
+            self.lag_histogram.update(lags)
+            row = await asyncio.to_thread(self.learner.train_step, batch)
+            self.version = int(row["policy_version"])
+            self.counts["groups_trained"] += len(batch)
+            self.previous = self.published
+            self.published = await asyncio.to_thread(
+                snapshot, self.model, self.version, cfg.net.weight_chunk_bytes
+            )
+            now = time.perf_counter()
+            row |= {
+                "event": "step",
+                "trained_group_ids": [g.group_id for g in batch],
+                "trained_group_versions": [min(s.policy_version for s in g.samples) for g in batch],
+                "stale_group_ids": self.stale_ids,
+                "policy_sha256": self.published.sha256,
+                "charts/staleness_mean": sum(lags) / len(lags),
+                "charts/staleness_max": max(lags),
+                "perf/s_per_version": now - last,
+                "perf/samples_per_s": row["charts/samples"] / (now - last),
+                "queue": len(self.queue),
+                **self._counts(),
+            }
+            last = now
+            self.stale_ids = []
+            self.metrics.write(row)
+            if self.version % cfg.trainer.checkpoint_every == 0:
+                await asyncio.to_thread(self._checkpoint)
+            if cfg.run.max_steps and self.version >= cfg.run.max_steps:
+                log.info("reached max_steps=%d", cfg.run.max_steps)
+                stop.set()
+                return
+            if len(self.queue) < cfg.trainer.groups_per_step:
+                self.batch_ready.clear()
+
+    def _checkpoint(self) -> None:
+        directory = self.run_dir / "checkpoints" / f"v{self.version:06d}"
+        save_checkpoint(
+            self.model,
+            self.tokenizer,
+            directory,
+            self.version,
+            {"model": self.config.model.name, "time": time.time()},
+        )
+        (self.run_dir / "checkpoints" / "latest").write_text(directory.name + "\n")
+        self.checkpointed_version = self.version
+        log.info("checkpoint %s", directory)
+
+    def _counts(self) -> dict[str, int]:
+        return {
+            **{f"counts/{k}": v for k, v in self.counts.items()},
+            "counts/rejected_messages": self.server.rejected,
+        }
+
+
+def main(config: Config) -> int:
+    return run_role(Trainer(config), "trainer")

@@ -1,0 +1,169 @@
+"""The vLLM engine for real GPUs: same `Generator` interface and contract as the torch engine.
+
+    prompts ──TokensPrompt──▶ vllm.LLM.generate (n samples, per-request seeds, logprobs=0)
+        ──▶ Completion(token ids, sampler logprobs, stop/length)
+    trainer weights ──load_state_dict──▶ collective_rpc("agentjet_load_weights") on every
+        worker ──▶ model.load_weights ──▶ prefix cache reset ──▶ new policy version
+
+The only module that imports vLLM, and only inside `VLLMEngine.__init__`/methods, so the rest of
+the node imports on machines without it.
+
+Written against the vLLM V1 offline API (0.10.2 and later; checked against the sampler and
+`ParentRequest` sources, not run on this CPU-only box; the GPU tier runs the engine contract):
+
+- `logprobs_mode="processed_logprobs"` makes the reported logprob the log-softmax of the logits
+  after temperature, i.e. agentjet's sampler logprob `log_softmax(logits / T)[token]`
+  (greedy: T = 1). The default `raw_logprobs` ignores the temperature. vLLM's "processed"
+  values are taken after top-k/top-p masking, which agentjet does not want (the trainer
+  recomputes the untruncated tempered distribution), so this engine refuses top_p < 1.
+- Reproducibility comes from per-request seeds drawn from the engine's seed: vLLM gives the
+  n children of a request `seed + index`, so request seeds are spaced `MAX_SAMPLES_PER_PROMPT`
+  apart and never share a random stream.
+- Weight reload goes through a worker extension (`worker_extension_cls`) and
+  `LLM.collective_rpc`, the path vLLM's own RLHF examples use; tensors travel to the worker
+  process serialized, so this suits models up to a few GB. Tied `lm_head.weight` is skipped by
+  vLLM's Llama loader. The prefix cache holds KV computed with the old weights and is reset.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig
+
+from agentjet.episode import Completion, SamplingParams
+from node.model import DTYPES, eos_token_ids, load_causal_lm, load_tokenizer
+from node.torch_engine import check_request, check_state_dict
+
+# The extension class vLLM mixes into its GPU worker, imported by name in the worker process.
+WORKER_EXTENSION = "node.vllm_engine.WeightLoaderExtension"
+# Children of one request use seeds base .. base + n - 1 (vLLM); bases are spaced this far.
+MAX_SAMPLES_PER_PROMPT = 1024
+
+
+class WeightLoaderExtension:
+    """Methods vLLM adds to its worker class; `self` is the worker (it has `model_runner`)."""
+
+    model_runner: Any
+
+    def agentjet_load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        # HF-named tensors; the model's loader maps them onto its fused qkv/gate_up layout.
+        self.model_runner.model.load_weights(weights=weights)
+
+
+class VLLMEngine:
+    """A `Generator` on vLLM's in-process `LLM`, with weight reloads between policy versions.
+
+    `state_dict()` is a CPU copy of the current weights under their HF names (what trainers
+    publish), kept because vLLM stores fused, renamed tensors; it costs one model's worth of
+    host memory.
+    """
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        dtype: str = "float32",
+        seed: int = 0,
+        gpu_memory_utilization: float = 0.5,
+        enforce_eager: bool = False,
+    ) -> None:
+        """`gpu_memory_utilization` defaults to half the GPU so a trainer fits beside it;
+        `enforce_eager` skips CUDA graph capture (faster start, slower decode: tests)."""
+        from vllm import LLM
+
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype {dtype!r} is not supported (allowed: {', '.join(DTYPES)})")
+        self.tokenizer = load_tokenizer(model_path)
+        self.policy_version: int = 0
+        self.vocab_size: int = AutoConfig.from_pretrained(str(model_path)).vocab_size
+        self.eos_token_ids: set[int] = eos_token_ids(model_path, self.tokenizer)
+        self._dtype = DTYPES[dtype]
+        self._state = load_causal_lm(model_path, dtype)[0].state_dict()
+        self._seeds = random.Random(seed)
+        self._llm = LLM(
+            model=str(model_path),
+            dtype=dtype,
+            seed=seed,
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls=WORKER_EXTENSION,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enforce_eager=enforce_eager,
+        )
+
+    def generate(
+        self, prompts: list[list[int]], n: int, params: SamplingParams
+    ) -> list[list[Completion]]:
+        """`n` completions per prompt; result[i][j] is sample j of prompt i.
+
+        Same meaning as `TorchEngine.generate`: token ids as sampled, each with
+        `log_softmax(logits / T)[token]` (T = 1 when greedy), ending at an eos id (kept,
+        "stop") or after max_new_tokens ("length").
+        """
+        from vllm import SamplingParams as VllmSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        check_request(prompts, n, params)
+        if n > MAX_SAMPLES_PER_PROMPT:
+            raise ValueError(f"n must be <= {MAX_SAMPLES_PER_PROMPT}, got {n}")
+        if params.top_p < 1.0 and not params.greedy:
+            raise ValueError(
+                "the vLLM engine needs top_p = 1: vLLM reports logprobs after top-p "
+                "truncation, the trainer needs them before (set rollout.sampling.top_p = 1)"
+            )
+        if not prompts:
+            return []
+        requests = [TokensPrompt(prompt_token_ids=list(prompt)) for prompt in prompts]
+        sampling = [
+            VllmSamplingParams(
+                # Greedy samples are identical: decode one and copy it.
+                n=1 if params.greedy else n,
+                temperature=0.0 if params.greedy else params.temperature,
+                top_p=1.0,
+                max_tokens=params.max_new_tokens,
+                logprobs=0,
+                stop_token_ids=sorted(self.eos_token_ids),
+                seed=self._seeds.getrandbits(30) * MAX_SAMPLES_PER_PROMPT,
+                detokenize=False,
+            )
+            for _ in prompts
+        ]
+        outputs = self._llm.generate(requests, sampling_params=sampling, use_tqdm=False)
+        results = []
+        for output in outputs:
+            if params.greedy:
+                results.append([_completion(output.outputs[0]) for _ in range(n)])
+            else:
+                results.append([_completion(sample) for sample in output.outputs])
+        return results
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        """Load a new policy version into every worker; checked first, like the torch engine."""
+        check_state_dict(self._state, state)
+        weights = {key: tensor.detach().to("cpu", self._dtype) for key, tensor in state.items()}
+        self._llm.collective_rpc("agentjet_load_weights", args=(list(weights.items()),))
+        self._llm.reset_prefix_cache()
+        self._state = weights
+        self.policy_version = version
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights last loaded, by HF name (a CPU copy, see the class docstring)."""
+        return dict(self._state)
+
+
+def _completion(sample: Any) -> Completion:
+    """A vLLM `CompletionOutput` (logprobs=0: one {token: Logprob} per position) as ours."""
+    token_ids = list(sample.token_ids)
+    logprobs = [
+        float(position[token].logprob)
+        for token, position in zip(token_ids, sample.logprobs, strict=True)
+    ]
+    if sample.finish_reason == "stop":
+        return Completion(token_ids=token_ids, logprobs=logprobs, finish_reason="stop")
+    if sample.finish_reason == "length":
+        return Completion(token_ids=token_ids, logprobs=logprobs, finish_reason="length")
+    raise RuntimeError(f"vLLM ended a request with finish_reason={sample.finish_reason!r}")

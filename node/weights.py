@@ -1,0 +1,94 @@
+"""Policy versions as bytes: serialize, checksum, chunk, reassemble, verify, checkpoint.
+
+    trainer: state_dict ──safetensors──▶ PolicySnapshot(version, blob, sha256) ──chunks──▶ wire
+    rollout: chunks ──WeightAssembly──▶ complete? sha256 ok? ──▶ state_dict ──▶ engine
+
+A rollout node loads a version only when every chunk arrived and the checksum matches.
+Tied parameters (SmolLM2 ties lm_head to the embeddings) travel once: we ship
+`named_parameters()`, which lists a shared tensor under one name only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+
+CHECKPOINT_META = "agentjet.json"
+
+
+@dataclass(frozen=True)
+class PolicySnapshot:
+    version: int
+    blob: bytes
+    sha256: str
+    chunk_bytes: int
+
+    @property
+    def num_chunks(self) -> int:
+        return max(1, -(-len(self.blob) // self.chunk_bytes))
+
+    def chunk(self, index: int) -> bytes:
+        return self.blob[index * self.chunk_bytes : (index + 1) * self.chunk_bytes]
+
+
+def snapshot(model: torch.nn.Module, version: int, chunk_bytes: int) -> PolicySnapshot:
+    tensors = {name: p.detach().contiguous() for name, p in model.named_parameters()}
+    blob = save_safetensors(tensors, metadata={"policy_version": str(version)})
+    return PolicySnapshot(version, blob, hashlib.sha256(blob).hexdigest(), chunk_bytes)
+
+
+@dataclass
+class WeightAssembly:
+    """Chunks of one policy version arriving in any order."""
+
+    version: int
+    nbytes: int
+    sha256: str
+    num_chunks: int
+    chunks: dict[int, bytes] = field(default_factory=dict)
+
+    def add(self, index: int, data: bytes) -> None:
+        if not 0 <= index < self.num_chunks:
+            raise ValueError(f"chunk {index} outside 0..{self.num_chunks - 1}")
+        self.chunks[index] = data
+
+    def missing(self) -> list[int]:
+        return [i for i in range(self.num_chunks) if i not in self.chunks]
+
+    def finish(self) -> dict[str, torch.Tensor]:
+        """The state dict, or ValueError when incomplete or corrupt (nothing is loaded then)."""
+        if self.missing():
+            raise ValueError(f"policy version {self.version}: {len(self.missing())} chunks missing")
+        blob = b"".join(self.chunks[i] for i in range(self.num_chunks))
+        if len(blob) != self.nbytes or hashlib.sha256(blob).hexdigest() != self.sha256:
+            raise ValueError(f"policy version {self.version}: checksum mismatch")
+        return load_safetensors(blob)
+
+
+def save_checkpoint(
+    model: Any, tokenizer: Any, directory: Path, version: int, extra: dict[str, Any]
+) -> Path:
+    """An HF folder (safetensors) that transformers and `agentjet eval` load; atomic rename."""
+    directory = Path(directory)
+    tmp = directory.with_name(directory.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    (tmp / CHECKPOINT_META).write_text(json.dumps({"policy_version": version, **extra}))
+    shutil.rmtree(directory, ignore_errors=True)
+    os.replace(tmp, directory)
+    return directory
+
+
+def read_checkpoint_meta(directory: Path) -> dict[str, Any]:
+    path = Path(directory) / CHECKPOINT_META
+    return json.loads(path.read_text()) if path.exists() else {}

@@ -1,0 +1,46 @@
+"""The arithmetic environment: one model turn, reward 1 when the final integer is right.
+
+task prompt ──chat template──▶ prompt ids ──generate(n)──▶ n completions ──▶ n Episodes
+                                                             └─ final integer == answer?
+"""
+
+from __future__ import annotations
+
+from agentjet.episode import Episode, Generator, SamplingParams
+from agentjet.protocol import Task
+from sandboxes.envs.chat import chat_prompt_ids
+from sandboxes.envs.parsing import exact_answer_reward
+
+# SmolLM2's own default system message ("You are a helpful AI assistant named SmolLM,
+# trained by Hugging Face", 20 tokens): the shorter ones measured lost base accuracy.
+ARITHMETIC_SYSTEM_PROMPT: str | None = None
+
+
+class ArithmeticEnv:
+    """Single-turn question answering verified by `parsing.exact_answer_reward`."""
+
+    name = "arithmetic"
+
+    def __init__(self, system_prompt: str | None = ARITHMETIC_SYSTEM_PROMPT) -> None:
+        """`system_prompt=None` keeps the chat template's default system message."""
+        self.system_prompt = system_prompt
+
+    def run_group(
+        self, generator: Generator, tasks: list[Task], n: int, params: SamplingParams
+    ) -> list[list[Episode]]:
+        """`n` episodes per task, all sampled in one engine call; result[i][j] = task i, j."""
+        tokenizer = generator.tokenizer
+        prompts = [chat_prompt_ids(tokenizer, self.system_prompt, task.prompt) for task in tasks]
+        version = generator.policy_version
+        completions = generator.generate(prompts, n, params)
+        groups: list[list[Episode]] = []
+        for task, prompt, samples in zip(tasks, prompts, completions, strict=True):
+            group = []
+            for completion in samples:
+                episode = Episode(prompt_ids=list(prompt), policy_version=version)
+                episode.add_model_turn(completion)
+                text = tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+                episode.reward = exact_answer_reward(text, task.answer)
+                group.append(episode)
+            groups.append(group)
+        return groups

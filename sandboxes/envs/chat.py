@@ -1,0 +1,81 @@
+"""Chat-template token plumbing: first-turn prompts and the tokens between two model turns.
+
+A multi-turn episode grows token-in/token-out: the model's sampled ids are never decoded
+and re-encoded (that can change them, and the trainer must see exactly what was sampled).
+Only the text *between* model turns — the end of the assistant turn, the next user
+message, the next assistant header — is tokenized, and its framing is cut out of the
+tokenizer's own chat template so it matches what the template would have rendered:
+
+    … model ids <|im_end|> | \\n<|im_start|>user\\nOutput: 5<|im_end|>\\n<|im_start|>assistant\\n
+    (sampled, loss 1)      | (UserTurn.ids: context, loss 0)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from agentjet.errors import ModelError
+
+# Placeholders rendered through the chat template to find where message content goes.
+_ASSISTANT_MARK = "\x00ASSISTANT\x00"
+_USER_MARK = "\x00USER\x00"
+
+
+def chat_prompt_ids(tokenizer: Any, system: str | None, user: str) -> list[int]:
+    """Token ids of a conversation's start up to the assistant header.
+
+    `system=None` keeps the template's default system message (SmolLM2 inserts one of
+    ~20 tokens); a string replaces it.
+    """
+    messages = [] if system is None else [{"role": "system", "content": system}]
+    messages.append({"role": "user", "content": user})
+    ids = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    if isinstance(ids, Mapping):  # some transformers versions return a BatchEncoding anyway
+        ids = ids["input_ids"]
+    return [int(i) for i in ids]
+
+
+class UserTurn:
+    """Builds the context ids that close a model turn and open the next one with a user
+    message. Derived once from the tokenizer's chat template."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        rendered = tokenizer.apply_chat_template(
+            [
+                {"role": "user", "content": "question"},
+                {"role": "assistant", "content": _ASSISTANT_MARK},
+                {"role": "user", "content": _USER_MARK},
+            ],
+            add_generation_prompt=True,
+            tokenize=False,
+        )
+        end_of_turn = tokenizer.eos_token
+        between = rendered.split(_ASSISTANT_MARK, 1)[-1]
+        if not end_of_turn or not between.startswith(end_of_turn) or _USER_MARK not in between:
+            raise ModelError(
+                "multi-turn environments need a chat template that ends an assistant turn "
+                f"with the eos token ({end_of_turn!r}); this tokenizer's template does not"
+            )
+        head, tail = between[len(end_of_turn) :].split(_USER_MARK)
+        self.end_of_turn_id: int = tokenizer.convert_tokens_to_ids(end_of_turn)
+        self._head_ids = self._encode(head)
+        self._tail_ids = self._encode(tail)
+
+    def ids(self, model_turn_ids: list[int], content: str) -> list[int]:
+        """Context ids after `model_turn_ids`: its end-of-turn token when the model did not
+        emit one (cut off by the token limit), then the user message and the assistant header.
+
+        `content` comes from a program the model wrote, so special-token text in it is
+        tokenized as plain text: printed "<|im_start|>" cannot forge a turn.
+        """
+        closed = bool(model_turn_ids) and model_turn_ids[-1] == self.end_of_turn_id
+        close = [] if closed else [self.end_of_turn_id]
+        body = self._encode(content, split_special_tokens=True)
+        return close + self._head_ids + body + self._tail_ids
+
+    def _encode(self, text: str, **kwargs: Any) -> list[int]:
+        return [int(i) for i in self.tokenizer.encode(text, add_special_tokens=False, **kwargs)]

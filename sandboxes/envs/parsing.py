@@ -1,0 +1,60 @@
+"""Pure text rules of the built-in environments: reading the final answer, finding code.
+
+Verifiers live here, apart from any tokenizer or sandbox, so each rule is a small function
+with a table of unit tests.
+"""
+
+from __future__ import annotations
+
+import re
+
+# A number as models write it: an optional sign, digits or comma-grouped thousands, an
+# optional fraction. The sign counts only when it does not follow a word character or a
+# closing bracket, so the "-" in "10-3" is subtraction, not a negative 3; "−" (U+2212) is
+# the typographic minus some tokenizers produce.
+_NUMBER = re.compile(
+    r"(?<![\w.)\]])(?P<sign>[-−]?)"
+    r"(?<![\w.])(?P<int>\d{1,3}(?:,\d{3})+(?!\d)|\d+)"
+    r"(?P<frac>\.\d+)?"
+)
+
+# A fenced code block labelled as Python; the body runs in a sandbox.
+_CODE_BLOCK = re.compile(r"```(?:python3?|py)[ \t]*\n(?P<code>.*?)```", re.DOTALL | re.IGNORECASE)
+
+
+def final_integer(text: str) -> int | None:
+    """The last number in `text` when it is an integer ("-12", "1,234", "= 56.", "7.0").
+
+    The last number, not the first, because models restate the question before answering.
+    None when there is no number or the last one has a non-zero fraction ("3.5"): a
+    non-integer cannot equal an integer answer, and an earlier integer is not the answer.
+    """
+    matches = list(_NUMBER.finditer(text))
+    if not matches:
+        return None
+    last = matches[-1]
+    frac = last.group("frac")
+    if frac and frac.strip(".0"):
+        return None
+    value = int(last.group("int").replace(",", ""))
+    return -value if last.group("sign") else value
+
+
+def exact_answer_reward(text: str, answer: int) -> float:
+    """1.0 when the final integer of `text` equals `answer`, else 0.0 (binary, for GRPO)."""
+    return 1.0 if final_integer(text) == answer else 0.0
+
+
+def first_code_block(text: str) -> str | None:
+    """The body of the first complete ```python block, or None.
+
+    Only a closed fence counts: a block cut off by the token limit is unfinished code,
+    and running it would feed the model an error it did not cause.
+    """
+    match = _CODE_BLOCK.search(text)
+    return match.group("code") if match else None
+
+
+def strip_code_blocks(text: str) -> str:
+    """`text` without its Python blocks, so numbers inside code are not read as the answer."""
+    return _CODE_BLOCK.sub(" ", text)

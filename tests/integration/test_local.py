@@ -1,0 +1,123 @@
+"""`agentjet local` end to end with the tiny model, checked from the outside.
+
+The launcher runs as a real subprocess (coordinator, trainer with hivemind, rollout node
+all real processes on loopback). The test reads only what a user could: metrics files,
+checkpoints, exit codes and the process table.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from agentjet.local import descendants, running
+from agentjet.metrics import read_metrics
+
+pytestmark = pytest.mark.integration
+
+RUN_TIMEOUT_S = 600
+MAX_STEPS = 5
+
+
+def run_local(tiny_model_dir: Path, run_dir: Path, *extra: str) -> tuple[int, str, set[int]]:
+    """Run `agentjet local` to completion; returns (exit code, output, every PID it spawned)."""
+    argv = [
+        sys.executable, "-m", "agentjet.cli", "local",
+        "--run-dir", str(run_dir),
+        "--max-steps", str(MAX_STEPS),
+        "--set", f"model.name={json.dumps(str(tiny_model_dir))}",
+        "--set", "rollout.group_size=4",
+        "--set", "rollout.groups_per_batch=2",
+        "--set", "rollout.sampling.max_new_tokens=8",
+        "--set", "trainer.groups_per_step=2",
+        "--set", "trainer.max_queued_groups=2",
+        # Training the tiny model is instant; a tight lag bound makes the trainer wait for
+        # fresh samples (and exercises the stale-drop path) instead of racing ahead.
+        "--set", "trainer.max_policy_lag=1",
+        "--set", "rollout.max_unacked_groups=2",
+        "--set", "trainer.lr=1e-3",
+        # AdamW's decoupled weight decay moves the weights every step even when the random
+        # tiny model earns no reward, so every policy version differs from the last.
+        "--set", "trainer.weight_decay=0.1",
+        "--set", "trainer.checkpoint_every=2",
+        "--set", "envs.0.difficulties=[1]",
+        *extra,
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    spawned: set[int] = set()
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    try:
+        while proc.poll() is None:
+            spawned |= descendants(proc.pid)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"agentjet local did not finish in {RUN_TIMEOUT_S} s")
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=0.5)
+    finally:
+        if proc.poll() is None:
+            for pid in spawned | {proc.pid}:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            proc.wait()
+    output = proc.stdout.read().decode() if proc.stdout else ""
+    return proc.returncode, output, spawned
+
+
+def test_local_run_trains_publishes_and_exits_cleanly(tiny_model_dir: Path, tmp_path: Path):
+    run_dir = tmp_path / "run"
+    code, output, spawned = run_local(tiny_model_dir, run_dir)
+    logs = "\n".join(p.read_text() for p in (run_dir / "logs").glob("*.log"))
+    assert code == 0, output + logs
+    assert f"reached --max-steps {MAX_STEPS}" in output
+    assert "policy v1" in output  # live progress shown
+
+    # every process it started (roles, hivemind DHT, p2pd) is gone
+    assert spawned, "the launcher started no processes?"
+    assert [pid for pid in spawned if running(pid)] == []
+
+    trainer = read_metrics(run_dir / "metrics" / "trainer.jsonl")
+    rollout = read_metrics(run_dir / "metrics" / "rollout.jsonl")
+    steps = [r for r in trainer if r.get("event") == "step"]
+    assert [r["policy_version"] for r in steps] == list(range(1, MAX_STEPS + 1))
+
+    # trajectories carry increasing policy versions: later steps train newer samples
+    newest = [max(r["trained_group_versions"]) for r in steps]
+    assert newest == sorted(newest) and newest[-1] >= 1
+
+    # the rollout node really loaded new weights, exactly those the trainer published
+    published = {r["policy_version"]: r["policy_sha256"] for r in steps}
+    loaded = [r for r in rollout if r.get("event") == "weights_loaded"]
+    assert loaded, "the rollout node never loaded a new policy version"
+    assert all(published[r["policy_version"]] == r["policy_sha256"] for r in loaded)
+    assert len(set(published.values())) == len(published)  # every version differs
+
+    # nothing lost, nothing trained twice
+    created = [g for r in rollout if r.get("event") == "batch" for g in r["group_ids"]]
+    trained = [g for r in steps for g in r["trained_group_ids"]]
+    stale = [g for r in trainer for g in r.get("stale_group_ids", [])]
+    [trainer_end] = [r for r in trainer if r.get("event") == "stopped"]
+    [rollout_end] = [r for r in rollout if r.get("event") == "stopped"]
+    pending = trainer_end["queued_group_ids"] + rollout_end["unacked_group_ids"]
+    assert len(trained) == len(set(trained)), "a group was trained twice"
+    assert len(created) == len(set(created))
+    assert set(created) == set(trained) | set(stale) | set(pending)
+
+    # checkpoints load through transformers
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    meta = json.loads((run_dir / "checkpoints" / latest / "agentjet.json").read_text())
+    assert meta["policy_version"] == MAX_STEPS
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(run_dir / "checkpoints" / latest)
+    assert model.config.vocab_size > 0
+    assert (run_dir / "config.toml").exists()

@@ -12,6 +12,8 @@ Imports no torch: the launcher stays light and the roles load what they need.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import os
 import signal
 import socket
@@ -32,6 +34,7 @@ PROGRESS_POLL_S = 1.0
 STOP_GRACE_S = 60.0
 # How long a SIGKILLed daemon may take to disappear from the process table.
 DAEMON_EXIT_S = 10.0
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def free_port() -> int:
@@ -112,6 +115,15 @@ def prepare_run(config: Config, run_dir: Path) -> Path:
     return path
 
 
+def _die_with_launcher() -> None:
+    """In the child, before exec: get SIGTERM when the launcher dies, even by SIGKILL."""
+    start_pid = os.getppid()
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != start_pid:  # the launcher died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def spawn(role: str, config_path: Path, run_dir: Path) -> Child:
     argv = [sys.executable, "-m", "agentjet.cli"]
     argv += ["coordinator"] if role == "coordinator" else ["node", "--role", role]
@@ -124,6 +136,7 @@ def spawn(role: str, config_path: Path, run_dir: Path) -> Child:
             stdout=log_file,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # own process group: we can stop it and its daemons
+            preexec_fn=_die_with_launcher if sys.platform == "linux" else None,
         )
     return Child(role, process, log_path)
 

@@ -47,7 +47,7 @@ POLICY_POLL_S = 1.0
 # Back-off bounds when the coordinator or a trainer does not answer.
 RETRY_MIN_S, RETRY_MAX_S = 0.5, 10.0
 # When a trainer's queue is full, offer the group again after this long.
-BUSY_RETRY_S = 0.5
+BUSY_RETRY_S = 1.0
 
 
 @dataclass

@@ -1,0 +1,195 @@
+"""A real trainer process (tiny model, hivemind) driven over ZMQ like a rollout node would.
+
+Checks what a peer sees: duplicates and stale groups are acknowledged but never queued
+twice, malformed and oversized input is answered and counted while the node keeps serving,
+a full queue says "busy", and the published policy arrives in chunks whose checksum holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+import zmq
+
+from agentjet import protocol
+from agentjet.config import load_config, to_toml
+from agentjet.errors import ProtocolError
+from agentjet.metrics import read_metrics
+from agentjet.protocol import pack_floats, pack_ids, pack_mask
+from agentjet.transport import Client, PeerUnavailable
+from node.weights import WeightAssembly
+
+pytestmark = pytest.mark.integration
+
+START_TIMEOUT_S = 120.0
+REPLY_TIMEOUT_S = 5.0
+MAX_MESSAGE_BYTES = 1 << 20
+QUEUE_BOUND = 3
+
+
+def group(group_id: str, version: int = 0, rewards=(1.0, 0.0)) -> protocol.TrajectoryGroup:
+    samples = [
+        protocol.Sample(
+            prompt_ids=pack_ids([1, 2, 3]),
+            completion_ids=pack_ids([7, 8, 2]),
+            logprobs=pack_floats([-1.0, -2.0, -0.5]),
+            loss_mask=pack_mask([1, 1, 1]),
+            reward=r,
+            advantage=0.0,
+            policy_version=version,
+        )
+        for r in rewards
+    ]
+    return protocol.TrajectoryGroup(
+        group_id=group_id,
+        grant_id=group_id,
+        node_id="test",
+        task_id="t",
+        env="arithmetic",
+        samples=samples,
+        created_at=time.time(),
+    )
+
+
+@pytest.fixture
+def trainer(tiny_model_dir: Path, tmp_path: Path) -> Iterator[str]:
+    socket_dir = Path(tempfile.mkdtemp(prefix="aj-", dir="/tmp"))
+    endpoint = f"ipc://{socket_dir}/trainer.ipc"
+    config = load_config(
+        None,
+        [
+            f'model.name="{tiny_model_dir}"',
+            f'net.trainer_endpoint="{endpoint}"',
+            f"net.max_message_bytes={MAX_MESSAGE_BYTES}",
+            "net.weight_chunk_bytes=65536",
+            "rollout.group_size=2",
+            # groups_per_step above the queue bound: nothing trains, the queue stays put
+            f"trainer.groups_per_step={QUEUE_BOUND + 1}",
+            f"trainer.max_queued_groups={QUEUE_BOUND}",
+            f'run.dir="{tmp_path / "run"}"',
+        ],
+    )
+    path = tmp_path / "trainer.toml"
+    path.write_text(to_toml(config))
+    log = open(tmp_path / "trainer.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "agentjet.cli", "node", "--role", "trainer", "--config", str(path)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        yield endpoint
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, (tmp_path / "trainer.log").read_text()[-3000:]
+        stopped = [
+            r
+            for r in read_metrics(tmp_path / "run" / "metrics" / "trainer.jsonl")
+            if r.get("event") == "stopped"
+        ]
+        assert stopped and stopped[0]["counts/rejected_messages"] >= 3
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        log.close()
+
+
+async def connect(endpoint: str, protocol_version: int = protocol.PROTOCOL_VERSION) -> Client:
+    client = Client(
+        endpoint,
+        protocol.trainer_reply_decoder,
+        protocol.Hello(node_id="test", role="rollout", protocol_version=protocol_version),
+        MAX_MESSAGE_BYTES,
+        REPLY_TIMEOUT_S,
+    )
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        try:
+            await client.request(protocol.PolicyQuery())
+            return client
+        except PeerUnavailable:
+            if time.monotonic() > deadline:
+                raise
+
+
+def raw_request(endpoint: str, payload: bytes) -> protocol.TrainerReply:
+    with zmq.Context() as ctx, ctx.socket(zmq.DEALER) as sock:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint)
+        sock.send(payload)
+        assert sock.poll(int(REPLY_TIMEOUT_S * 1000)), "no reply to a malformed message"
+        return protocol.trainer_reply_decoder.decode(sock.recv())
+
+
+def test_trainer_acks_dedupes_rejects_and_serves_weights(trainer: str):
+    async def scenario() -> None:
+        client = await connect(trainer)
+        ack = await client.request(protocol.SubmitGroup(group=group("a")))
+        assert ack.status == "accepted" and ack.policy_version == 0
+        again = await client.request(protocol.SubmitGroup(group=group("a")))
+        assert again.status == "duplicate"
+
+        future = await client.request(protocol.SubmitGroup(group=group("f", version=5)))
+        assert future.status == "rejected" and "future" in future.reason
+        bad = group("bad")
+        bad.samples[0].completion_ids = pack_ids([7, 10**6, 2])
+        refused = await client.request(protocol.SubmitGroup(group=bad))
+        assert refused.status == "rejected" and "vocabulary" in refused.reason
+
+        for gid in ("b", "c"):
+            assert (
+                await client.request(protocol.SubmitGroup(group=group(gid)))
+            ).status == "accepted"
+        busy = await client.request(protocol.SubmitGroup(group=group("d")))
+        assert isinstance(busy, protocol.Error) and busy.code == "busy"
+
+        # junk, truncation and oversize get an answer, and the node keeps serving
+        for payload in (
+            b"\x00junk",
+            protocol.encode(protocol.SubmitGroup(group=group("x")))[:-5],
+            msgspec.msgpack.encode({"t": "weight_chunk_request", "version": "zero"}),
+            b"\x01" * (MAX_MESSAGE_BYTES + 10),
+        ):
+            reply = raw_request(trainer, payload)
+            assert isinstance(reply, protocol.Error) and reply.code == "decode"
+
+        # the base policy (version 0) arrives whole and verified
+        info = await client.request(protocol.PolicyQuery())
+        assert info.version == 0 and info.num_chunks > 1
+        assembly = WeightAssembly(info.version, info.nbytes, info.sha256, info.num_chunks)
+        for index in range(info.num_chunks):
+            chunk = await client.request(protocol.WeightChunkRequest(version=0, index=index))
+            assembly.add(index, chunk.data)
+        state = assembly.finish()
+        assert "model.embed_tokens.weight" in state
+        blob = b"".join(assembly.chunks[i] for i in range(info.num_chunks))
+        assert hashlib.sha256(blob).hexdigest() == info.sha256
+        gone = await client.request(protocol.WeightChunkRequest(version=9, index=0))
+        assert isinstance(gone, protocol.Error) and gone.code == "gone"
+        client.close()
+
+        old = Client(
+            trainer,
+            protocol.trainer_reply_decoder,
+            protocol.Hello(node_id="old", role="rollout", protocol_version=0),
+            MAX_MESSAGE_BYTES,
+            REPLY_TIMEOUT_S,
+        )
+        with pytest.raises(ProtocolError, match="protocol version 0"):
+            await old.request(protocol.PolicyQuery())
+        old.close()
+
+    asyncio.run(scenario())

@@ -1,0 +1,72 @@
+"""Config loading: defaults, overrides, and one clear line per mistake."""
+
+import tomllib
+
+import pytest
+
+from agentjet.config import Config, config_from_dict, load_config, to_toml
+from agentjet.errors import ConfigError
+
+pytestmark = pytest.mark.unit
+
+
+def test_defaults_and_shipped_config_are_valid():
+    assert load_config().trainer.lr == 1e-5
+    shipped = load_config("configs/local.toml")
+    assert shipped.rollout.group_size == 8
+    assert [e.name for e in shipped.envs] == ["arithmetic"]
+
+
+def test_overrides_parse_toml_values_and_bare_strings():
+    config = load_config(
+        None,
+        [
+            "trainer.lr=2e-5",
+            "envs.0.difficulties=[1, 2]",
+            "model.name=HuggingFaceTB/SmolLM2-135M",
+            "envs.1.name=python_tool",
+        ],
+    )
+    assert config.trainer.lr == 2e-5
+    assert config.envs[0].difficulties == [1, 2]
+    assert config.model.name == "HuggingFaceTB/SmolLM2-135M"
+    assert [e.name for e in config.envs] == ["arithmetic", "python_tool"]
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"trainer": {"lrr": 1}}, "config error at trainer.lrr: unknown key (allowed here: lr,"),
+        ({"bogus": 1}, "config error at bogus: unknown key (allowed here: model, rollout,"),
+        ({"rollout": {"group_size": 1}}, "config error at rollout.group_size: expected `int` >= 2"),
+        ({"trainer": {"lr": "fast"}}, "config error at trainer.lr: expected `float`, got `str`"),
+        ({"envs": [{"name": "chess"}]}, "config error at envs.0.name: unknown environment 'chess'"),
+        ({"envs": [{"difficulties": [4]}]}, "config error at envs.0.difficulties.0: expected"),
+        ({"envs": []}, "config error at envs: at least one environment"),
+        ({"coordinator": {"endpoint": "localhost"}}, "config error at coordinator.endpoint:"),
+        ({"rollout": {"sampling": {"top_p": 1.5}}}, "config error at rollout.sampling.top_p:"),
+    ],
+)
+def test_errors_name_the_key(data, message):
+    with pytest.raises(ConfigError) as err:
+        config_from_dict(data)
+    assert str(err.value).startswith(message)
+    assert "\n" not in str(err.value)
+
+
+def test_bad_override_syntax_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="expected key.path=value"):
+        load_config(None, ["trainer.lr"])
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[trainer\nlr = 1")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad)
+
+
+def test_resolved_config_round_trips_through_toml():
+    config = load_config(None, ["trainer.lr=3e-5", "envs.1.name=python_tool"])
+    again = config_from_dict(tomllib.loads(to_toml(config)))
+    assert again == config
+    assert again != Config()

@@ -31,6 +31,7 @@ from transformers import (
     PreTrainedModel,
 )
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+from transformers.utils import logging as hf_logging
 
 from agentjet.config import EMBEDDED_MODEL, ModelConfig
 from agentjet.errors import ModelError
@@ -50,6 +51,9 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
 }
 
+
+# Role logs should show our progress lines, not a bar per weight load.
+hf_logging.disable_progress_bar()
 
 def resolve_model(name: str, cache_dir: str = DEFAULT_CACHE_DIR) -> Path:
     """Return a local Hugging Face folder (config.json, weights, tokenizer) for `name`.

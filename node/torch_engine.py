@@ -1,4 +1,4 @@
-"""Batched sampling with a KV cache in plain torch: the engine for CPUs and small GPUs.
+"""Batched sampling with a KV cache in plain torch: the engine for CPUs.
 
     prompts ──dedupe──▶ prefill each distinct prompt once (left padded) ──▶ KV cache
         ──repeat rows n times──▶ decode loop: sample ─▶ record (id, logprob) ─▶ drop finished rows
@@ -9,17 +9,20 @@ needs the sampler's own logprob of every token, defined exactly (see `sample_nex
 
 Sharing the prompt matters most on small CPUs: a GRPO group is n samples of one prompt, so
 the prompt is prefilled once and its KV cache copied n times, and rows that hit eos leave the
-batch at once. Measured with SmolLM2-135M (float32, 8 prompts of ~45 tokens x 8 samples x 32
-new tokens, temperature 1, eos disabled so every row runs all 32 steps; 2 shared CPU cores):
+batch at once. Measured with SmolLM2-135M (float32, 8 prompts of 44-48 tokens x 8 samples x
+32 new tokens = 2048 tokens, temperature 1, eos disabled so every row runs all 32 steps; a
+2-core AMD EPYC box, 2026-11):
 
-    threads   prefix sharing   tokens/s
-    1         yes               ~FILL
-    1         no                ~FILL
-    2         yes               ~FILL
-    2         no                ~FILL
+    threads   prefix sharing   tokens/s, box idle   tokens/s, another process busy
+    1         yes              210                  130-160
+    1         no               133                  113-118
+    2         yes              330-346              14-35
+    2         no               205-214              28-58
 
-`torch.set_num_threads` is process-wide; on a 2-core box the rollout node and the trainer each
-take one thread (`rollout.torch_threads`, `trainer.torch_threads`).
+Two threads win only on an idle box: when anything else holds a core, OpenMP's barrier
+waits collapse throughput 10x. One thread is the safe default on small shared machines
+(`rollout.torch_threads = 1`); `torch.set_num_threads` is process-wide. Sampling itself
+avoids `torch.multinomial` (see `sample_next`), which had cost a third of each decode step.
 """
 
 from __future__ import annotations

@@ -8,8 +8,9 @@
 The only module that imports vLLM, and only inside `VLLMEngine.__init__`/methods, so the rest of
 the node imports on machines without it.
 
-Written against the vLLM V1 offline API (0.10.2 and later; checked against the sampler and
-`ParentRequest` sources, not run on this CPU-only box; the GPU tier runs the engine contract):
+Written against the vLLM V1 offline API (0.10.1 and later: `logprobs_mode` arrived in 0.10.1),
+read from vLLM's sampler and `ParentRequest` sources, never run on the CPU-only box it was
+written on; tests/gpu/test_vllm_engine.py runs the engine contract on a lent GPU:
 
 - `logprobs_mode="processed_logprobs"` makes the reported logprob the log-softmax of the logits
   after temperature, i.e. agentjet's sampler logprob `log_softmax(logits / T)[token]`

@@ -11,8 +11,11 @@ from agentjet.protocol import Task
 from sandboxes.envs.chat import chat_prompt_ids
 from sandboxes.envs.parsing import exact_answer_reward
 
-# SmolLM2's own default system message ("You are a helpful AI assistant named SmolLM,
-# trained by Hugging Face", 20 tokens): the shorter ones measured lost base accuracy.
+# None keeps SmolLM2's default system message ("You are a helpful AI assistant named
+# SmolLM, trained by Hugging Face", 20 tokens). Shorter ones cost SmolLM2-135M most of its
+# base accuracy (greedy, 90 tasks per digit count, 1-/2-/3-digit correct): default 61/6/1;
+# "You are a helpful assistant." 40/3/0; "You are a calculator." 40/3/0; "You are a helpful
+# AI assistant named SmolLM." 40/4/0; empty 24/4/0. Saving 6-16 prompt tokens is not worth it.
 ARITHMETIC_SYSTEM_PROMPT: str | None = None
 
 

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import signal
 import sys
+from collections.abc import Coroutine
 from contextlib import ExitStack
 from typing import Any, NoReturn, Protocol
 
@@ -57,3 +58,23 @@ def run_role(role: Role, name: str) -> int:
         uvloop.run(main())
     log.info("%s stopped", name)
     return 0
+
+
+async def supervise(stop: asyncio.Event, loops: dict[str, Coroutine[Any, Any, None]]) -> None:
+    """Run a role's named background loops until `stop` is set or one of them ends.
+
+    A loop that fails ends the run with its error; one that returns early (a bug: loops run
+    forever) raises too. Every loop is cancelled and awaited before this returns.
+    """
+    tasks = [asyncio.create_task(coro, name=name) for name, coro in loops.items()]
+    stopping = asyncio.create_task(stop.wait(), name="stop")
+    try:
+        done, _ = await asyncio.wait([*tasks, stopping], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in [*tasks, stopping]:
+            task.cancel()
+        await asyncio.gather(*tasks, stopping, return_exceptions=True)
+    for task in done - {stopping}:
+        task.result()  # re-raise the failure of a background loop
+        if not stop.is_set():
+            raise RuntimeError(f"{task.get_name()} stopped unexpectedly")

@@ -48,7 +48,7 @@ from agentjet.protocol import (
     WorkGrants,
     WorkRequest,
 )
-from agentjet.roles import run_role
+from agentjet.roles import run_role, supervise
 from agentjet.transport import Server
 from coordinator.scheduler import Scheduler, UniformScheduler, draw_rng, sweep_interval_s
 from coordinator.store import Accepted, Refused, Store
@@ -158,21 +158,14 @@ class Coordinator:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Serve until `stop` is set; a background loop that fails ends the run with its error."""
-        loops = [
-            asyncio.create_task(self._serve(), name="coordinator-serve"),
-            asyncio.create_task(self._sweep_leases(), name="coordinator-lease-sweeper"),
-            asyncio.create_task(self._write_metrics_periodically(), name="coordinator-metrics"),
-        ]
-        stopping = asyncio.create_task(stop.wait(), name="coordinator-stop")
-        try:
-            done, _ = await asyncio.wait([*loops, stopping], return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in [*loops, stopping]:
-                task.cancel()
-            await asyncio.gather(*loops, stopping, return_exceptions=True)
-        for task in done - {stopping}:
-            task.result()  # re-raise the failure of a background loop
-            raise RuntimeError(f"{task.get_name()} stopped unexpectedly")
+        await supervise(
+            stop,
+            {
+                "coordinator-serve": self._serve(),
+                "coordinator-lease-sweeper": self._sweep_leases(),
+                "coordinator-metrics": self._write_metrics_periodically(),
+            },
+        )
         self._write_metrics()
 
     # ── requests ──────────────────────────────────────────────────────────────────────

@@ -55,6 +55,7 @@ DTYPES: dict[str, torch.dtype] = {
 # Role logs should show our progress lines, not a bar per weight load.
 hf_logging.disable_progress_bar()
 
+
 def resolve_model(name: str, cache_dir: str = DEFAULT_CACHE_DIR) -> Path:
     """Return a local Hugging Face folder (config.json, weights, tokenizer) for `name`.
 

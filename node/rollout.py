@@ -33,7 +33,7 @@ from agentjet import protocol, rl
 from agentjet.config import Config
 from agentjet.episode import Episode, SamplingParams
 from agentjet.metrics import MetricsWriter
-from agentjet.roles import run_role
+from agentjet.roles import run_role, supervise
 from agentjet.transport import Client, PeerUnavailable
 from node.model import resolve_model
 from node.torch_engine import TorchEngine
@@ -134,23 +134,21 @@ class Rollout:
         log.info("rollout node %s ready (envs: %s)", self.node_id, ", ".join(self.envs))
 
     async def run(self, stop: asyncio.Event) -> None:
-        tasks = [
-            asyncio.create_task(self._produce(), name="rollout-produce"),
-            asyncio.create_task(self._deliver(), name="rollout-deliver"),
-            asyncio.create_task(self._report(), name="rollout-report"),
-            asyncio.create_task(self._sync_weights(), name="rollout-weights"),
-            asyncio.create_task(self._heartbeat(), name="rollout-heartbeat"),
-        ]
-        stopped = asyncio.create_task(stop.wait(), name="rollout-stop")
-        done, _ = await asyncio.wait([*tasks, stopped], return_when=asyncio.FIRST_COMPLETED)
-        for task in [*tasks, stopped]:
-            task.cancel()
-        self.metrics.write(
-            {"event": "stopped", "unacked_group_ids": list(self.unacked), **self.counts}
-        )
-        for task in done:
-            if task is not stopped and task.exception() is not None:
-                raise task.exception()  # type: ignore[misc]
+        try:
+            await supervise(
+                stop,
+                {
+                    "rollout-produce": self._produce(),
+                    "rollout-deliver": self._deliver(),
+                    "rollout-report": self._report(),
+                    "rollout-weights": self._sync_weights(),
+                    "rollout-heartbeat": self._heartbeat(),
+                },
+            )
+        finally:
+            self.metrics.write(
+                {"event": "stopped", "unacked_group_ids": list(self.unacked), **self.counts}
+            )
 
     # ── producing groups ─────────────────────────────────────────────────────────
 

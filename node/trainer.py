@@ -20,13 +20,14 @@ import time
 from collections import Counter, deque
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from agentjet import protocol, rl
 from agentjet.config import Config
 from agentjet.metrics import MetricsWriter
-from agentjet.roles import run_role
+from agentjet.roles import run_role, supervise
 from agentjet.transport import Server
 from node.learner import Learner
 from node.model import load_causal_lm, resolve_model
@@ -45,7 +46,8 @@ def take_batch(
     queue: deque[protocol.TrajectoryGroup], size: int, version: int, max_policy_lag: int
 ) -> tuple[list[protocol.TrajectoryGroup], list[protocol.TrajectoryGroup]]:
     """Pop up to `size` fresh groups from the queue front; also return the stale ones dropped."""
-    batch, stale = [], []
+    batch: list[protocol.TrajectoryGroup] = []
+    stale: list[protocol.TrajectoryGroup] = []
     while queue and len(batch) < size:
         group = queue.popleft()
         oldest = min(s.policy_version for s in group.samples)
@@ -109,15 +111,7 @@ class Trainer:
         )
 
     async def run(self, stop: asyncio.Event) -> None:
-        serve = asyncio.create_task(self._serve(), name="trainer-serve")
-        learn = asyncio.create_task(self._learn(stop), name="trainer-learn")
-        stopped = asyncio.create_task(stop.wait(), name="trainer-stop")
-        done, _ = await asyncio.wait({serve, learn, stopped}, return_when=asyncio.FIRST_COMPLETED)
-        for task in (serve, learn, stopped):
-            task.cancel()
-        for task in done:
-            if task is not stopped and task.exception() is not None:
-                raise task.exception()  # type: ignore[misc]
+        await supervise(stop, {"trainer-serve": self._serve(), "trainer-learn": self._learn(stop)})
 
     def _final_checkpoint(self) -> None:
         if self.version > self.checkpointed_version and self.version > 0:
@@ -219,7 +213,7 @@ class Trainer:
                 continue
             lags = [rl.policy_lag(s.policy_version, self.version) for g in batch for s in g.samples]
             self.lag_histogram.update(lags)
-            row = await asyncio.to_thread(self.learner.train_step, batch)
+            row: dict[str, Any] = await asyncio.to_thread(self.learner.train_step, batch)
             self.version = int(row["policy_version"])
             self.counts["groups_trained"] += len(batch)
             self.previous = self.published

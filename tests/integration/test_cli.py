@@ -1,0 +1,87 @@
+"""The `agentjet` command as a user types it: help, dry runs, eval, and one-line errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+CLI_TIMEOUT_S = 300
+
+
+def agentjet(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "agentjet.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=CLI_TIMEOUT_S,
+        cwd=cwd,
+    )
+
+
+@pytest.mark.parametrize(
+    "command",
+    [[], ["local"], ["node"], ["coordinator"], ["eval"], ["tasks"]],
+)
+def test_every_subcommand_has_help(command):
+    result = agentjet(*command, "--help")
+    assert result.returncode == 0
+    assert "usage: agentjet" in result.stdout
+
+
+def test_dry_run_writes_resolved_config(tmp_path):
+    result = agentjet("local", "--dry-run", "--run-dir", str(tmp_path), "--set", "trainer.lr=3e-5")
+    assert result.returncode == 0, result.stderr
+    assert "lr = 3e-05" in (tmp_path / "config.toml").read_text()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["local", "--dry-run", "--set", "trainer.lrr=1"],
+            "config error at trainer.lrr: unknown key",
+        ),
+        (["local", "--dry-run", "--set", "nonsense"], "expected key.path=value"),
+        (["node", "--role", "trainer", "--config", "missing.toml"], "missing.toml does not exist"),
+        (["local", "--max-steps", "-1"], "--max-steps must be >= 0"),
+        (["tasks", "--count", "3", "--difficulties", "7", "--out", "x"], "--difficulties"),
+    ],
+)
+def test_user_errors_are_one_line(args, message, tmp_path):
+    result = agentjet(*args, cwd=tmp_path)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert result.stderr.count("\n") == 1, result.stderr
+
+
+def test_eval_reports_accuracy_by_difficulty(tiny_model_dir: Path, tmp_path: Path):
+    tasks = tmp_path / "tasks.jsonl"
+    assert agentjet("tasks", "--count", "12", "--seed", "3", "--out", str(tasks)).returncode == 0
+    rows = [json.loads(line) for line in tasks.read_text().splitlines()]
+    assert len(rows) == 12 and {r["difficulty"] for r in rows} == {1, 2, 3}
+    result = agentjet(
+        "eval", "--checkpoint", str(tiny_model_dir), "--tasks", str(tasks),
+        "--set", "rollout.sampling.max_new_tokens=4",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["n"] == 12
+    assert set(summary["by_difficulty"]) == {"1", "2", "3"}
+    assert set(summary["by_op"]) == {"+", "-", "*"}
+    assert 0.0 <= summary["overall"] <= 1.0
+
+
+def test_eval_rejects_bad_inputs_with_one_line(tiny_model_dir: Path, tmp_path: Path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "a", "prompt": "1+1?", "answer": 2}\n{"id": "b", "prompt": 5}\n')
+    result = agentjet("eval", "--checkpoint", str(tiny_model_dir), "--tasks", str(bad))
+    assert result.returncode == 2
+    assert "line 2" in result.stderr and result.stderr.count("\n") == 1
+    result = agentjet("eval", "--checkpoint", str(tmp_path), "--tasks", str(bad))
+    assert result.returncode == 2 and "not a checkpoint folder" in result.stderr

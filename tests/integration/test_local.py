@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -27,12 +28,20 @@ RUN_TIMEOUT_S = 600
 MAX_STEPS = 5
 
 
-def run_local(tiny_model_dir: Path, run_dir: Path, *extra: str) -> tuple[int, str, set[int]]:
-    """Run `agentjet local` to completion; returns (exit code, output, every PID it spawned)."""
+def run_local(
+    tiny_model_dir: Path,
+    run_dir: Path,
+    max_steps: int = MAX_STEPS,
+    interrupt_when: Callable[[], bool] | None = None,
+) -> tuple[int, str, set[int]]:
+    """Run `agentjet local` to the end, or SIGINT it (like Ctrl-C) once `interrupt_when()`.
+
+    Returns (exit code, output, every PID it spawned).
+    """
     argv = [
         sys.executable, "-m", "agentjet.cli", "local",
         "--run-dir", str(run_dir),
-        "--max-steps", str(MAX_STEPS),
+        "--max-steps", str(max_steps),
         "--set", f"model.name={json.dumps(str(tiny_model_dir))}",
         "--set", "rollout.group_size=4",
         "--set", "rollout.groups_per_batch=2",
@@ -49,11 +58,10 @@ def run_local(tiny_model_dir: Path, run_dir: Path, *extra: str) -> tuple[int, st
         "--set", "trainer.weight_decay=0.1",
         "--set", "trainer.checkpoint_every=2",
         "--set", "envs.0.difficulties=[1]",
-        *extra,
     ]  # fmt: skip
-    proc = subprocess.Popen(
-        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
-    )
+    output_path = run_dir.with_name(run_dir.name + ".out")
+    with open(output_path, "wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     spawned: set[int] = set()
     deadline = time.monotonic() + RUN_TIMEOUT_S
     try:
@@ -61,6 +69,9 @@ def run_local(tiny_model_dir: Path, run_dir: Path, *extra: str) -> tuple[int, st
             spawned |= descendants(proc.pid)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"agentjet local did not finish in {RUN_TIMEOUT_S} s")
+            if interrupt_when is not None and interrupt_when():
+                proc.send_signal(signal.SIGINT)
+                interrupt_when = None
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=0.5)
     finally:
@@ -69,8 +80,7 @@ def run_local(tiny_model_dir: Path, run_dir: Path, *extra: str) -> tuple[int, st
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
             proc.wait()
-    output = proc.stdout.read().decode() if proc.stdout else ""
-    return proc.returncode, output, spawned
+    return proc.returncode, output_path.read_text(), spawned
 
 
 def test_local_run_trains_publishes_and_exits_cleanly(tiny_model_dir: Path, tmp_path: Path):
@@ -121,3 +131,28 @@ def test_local_run_trains_publishes_and_exits_cleanly(tiny_model_dir: Path, tmp_
     model = AutoModelForCausalLM.from_pretrained(run_dir / "checkpoints" / latest)
     assert model.config.vocab_size > 0
     assert (run_dir / "config.toml").exists()
+
+
+def test_ctrl_c_stops_every_process_and_keeps_a_checkpoint(tiny_model_dir: Path, tmp_path: Path):
+    run_dir = tmp_path / "run"
+    trainer_metrics = run_dir / "metrics" / "trainer.jsonl"
+
+    def two_versions_trained() -> bool:
+        rows = read_metrics(trainer_metrics) if trainer_metrics.exists() else []
+        return sum(1 for r in rows if r.get("event") == "step") >= 2
+
+    code, output, spawned = run_local(
+        tiny_model_dir, run_dir, max_steps=0, interrupt_when=two_versions_trained
+    )
+    logs = "\n".join(p.read_text() for p in (run_dir / "logs").glob("*.log"))
+    assert code == 0, output + logs
+    assert "stopping all roles" in output
+    assert [pid for pid in spawned if running(pid)] == []
+    # the trainer saved its last version on the way out
+    versions = [
+        r["policy_version"] for r in read_metrics(trainer_metrics) if r.get("event") == "step"
+    ]
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    assert latest == f"v{versions[-1]:06d}"
+    for role in ("coordinator", "trainer", "rollout"):  # each went through its clean shutdown
+        assert f"{role} stopped" in (run_dir / "logs" / f"{role}.log").read_text()

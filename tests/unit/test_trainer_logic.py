@@ -1,0 +1,116 @@
+"""The trainer's decisions and its agreement with the sampler.
+
+`take_batch` is pure. The learner test is the important one: on samples the engine just
+drew (temperature 0.7, prompts of different lengths, multi-turn masks), the trainer's
+recomputed logprobs must equal the sampler's, i.e. importance ratios of exactly 1.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from pathlib import Path
+
+import pytest
+import torch
+
+from agentjet import protocol
+from agentjet.config import SwarmConfig, TrainerConfig
+from agentjet.episode import Episode, SamplingParams
+from agentjet.protocol import pack_floats, pack_ids, pack_mask
+from node.learner import Learner
+from node.model import load_causal_lm
+from node.rollout import build_group
+from node.swarm import SwarmOptimizer
+from node.torch_engine import TorchEngine
+from node.trainer import take_batch
+
+pytestmark = pytest.mark.unit
+
+
+def group(group_id: str, version: int) -> protocol.TrajectoryGroup:
+    sample = protocol.Sample(
+        prompt_ids=pack_ids([1]),
+        completion_ids=pack_ids([2]),
+        logprobs=pack_floats([-1.0]),
+        loss_mask=pack_mask([1]),
+        reward=0.0,
+        advantage=0.0,
+        policy_version=version,
+    )
+    return protocol.TrajectoryGroup(
+        group_id=group_id,
+        grant_id=group_id,
+        node_id="n",
+        task_id="t",
+        env="arithmetic",
+        samples=[sample],
+        created_at=0.0,
+    )
+
+
+def test_take_batch_drops_stale_groups_and_keeps_order():
+    queue = deque([group("old", 1), group("a", 3), group("b", 4), group("c", 5), group("d", 5)])
+    batch, stale = take_batch(queue, size=2, version=5, max_policy_lag=2)
+    assert [g.group_id for g in batch] == ["a", "b"]
+    assert [g.group_id for g in stale] == ["old"]
+    assert [g.group_id for g in queue] == ["c", "d"]
+
+
+def test_take_batch_returns_short_batch_when_queue_runs_out():
+    queue = deque([group("a", 0)])
+    batch, stale = take_batch(queue, size=4, version=0, max_policy_lag=0)
+    assert [g.group_id for g in batch] == ["a"] and not stale and not queue
+
+
+def test_learner_logprobs_match_the_sampler(tiny_model_dir: Path, one_torch_thread: None):
+    temperature = 0.7
+    engine = TorchEngine(tiny_model_dir, seed=1)
+    prompts = [[1, 5, 9, 200], [1, 7, 300, 400, 500, 600, 700]]
+    completions = engine.generate(
+        prompts, 3, SamplingParams(temperature=temperature, max_new_tokens=6)
+    )
+    grants, groups = [], []
+    for i, (prompt, samples) in enumerate(zip(prompts, completions, strict=True)):
+        episodes = []
+        for j, completion in enumerate(samples):
+            episode = Episode(prompt_ids=prompt)
+            episode.add_model_turn(completion)
+            if i == 1:  # a tool turn in between: context tokens are never trained
+                episode.add_context([11, 12, 13])
+                episode.add_model_turn(
+                    engine.generate(
+                        [episode.context_ids],
+                        1,
+                        SamplingParams(temperature=temperature, max_new_tokens=4),
+                    )[0][0]
+                )
+            episode.reward = float(j == 0)
+            episodes.append(episode)
+        task = protocol.Task(id=f"t{i}", env="arithmetic", prompt="", answer=0)
+        grant = protocol.WorkGrant(grant_id=f"g{i}", task=task, group_size=3, lease_s=1.0)
+        grants.append(grant)
+        groups.append(build_group(grant, episodes, "n", 0.0))
+
+    model, _ = load_causal_lm(tiny_model_dir)
+    swarm = SwarmOptimizer(
+        SwarmConfig(run_id=f"test-{time.monotonic_ns()}"),
+        model.parameters(),
+        lr=1e-3,
+        weight_decay=0.0,
+        target_batch_size=6,
+    )
+    try:
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        learner = Learner(model, swarm, TrainerConfig(micro_batch_samples=2), temperature, 0)
+        row = learner.train_step(groups)
+    finally:
+        swarm.shutdown()
+    assert row["losses/ratio_mean"] == pytest.approx(1.0, abs=1e-4)
+    assert row["losses/sampler_kl"] == pytest.approx(0.0, abs=1e-4)
+    assert row["losses/clip_frac"] == 0.0
+    assert row["charts/trained_samples"] == 6 and row["policy_version"] == 1
+    masked = sum(int(protocol.unpack_mask(s.loss_mask).sum()) for g in groups for s in g.samples)
+    assert row["charts/trained_tokens"] == masked
+    changed = any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert changed, "an optimizer step with non-zero advantages must move the weights"

@@ -31,12 +31,14 @@ HELDOUT_SEED = 12345
 AGENTJET = [sys.executable, "-m", "agentjet.cli"]
 
 
-def rss_mb(pids: set[int]) -> float:
+def memory_mb(pids: set[int]) -> float:
+    """Proportional set size of `pids` together: pages shared between processes (hivemind
+    forks its averagers from the trainer) count once, unlike a sum of RSS."""
     total_kb = 0
     for pid in pids:
         try:
-            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
+            for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
                     total_kb += int(line.split()[1])
         except OSError:
             continue
@@ -61,7 +63,7 @@ def train(minutes: float, config: Path, run_dir: Path, extra: list[str]) -> tupl
     start = time.monotonic()
     peak = 0.0
     while proc.poll() is None and time.monotonic() - start < minutes * 60:
-        peak = max(peak, rss_mb(descendants(proc.pid)))
+        peak = max(peak, memory_mb(descendants(proc.pid)))
         time.sleep(2.0)
     if proc.poll() is None:
         proc.send_signal(signal.SIGINT)
@@ -119,6 +121,7 @@ def main() -> int:
         "gen_tokens_per_s": round(gen_tokens / gen_s, 2) if gen_s else 0.0,
         "s_per_policy_version": round(wall_s / max(len(steps), 1), 2),
         "zero_variance_group_frac": round(zero_var / max(groups, 1), 3),
+        # Peak memory of all roles together, as proportional set size (see memory_mb).
         "peak_rss_mb": round(peak_rss, 1),
         "config": str(args.config.relative_to(ROOT)),
         "overrides": args.set,

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from transformers import DynamicCache
 
 from agentjet import rl
 from agentjet.config import TrainerConfig
@@ -112,34 +113,69 @@ class Learner:
     def _micro_step(
         self, rows: list[_Row], num_tokens: int
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        """Right-padded batch; logits only at completion positions (saves the vocab matmul)."""
-        lengths = [len(r.prompt) + len(r.completion) for r in rows]
-        width = max(lengths)
-        comp_width = max(len(r.completion) for r in rows)
-        input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
-        attention = torch.zeros((len(rows), width), dtype=torch.long)
-        old_logprobs = torch.zeros((len(rows), comp_width))
-        mask = torch.zeros((len(rows), comp_width), dtype=torch.long)
-        targets = torch.zeros((len(rows), comp_width), dtype=torch.long)
-        # positions[b, t]: index of the hidden state that predicts completion token t
-        positions = torch.zeros((len(rows), comp_width), dtype=torch.long)
-        for b, r in enumerate(rows):
-            n_p, n_c = len(r.prompt), len(r.completion)
-            input_ids[b, : n_p + n_c] = torch.cat([r.prompt, r.completion])
-            attention[b, : n_p + n_c] = 1
-            old_logprobs[b, :n_c] = r.sampler_logprobs
-            mask[b, :n_c] = r.mask
-            targets[b, :n_c] = r.completion
-            positions[b, :n_c] = torch.arange(n_p - 1, n_p - 1 + n_c)
-        hidden = self.model.get_decoder()(
-            input_ids=input_ids, attention_mask=attention
-        ).last_hidden_state
-        picked = torch.gather(hidden, 1, positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
-        logits = self.model.get_output_embeddings()(picked).float() / self.temperature
-        logprobs = torch.gather(
-            torch.log_softmax(logits, dim=-1), 2, targets.unsqueeze(-1)
-        ).squeeze(-1)
+        """Forward a micro-batch with each distinct prompt prefilled once.
+
+        The n samples of a group share their prompt (44 tokens for SmolLM2's chat template,
+        more than the completion), so the prompt runs once with gradient and its KV cache is
+        indexed out to the rows — the same prefix sharing the engine uses, and exactly the
+        same numbers as a full forward of every row. Logits are computed only where a
+        completion token is predicted, which also skips most of the vocabulary matmul.
+        """
+        prompts: dict[tuple[int, ...], int] = {}
+        row_prompt = [prompts.setdefault(tuple(r.prompt.tolist()), len(prompts)) for r in rows]
+        index = torch.tensor(row_prompt)
+        p_ids, p_mask = _pad([list(p) for p in prompts], self.pad_token_id, left=True)
+        c_ids, c_mask = _pad([r.completion.tolist() for r in rows], self.pad_token_id, left=False)
+        decoder = self.model.get_decoder()
+        cache = DynamicCache(config=self.model.config)
+        prompt_out = decoder(
+            input_ids=p_ids,
+            attention_mask=p_mask,
+            position_ids=(p_mask.cumsum(-1) - 1).clamp(min=0),
+            cache=cache,
+            use_cache=True,
+        )
+        cache.batch_select_indices(index)
+        prompt_lengths = p_mask.sum(-1)[index]
+        completion_out = decoder(
+            input_ids=c_ids,
+            attention_mask=torch.cat([p_mask[index], c_mask], dim=1),
+            position_ids=prompt_lengths[:, None] + torch.arange(c_ids.shape[1]),
+            cache=cache,
+            use_cache=True,
+        )
+        # Token t of a completion is predicted by the hidden state before it: the prompt's
+        # last one (the last column, prompts are left-padded) for t = 0, then the completion's.
+        hidden = torch.cat(
+            [
+                prompt_out.last_hidden_state[index, -1:],
+                completion_out.last_hidden_state[:, :-1],
+            ],
+            dim=1,
+        )
+        logits = self.model.get_output_embeddings()(hidden).float() / self.temperature
+        logprobs = torch.gather(torch.log_softmax(logits, dim=-1), 2, c_ids.unsqueeze(-1))
+        width = c_ids.shape[1]
+        old_logprobs = torch.stack([_right(r.sampler_logprobs, width) for r in rows])
+        mask = torch.stack([_right(r.mask, width) for r in rows])
         advantages = torch.tensor([r.advantage for r in rows])
         return rl.policy_loss(
-            logprobs, old_logprobs, advantages, mask, self.config.clip_eps, num_tokens
+            logprobs.squeeze(-1), old_logprobs, advantages, mask, self.config.clip_eps, num_tokens
         )
+
+
+def _pad(seqs: list[list[int]], pad_id: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and attention mask of `seqs` padded to one width."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, seq in enumerate(seqs):
+        span = slice(width - len(seq), width) if left else slice(0, len(seq))
+        ids[i, span] = torch.tensor(seq, dtype=torch.long)
+        mask[i, span] = 1
+    return ids, mask
+
+
+def _right(values: torch.Tensor, width: int) -> torch.Tensor:
+    """`values` zero-padded on the right to `width`."""
+    return torch.nn.functional.pad(values, (0, width - len(values)))

@@ -27,9 +27,10 @@ from agentjet import protocol
 from agentjet.config import load_config, to_toml
 from agentjet.errors import ProtocolError
 from agentjet.metrics import read_metrics
-from agentjet.protocol import pack_floats, pack_ids, pack_mask
+from agentjet.protocol import pack_ids
 from agentjet.transport import Client, PeerUnavailable
 from node.weights import WeightAssembly
+from tests.factories import make_group
 
 pytestmark = pytest.mark.integration
 
@@ -37,30 +38,6 @@ START_TIMEOUT_S = 120.0
 REPLY_TIMEOUT_S = 5.0
 MAX_MESSAGE_BYTES = 1 << 20
 QUEUE_BOUND = 3
-
-
-def group(group_id: str, version: int = 0, rewards=(1.0, 0.0)) -> protocol.TrajectoryGroup:
-    samples = [
-        protocol.Sample(
-            prompt_ids=pack_ids([1, 2, 3]),
-            completion_ids=pack_ids([7, 8, 2]),
-            logprobs=pack_floats([-1.0, -2.0, -0.5]),
-            loss_mask=pack_mask([1, 1, 1]),
-            reward=r,
-            advantage=0.0,
-            policy_version=version,
-        )
-        for r in rewards
-    ]
-    return protocol.TrajectoryGroup(
-        group_id=group_id,
-        grant_id=group_id,
-        node_id="test",
-        task_id="t",
-        env="arithmetic",
-        samples=samples,
-        created_at=time.time(),
-    )
 
 
 @pytest.fixture
@@ -137,29 +114,29 @@ def raw_request(endpoint: str, payload: bytes) -> protocol.TrainerReply:
 def test_trainer_acks_dedupes_rejects_and_serves_weights(trainer: str):
     async def scenario() -> None:
         client = await connect(trainer)
-        ack = await client.request(protocol.SubmitGroup(group=group("a")))
+        ack = await client.request(protocol.SubmitGroup(group=make_group("a")))
         assert ack.status == "accepted" and ack.policy_version == 0
-        again = await client.request(protocol.SubmitGroup(group=group("a")))
+        again = await client.request(protocol.SubmitGroup(group=make_group("a")))
         assert again.status == "duplicate"
 
-        future = await client.request(protocol.SubmitGroup(group=group("f", version=5)))
+        future = await client.request(protocol.SubmitGroup(group=make_group("f", version=5)))
         assert future.status == "rejected" and "future" in future.reason
-        bad = group("bad")
-        bad.samples[0].completion_ids = pack_ids([7, 10**6, 2])
+        bad = make_group("bad")
+        bad.samples[0].completion_ids = pack_ids([7, 10**6])
         refused = await client.request(protocol.SubmitGroup(group=bad))
         assert refused.status == "rejected" and "vocabulary" in refused.reason
 
         for gid in ("b", "c"):
             assert (
-                await client.request(protocol.SubmitGroup(group=group(gid)))
+                await client.request(protocol.SubmitGroup(group=make_group(gid)))
             ).status == "accepted"
-        busy = await client.request(protocol.SubmitGroup(group=group("d")))
+        busy = await client.request(protocol.SubmitGroup(group=make_group("d")))
         assert isinstance(busy, protocol.Error) and busy.code == "busy"
 
         # junk, truncation and oversize get an answer, and the node keeps serving
         for payload in (
             b"\x00junk",
-            protocol.encode(protocol.SubmitGroup(group=group("x")))[:-5],
+            protocol.encode(protocol.SubmitGroup(group=make_group("x")))[:-5],
             msgspec.msgpack.encode({"t": "weight_chunk_request", "version": "zero"}),
             b"\x01" * (MAX_MESSAGE_BYTES + 10),
         ):

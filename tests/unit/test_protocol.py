@@ -13,33 +13,13 @@ from agentjet.protocol import (
     pack_ids,
     pack_mask,
 )
+from tests.factories import make_group, make_sample
 
 pytestmark = pytest.mark.unit
 
 
-def make_sample(**changes) -> Sample:
-    fields = dict(
-        prompt_ids=pack_ids([1, 2, 3]),
-        completion_ids=pack_ids([4, 5]),
-        logprobs=pack_floats([-0.5, -1.25]),
-        loss_mask=pack_mask([1, 1]),
-        reward=1.0,
-        advantage=0.5,
-        policy_version=3,
-    )
-    return Sample(**(fields | changes))
-
-
-def make_group(*samples: Sample) -> TrajectoryGroup:
-    return TrajectoryGroup(
-        group_id="g1",
-        grant_id="g1",
-        node_id="n1",
-        task_id="t1",
-        env="arithmetic",
-        samples=list(samples) or [make_sample()],
-        created_at=1.0,
-    )
+def with_samples(*samples: Sample) -> TrajectoryGroup:
+    return msgspec.structs.replace(make_group(), samples=list(samples))
 
 
 def test_submit_group_round_trip_keeps_exact_tokens():
@@ -116,11 +96,10 @@ def test_wrong_protocol_version_is_refused():
     ],
 )
 def test_check_group_names_the_problem(sample, problem):
-    reason = check_group(make_group(sample), vocab_size=1000, max_tokens=100)
+    reason = check_group(with_samples(sample), vocab_size=1000, max_tokens=100)
     assert reason is not None and problem in reason
 
 
 def test_check_group_accepts_a_well_formed_group():
     assert check_group(make_group(), vocab_size=1000, max_tokens=100) is None
-    empty = msgspec.structs.replace(make_group(), samples=[])
-    assert "no samples" in check_group(empty, 1000, 100)
+    assert "no samples" in check_group(with_samples(), 1000, 100)

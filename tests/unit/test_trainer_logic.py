@@ -17,40 +17,27 @@ import torch
 from agentjet import protocol
 from agentjet.config import SwarmConfig, TrainerConfig
 from agentjet.episode import Episode, SamplingParams
-from agentjet.protocol import pack_floats, pack_ids, pack_mask
 from node.learner import Learner
 from node.model import load_causal_lm
 from node.rollout import build_group
 from node.swarm import SwarmOptimizer
 from node.torch_engine import TorchEngine
 from node.trainer import take_batch
+from tests.factories import make_group
 
 pytestmark = pytest.mark.unit
 
 
-def group(group_id: str, version: int) -> protocol.TrajectoryGroup:
-    sample = protocol.Sample(
-        prompt_ids=pack_ids([1]),
-        completion_ids=pack_ids([2]),
-        logprobs=pack_floats([-1.0]),
-        loss_mask=pack_mask([1]),
-        reward=0.0,
-        advantage=0.0,
-        policy_version=version,
-    )
-    return protocol.TrajectoryGroup(
-        group_id=group_id,
-        grant_id=group_id,
-        node_id="n",
-        task_id="t",
-        env="arithmetic",
-        samples=[sample],
-        created_at=0.0,
-    )
-
-
 def test_take_batch_drops_stale_groups_and_keeps_order():
-    queue = deque([group("old", 1), group("a", 3), group("b", 4), group("c", 5), group("d", 5)])
+    queue = deque(
+        [
+            make_group("old", 1),
+            make_group("a", 3),
+            make_group("b", 4),
+            make_group("c", 5),
+            make_group("d", 5),
+        ]
+    )
     batch, stale = take_batch(queue, size=2, version=5, max_policy_lag=2)
     assert [g.group_id for g in batch] == ["a", "b"]
     assert [g.group_id for g in stale] == ["old"]
@@ -58,7 +45,7 @@ def test_take_batch_drops_stale_groups_and_keeps_order():
 
 
 def test_take_batch_returns_short_batch_when_queue_runs_out():
-    queue = deque([group("a", 0)])
+    queue = deque([make_group("a", 0)])
     batch, stale = take_batch(queue, size=4, version=0, max_policy_lag=0)
     assert [g.group_id for g in batch] == ["a"] and not stale and not queue
 

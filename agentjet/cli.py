@@ -17,9 +17,17 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 from agentjet.config import ENV_NAMES, Config, load_config, to_toml
 from agentjet.errors import AgentjetError
+
+
+class _Parser(argparse.ArgumentParser):
+    """Argument errors as one line that names the problem, like config errors."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"agentjet: error: {message} (see {self.prog} --help)\n")
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
@@ -36,8 +44,10 @@ def _config_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="agentjet", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser = _Parser(prog="agentjet", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", parser_class=_Parser
+    )
 
     local = sub.add_parser("local", help="train on one box: all roles on loopback")
     _config_args(local)

@@ -51,6 +51,9 @@ def test_dry_run_writes_resolved_config(tmp_path):
         (["node", "--role", "trainer", "--config", "missing.toml"], "missing.toml does not exist"),
         (["local", "--max-steps", "-1"], "--max-steps must be >= 0"),
         (["tasks", "--count", "3", "--difficulties", "7", "--out", "x"], "--difficulties"),
+        (["node", "--role", "judge"], "argument --role: invalid choice: 'judge'"),
+        (["eval", "--tasks", "t.jsonl"], "the following arguments are required: --checkpoint"),
+        (["train"], "invalid choice: 'train'"),
     ],
 )
 def test_user_errors_are_one_line(args, message, tmp_path):

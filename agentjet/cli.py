@@ -5,6 +5,7 @@
     agentjet coordinator  hands out (environment, task) work
     agentjet eval         greedy accuracy of a checkpoint on a task file
     agentjet tasks        write a generated arithmetic task file
+    agentjet status       ask a running coordinator what it hands out and has learned
 
 Heavy imports (torch, hivemind) happen only after arguments and config are valid, so
 `--help` and `--dry-run` are instant and every user error is one clear line.
@@ -14,13 +15,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from agentjet.config import ENV_NAMES, Config, load_config, to_toml
 from agentjet.errors import AgentjetError
+
+if TYPE_CHECKING:
+    from agentjet.protocol import CoordinatorStatus, SchedulerRow
+
+# `agentjet status` gives up on a coordinator that has not answered within this long.
+STATUS_TIMEOUT_S = 5.0
 
 
 class _Parser(argparse.ArgumentParser):
@@ -73,6 +81,15 @@ def build_parser() -> argparse.ArgumentParser:
     tasks.add_argument("--difficulties", default="1,2,3", help="comma-separated digits, 1-3")
     tasks.add_argument("--ops", default="+,-,*", help="comma-separated operators")
     tasks.add_argument("--out", type=Path, required=True)
+
+    status = sub.add_parser("status", help="what a running coordinator hands out and has learned")
+    status.add_argument(
+        "--coordinator", required=True, metavar="ENDPOINT", help="tcp://HOST:PORT or ipc://PATH"
+    )
+    status.add_argument(
+        "--timeout-s", type=float, default=STATUS_TIMEOUT_S, help="give up after this long"
+    )
+    status.add_argument("--json", action="store_true", help="print the raw status as JSON")
     return parser
 
 
@@ -108,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "tasks":
         return _tasks(args)
+    if args.command == "status":
+        return _status(args)
     if args.command == "local":
         default_dir = None
         if args.run_dir is None and not any(s.startswith("run.dir=") for s in args.set):
@@ -160,6 +179,107 @@ def _tasks(args: argparse.Namespace) -> int:
     write_task_file(tasks, args.out)
     print(f"wrote {len(tasks)} tasks to {args.out}")
     return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    import asyncio
+
+    import msgspec
+
+    status = asyncio.run(_fetch_status(args.coordinator, args.timeout_s))
+    if args.json:
+        print(msgspec.json.format(msgspec.json.encode(status)).decode())
+    else:
+        print(format_status(status))
+    return 0
+
+
+async def _fetch_status(endpoint: str, timeout_s: float) -> CoordinatorStatus:
+    import os
+
+    from agentjet import protocol
+    from agentjet.config import NetConfig
+    from agentjet.transport import Client, PeerUnavailable
+
+    if not re.fullmatch(r"(tcp://[^:]+:\d+|ipc://.+)", endpoint):
+        raise AgentjetError(f"--coordinator {endpoint!r}: expected tcp://HOST:PORT or ipc://PATH")
+    if timeout_s <= 0:
+        raise AgentjetError(f"--timeout-s must be > 0, got {timeout_s}")
+    hello = protocol.Hello(node_id=f"status-{os.getpid()}", role="client")
+    client = Client(
+        endpoint,
+        protocol.coordinator_reply_decoder,
+        hello,
+        NetConfig().max_message_bytes,
+        timeout_s,
+    )
+    try:
+        reply = await client.request(protocol.StatusRequest())
+    except PeerUnavailable:
+        raise AgentjetError(
+            f"no answer from {endpoint} within {timeout_s:g} s; is the coordinator running there?"
+        ) from None
+    finally:
+        client.close()
+    if not isinstance(reply, protocol.CoordinatorStatus):
+        raise AgentjetError(f"{endpoint} answered the status request with {reply}")
+    return reply
+
+
+def format_status(status: CoordinatorStatus) -> str:
+    """The status as a user reads it: counters, nodes, then the scheduler's table."""
+    nodes = ", ".join(f"{node} ({age:.1f} s ago)" for node, age in sorted(status.nodes.items()))
+    lines = [
+        f"scheduler {status.scheduler or '?'}: {status.grants_issued} grants issued, "
+        f"{status.grants_completed} completed, {status.grants_expired} expired, "
+        f"{status.leases_open} leases open, {status.regrants_queued} queued for re-grant, "
+        f"{status.rejected_messages} messages rejected",
+        f"nodes: {nodes or 'none'}",
+    ]
+    share = f"last {status.recent_grants}"
+    for level, title, extra in (
+        ("env", "environment (observed)", ("target", "failed")),
+        ("cell", "top cells (predicted)", ("score",)),
+        ("task", "top tasks (predicted)", ()),
+    ):
+        rows = [row for row in status.table if row.level == level]
+        if rows:
+            header = (title, "visits", "reward", "variance", "P(mixed)", *extra, share)
+            body = [_row_cells(row, extra) for row in rows]
+            lines += ["", *_aligned([header, *body])]
+    return "\n".join(lines)
+
+
+def _row_cells(row: SchedulerRow, extra: tuple[str, ...]) -> tuple[str, ...]:
+    def num(value: float | None, digits: int = 3) -> str:
+        return "-" if value is None else f"{value:.{digits}f}"
+
+    extras = {
+        "target": num(row.target_share, 2),
+        "failed": num(row.failure_rate, 2),
+        "score": num(row.score),
+    }
+    return (
+        row.name,
+        str(row.visits),
+        num(row.mean_reward),
+        num(row.variance),
+        num(row.mixed, 2),
+        *(extras[name] for name in extra),
+        f"{row.grant_share:.0%}",
+    )
+
+
+def _aligned(rows: list[tuple[str, ...]]) -> list[str]:
+    """Columns padded to their widest cell: names left-aligned, numbers right-aligned."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return [
+        "  ".join(
+            cell.ljust(width) if i == 0 else cell.rjust(width)
+            for i, (cell, width) in enumerate(zip(row, widths, strict=True))
+        ).rstrip()
+        for row in rows
+    ]
 
 
 if __name__ == "__main__":

@@ -116,12 +116,56 @@ class SwarmConfig(_Section):
     startup_timeout_s: PositiveFloat = 60.0
 
 
+class EnvSchedConfig(_Section):
+    """EnvSched's parameters (coordinator/envsched.py explains the model they tune)."""
+
+    # The prior over a task's success rate, Beta(prior_alpha, prior_beta): Beta(1, 1) says
+    # nothing (every rate equally likely) and predicts a mixed group of 8 with p = 7/9.
+    prior_alpha: PositiveFloat = 1.0
+    prior_beta: PositiveFloat = 1.0
+    # Groups of evidence the prior counts for against the pooled evidence of related cells.
+    prior_groups: PositiveFloat = 1.0
+    # Groups of evidence a cell's parent (related cells + prior) counts for against the
+    # cell's own; also how strongly a cell's cost and an env's failure rate are shrunk.
+    shrink_groups: PositiveFloat = 2.0
+    # Weight of related cells' evidence in a cell's parent: the same op and difficulty in
+    # another env (family), the same difficulty with another op (difficulty).
+    family_weight: NonNegFloat = 1.0
+    difficulty_weight: NonNegFloat = 0.25
+    # Evidence halves after this many further reported groups: the policy moves on (at 8
+    # groups per step, 256 groups are 32 policy versions).
+    half_life_groups: PositiveFloat = 256.0
+    # Coverage bonus bonus_scale / sqrt(1 + decayed groups of the cell), added to the
+    # predicted P(mixed group) so rarely or long unseen cells are looked at again.
+    bonus_scale: NonNegFloat = 0.05
+    # Candidates drawn from an env's task source per slot granted in it (the choice pool).
+    pool_factor: PositiveInt = 8
+    # Added to every candidate's weight so no task starves.
+    epsilon: PositiveFloat = 0.01
+    # Candidates are drawn in proportion to (P(mixed) / relative cost) ** sharpness, plus the
+    # bonus and epsilon: 1 = in proportion; higher leans harder on the best predictions.
+    sharpness: PositiveFloat = 1.0
+    # Tasks whose last group was mixed, kept per env (newest first) and offered again beside
+    # fresh candidates: a task in reach of the policy keeps teaching until it is learned.
+    # 0 = fresh candidates only.
+    frontier_size: NonNegInt = 256
+    # Open grants allowed per environment name (sandbox capacity); unnamed envs: no limit.
+    max_open: dict[str, PositiveInt] = msgspec.field(default_factory=dict)
+    # Ratio targets over time: from ratio_at_grants[i] grants issued on, env E's ratio target
+    # is ratio_weights[E][i] (envs not named keep envs[].weight). Empty = envs[].weight always.
+    ratio_at_grants: list[NonNegInt] = msgspec.field(default_factory=list)
+    ratio_weights: dict[str, list[NonNegFloat]] = msgspec.field(default_factory=dict)
+
+
 class CoordinatorConfig(_Section):
     # ZMQ endpoint the coordinator binds and nodes connect to.
     endpoint: str = "tcp://127.0.0.1:5555"
     # Granted work returns to the pool if its node stays silent this long.
     lease_s: PositiveFloat = 120.0
-    scheduler: Literal["uniform"] = "uniform"
+    # "uniform": env by weight, then a task uniformly (the baseline). "envsched": by
+    # predicted chance of a mixed-reward group, under env ratio targets and capacity.
+    scheduler: Literal["uniform", "envsched"] = "uniform"
+    envsched: EnvSchedConfig = msgspec.field(default_factory=EnvSchedConfig)
     # SQLite history; "" = <run dir>/coordinator.sqlite.
     db_path: str = ""
 
@@ -275,6 +319,7 @@ def _check(config: Config) -> None:
             )
         if env.task_file and not Path(env.task_file).expanduser().is_file():
             raise ConfigError(f"config error at envs.{i}.task_file: {env.task_file} not found")
+    _check_envsched(config.coordinator.envsched, {env.name for env in config.envs})
     for key, endpoint in (
         ("coordinator.endpoint", config.coordinator.endpoint),
         ("net.trainer_endpoint", config.net.trainer_endpoint),
@@ -288,6 +333,33 @@ def _check(config: Config) -> None:
         raise ConfigError(
             "config error at net.weight_chunk_bytes: must be smaller than net.max_message_bytes"
         )
+
+
+def _check_envsched(params: EnvSchedConfig, env_names: set[str]) -> None:
+    where = "config error at coordinator.envsched"
+    for key, names in (("max_open", params.max_open), ("ratio_weights", params.ratio_weights)):
+        for name in names:
+            if name not in env_names:
+                raise ConfigError(
+                    f"{where}.{key}.{name}: no such environment in envs "
+                    f"(configured: {', '.join(sorted(env_names))})"
+                )
+    steps = params.ratio_at_grants
+    if any(a >= b for a, b in zip(steps, steps[1:], strict=False)):
+        raise ConfigError(f"{where}.ratio_at_grants: must be strictly increasing, got {steps}")
+    for name, weights in params.ratio_weights.items():
+        if len(weights) != len(steps):
+            raise ConfigError(
+                f"{where}.ratio_weights.{name}: {len(weights)} weights for "
+                f"{len(steps)} steps in ratio_at_grants (one per step)"
+            )
+    for i, at in enumerate(steps):
+        if env_names <= set(params.ratio_weights) and not any(
+            w[i] > 0 for w in params.ratio_weights.values()
+        ):
+            raise ConfigError(
+                f"{where}.ratio_weights: every environment has weight 0 from grant {at} on"
+            )
 
 
 def _dump_toml(data: dict[str, Any]) -> str:

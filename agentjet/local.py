@@ -87,6 +87,15 @@ class Progress:
                 file=self.out,
                 flush=True,
             )
+        elif row.get("event") == "batch" and self.last_version == 0:
+            # Until the first version exists, show that rollouts are being generated.
+            print(
+                f"[{elapsed:6.0f}s] rollout: {len(row['group_ids'])} groups sampled at"
+                f" policy v{row['policy_version']}, reward {row['charts/reward_mean']:.3f},"
+                f" {row['perf/gen_tokens_per_s']:.0f} tokens/s",
+                file=self.out,
+                flush=True,
+            )
         elif row.get("event") == "weights_loaded":
             print(
                 f"[{elapsed:6.0f}s] rollout node switched to policy v{row['policy_version']}",

@@ -107,6 +107,25 @@ class StatusRequest(_Msg, tag="status_request"):
     pass
 
 
+class SchedulerRow(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """One line of the scheduler's table: an environment, a cell (env, op, difficulty) or a task.
+
+    Environment rows carry what was observed, cell and task rows what the scheduler predicts;
+    rewards, variances and rates are decayed with age like the scheduler's statistics.
+    """
+
+    level: Literal["env", "cell", "task"]
+    name: str
+    visits: int  # groups reported, ever
+    mean_reward: float | None = None
+    variance: float | None = None  # reward variance inside one group
+    mixed: float | None = None  # P(a group's rewards are not all equal)
+    grant_share: float = 0.0  # share of the recent grants (CoordinatorStatus.recent_grants)
+    score: float | None = None  # cells: the sampling weight of an unseen task of the cell
+    target_share: float | None = None  # envs: ratio target x health, normalised
+    failure_rate: float | None = None  # envs: share of groups reported as failed
+
+
 class CoordinatorStatus(_Msg, tag="coordinator_status"):
     grants_issued: int
     grants_completed: int
@@ -114,6 +133,10 @@ class CoordinatorStatus(_Msg, tag="coordinator_status"):
     leases_open: int
     nodes: dict[str, float]  # node id -> seconds since last seen
     rejected_messages: int
+    scheduler: str = ""  # coordinator.scheduler; "" from a coordinator that predates it
+    regrants_queued: int = 0
+    recent_grants: int = 0  # how many of the newest grants `grant_share` counts over
+    table: list[SchedulerRow] = msgspec.field(default_factory=list)
 
 
 CoordinatorRequest = Hello | WorkRequest | GroupReport | Heartbeat | StatusRequest

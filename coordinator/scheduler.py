@@ -1,58 +1,102 @@
 """What to hand out next, and which leases have run out: pure decisions, no I/O.
 
-    config.envs ──▶ UniformScheduler.choose(k, rng) ──▶ [Task, …]  (env by weight, then uniform)
-    GroupReport ──▶ Scheduler.observe(task, report)     (EnvSched learns; uniform ignores)
+    config.envs ──▶ make_scheduler(config) ──▶ UniformScheduler | EnvSched (coordinator/envsched.py)
+    Scheduler.choose(k, rng, open_by_env, grants_issued) ──▶ [Task, …]
+    GroupReport ──▶ Scheduler.observe(task, report) ──▶ Scheduler.statistics (both keep them)
     [Lease] + now ──▶ expired(…) ──▶ leases whose node went silent
 
 The coordinator draws every batch from `draw_rng(seed, grants_issued)`, so the choice depends
 only on the durable history: a restarted coordinator continues the sequence instead of
-repeating it from the start.
+repeating it from the start (EnvSched's statistics are rebuilt by replaying the stored reports).
 """
 
 from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple, Protocol
 
-from agentjet.config import EnvConfig
+from agentjet.config import Config, EnvConfig, EnvSchedConfig, RolloutConfig
 from agentjet.protocol import GroupReport, Task
 from agentjet.tasks import TaskSource
+from coordinator.envsched import EnvSched, Statistics
 
 
 class Scheduler(Protocol):
     """A policy that picks tasks and may learn from what the rollout nodes report."""
 
-    def choose(self, k: int, rng: random.Random | None = None) -> list[Task]:
-        """`k` tasks to grant next (repeats allowed)."""
+    # Reward statistics of everything reported so far (shown by `agentjet status`).
+    statistics: Statistics
+
+    def choose(
+        self,
+        k: int,
+        rng: random.Random | None = None,
+        open_by_env: Mapping[str, int] | None = None,
+        grants_issued: int = 0,
+    ) -> list[Task]:
+        """Up to `k` tasks to grant next (repeats allowed), given the open grants per
+        environment and how many grants were issued before."""
         ...
 
     def observe(self, task: Task, report: GroupReport) -> None:
         """Learn from the outcome of one granted task (called once per accepted report)."""
         ...
 
+    def target_weights(self, grants_issued: int) -> dict[str, float]:
+        """The ratio target of each environment (by name) at this point of the run."""
+        ...
+
 
 class UniformScheduler:
-    """The baseline: an environment by its configured weight, then a task uniformly from it."""
+    """The baseline: an environment by its configured weight, then a task uniformly from it.
 
-    def __init__(self, envs: Sequence[EnvConfig], seed: int = 0) -> None:
+    It keeps the same statistics as EnvSched, to show them, but never looks at them.
+    """
+
+    def __init__(
+        self, envs: Sequence[EnvConfig], seed: int = 0, statistics: Statistics | None = None
+    ) -> None:
         if not envs:
             raise ValueError("UniformScheduler needs at least one environment")
         self.sources = [
             TaskSource(env.name, env.difficulties, env.ops, env.task_file) for env in envs
         ]
         self.weights = [env.weight for env in envs]
+        self.statistics = statistics or Statistics(EnvSchedConfig(), RolloutConfig().group_size)
         # Used only when the caller passes no rng (e.g. a node's local fallback).
         self.rng = random.Random(seed)
 
-    def choose(self, k: int, rng: random.Random | None = None) -> list[Task]:
+    def choose(
+        self,
+        k: int,
+        rng: random.Random | None = None,
+        open_by_env: Mapping[str, int] | None = None,
+        grants_issued: int = 0,
+    ) -> list[Task]:
+        """`k` tasks; capacity limits and ratio schedules are EnvSched's, not the baseline's."""
         rng = rng or self.rng
         sources = rng.choices(self.sources, weights=self.weights, k=k)
         return [source.sample(rng) for source in sources]
 
     def observe(self, task: Task, report: GroupReport) -> None:
-        """Uniform sampling does not learn."""
+        """Uniform sampling does not learn; it only measures."""
+        self.statistics.observe(task, report)
+
+    def target_weights(self, grants_issued: int) -> dict[str, float]:
+        weights: dict[str, float] = {}
+        for source, weight in zip(self.sources, self.weights, strict=True):
+            weights[source.env] = weights.get(source.env, 0.0) + weight
+        return weights
+
+
+def make_scheduler(config: Config) -> Scheduler:
+    """The scheduler `coordinator.scheduler` names, seeded by the run."""
+    params, group_size = config.coordinator.envsched, config.rollout.group_size
+    if config.coordinator.scheduler == "envsched":
+        return EnvSched(config.envs, params, group_size, config.run.seed)
+    return UniformScheduler(config.envs, config.run.seed, Statistics(params, group_size))
 
 
 def draw_rng(seed: int, grants_issued: int) -> random.Random:

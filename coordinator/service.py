@@ -5,14 +5,16 @@
                                                                                   │ ▼
                         Server (ZMQ ROUTER on coordinator.endpoint) ──▶ Coordinator.handle(msg, now)
                                                                         │            │
-                               Scheduler.choose(k, draw_rng(seed, issued))    Store (SQLite, WAL,
-                               Scheduler.observe(task, report)  ◀──────────   one fsync'ed txn
-                                                                              per request)
+               Scheduler.choose(k, draw_rng(seed, issued), open_by_env)    Store (SQLite, WAL,
+               Scheduler.observe(task, report)  ◀────────────────────────   one fsync'ed txn
+               setup(): replay Store.accepted_reports() into Scheduler        per request)
     lease sweeper (every sweep_interval_s) ── Store.expire_silent ──▶ regrant queue ──▶ next grants
     metrics (every METRICS_EVERY_S)        ── Store.stats ──▶ <run dir>/metrics/coordinator.jsonl
 
 Leases are per node: every request from a node refreshes its `last_seen`, and a node silent for
 longer than `coordinator.lease_s` loses its open grants, whose tasks go to the next WorkRequest.
+The scheduler (`coordinator.scheduler`: uniform or envsched) keeps its statistics in memory and
+rebuilds them at start by replaying every stored report in order, so a restart continues them.
 The coordinator never imports torch; it is small and may be killed and restarted at any time.
 
 How to run:  agentjet coordinator --config configs/coordinator.toml
@@ -50,7 +52,8 @@ from agentjet.protocol import (
 )
 from agentjet.roles import run_role, supervise
 from agentjet.transport import Server
-from coordinator.scheduler import Scheduler, UniformScheduler, draw_rng, sweep_interval_s
+from coordinator.envsched import status_table
+from coordinator.scheduler import Scheduler, draw_rng, make_scheduler, sweep_interval_s
 from coordinator.store import Accepted, Refused, Store
 
 log = logging.getLogger(__name__)
@@ -65,6 +68,8 @@ MAX_ROLE_CHARS = 32
 MAX_REWARDS_PER_REPORT = 1024
 # A metrics row every this many seconds: frequent enough for a live plot, cheap on disk.
 METRICS_EVERY_S = 10.0
+# The status table's grant shares count this many of the newest grants (64 batches of 8).
+RECENT_GRANTS = 512
 
 
 def db_path(config: Config) -> Path:
@@ -135,7 +140,7 @@ class Coordinator:
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.config = config
-        self.scheduler = scheduler or UniformScheduler(config.envs, config.run.seed)
+        self.scheduler = scheduler or make_scheduler(config)
         self.clock = clock  # wall clock: lease times are stored and must survive a restart
         self.db_path = db_path(config)
         self.started_at = 0.0
@@ -146,6 +151,7 @@ class Coordinator:
         self.started_at = self.clock()
         self.store = Store(self.db_path, lease_s=self.config.coordinator.lease_s)
         cleanup.callback(self.store.close)
+        self._replay_reports()
         self.server = Server(
             self.config.coordinator.endpoint,
             protocol.coordinator_request_decoder,
@@ -210,6 +216,8 @@ class Coordinator:
 
     def status(self, now: float) -> CoordinatorStatus:
         stats = self.store.stats()
+        recent = self.store.recent_tasks(RECENT_GRANTS)
+        targets = self.scheduler.target_weights(stats.grants_issued)
         return CoordinatorStatus(
             grants_issued=stats.grants_issued,
             grants_completed=stats.grants_completed,
@@ -217,10 +225,29 @@ class Coordinator:
             leases_open=stats.leases_open,
             nodes={node: now - seen for node, seen in stats.nodes_last_seen.items()},
             rejected_messages=self.server.rejected + self.invalid_requests,
+            scheduler=self.config.coordinator.scheduler,
+            regrants_queued=stats.regrants_queued,
+            recent_grants=len(recent),
+            table=status_table(self.scheduler.statistics, recent, targets),
         )
 
     def _draw_new(self, count: int, grants_issued: int) -> list[Task]:
-        return self.scheduler.choose(count, draw_rng(self.config.run.seed, grants_issued))
+        rng = draw_rng(self.config.run.seed, grants_issued)
+        return self.scheduler.choose(count, rng, self.store.open_by_env(), grants_issued)
+
+    def _replay_reports(self) -> None:
+        """Feed the scheduler every stored report, in order: its statistics are as they were
+        when the last coordinator stopped (decay counts reports, not seconds)."""
+        start, replayed = time.perf_counter(), 0
+        for task, report in self.store.accepted_reports():
+            self.scheduler.observe(task, report)
+            replayed += 1
+        if replayed:
+            log.info(
+                "scheduler statistics rebuilt from %d reports in %.2f s",
+                replayed,
+                time.perf_counter() - start,
+            )
 
     def _refuse(self, msg: CoordinatorRequest, reason: str) -> Error:
         self.invalid_requests += 1

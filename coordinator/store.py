@@ -303,6 +303,44 @@ class Store:
         ).fetchall()
         return [_task_decoder.decode(task_json) for (task_json,) in rows]
 
+    def accepted_reports(self) -> Iterator[tuple[Task, GroupReport]]:
+        """Every recorded report with its grant's task, in the order they were accepted: the
+        scheduler replays them to rebuild its statistics. Rows are never deleted and the file
+        is never vacuumed, so rowid order is acceptance order."""
+        rows = self._db.execute(
+            "SELECT g.task, r.node_id, r.grant_id, r.rewards, r.completion_tokens, r.turns,"
+            " r.wall_s, r.failed, r.error FROM reports r"
+            " JOIN grants g ON g.grant_id = r.grant_id ORDER BY r.rowid"
+        )
+        for task_json, node_id, grant_id, rewards, tokens, turns, wall_s, failed, error in rows:
+            yield (
+                _task_decoder.decode(task_json),
+                GroupReport(
+                    node_id=node_id,
+                    grant_id=grant_id,
+                    rewards=json.loads(rewards),
+                    completion_tokens=tokens,
+                    turns=turns,
+                    wall_s=wall_s,
+                    failed=bool(failed),
+                    error=error,
+                ),
+            )
+
+    def recent_tasks(self, limit: int) -> list[Task]:
+        """The tasks of the newest `limit` grants, newest first."""
+        rows = self._db.execute(
+            "SELECT task FROM grants ORDER BY rowid DESC LIMIT ?", (limit,)
+        ).fetchall()
+        return [_task_decoder.decode(task_json) for (task_json,) in rows]
+
+    def open_by_env(self) -> dict[str, int]:
+        """Open grants per environment (what capacity limits count)."""
+        rows = self._db.execute(
+            "SELECT env, count(*) FROM grants WHERE state = 'open' GROUP BY env"
+        ).fetchall()
+        return {env: count for env, count in rows}
+
     def stats(self) -> StoreStats:
         counters = dict(self._db.execute("SELECT name, value FROM counters").fetchall())
         (leases_open,) = self._db.execute(

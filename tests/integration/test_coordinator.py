@@ -14,8 +14,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import Literal
 
 import pytest
 import zmq
@@ -39,6 +41,7 @@ from agentjet.protocol import (
     GroupReport,
     Hello,
     Ok,
+    SchedulerRow,
     StatusRequest,
     WorkGrant,
     WorkGrants,
@@ -73,11 +76,18 @@ class Coordinators:
         self.log_path = workdir / "coordinator.log"
         self.procs: list[subprocess.Popen[bytes]] = []
 
-    def config(self, lease_s: float = 60.0) -> Config:
+    def config(
+        self,
+        lease_s: float = 60.0,
+        scheduler: Literal["uniform", "envsched"] = "uniform",
+        difficulties: tuple[int, ...] = (3,),
+    ) -> Config:
         return Config(
             rollout=RolloutConfig(group_size=GROUP_SIZE),
-            envs=[EnvConfig(difficulties=[3])],
-            coordinator=CoordinatorConfig(endpoint=self.endpoint, lease_s=lease_s),
+            envs=[EnvConfig(difficulties=list(difficulties))],
+            coordinator=CoordinatorConfig(
+                endpoint=self.endpoint, lease_s=lease_s, scheduler=scheduler
+            ),
             net=NetConfig(max_message_bytes=MAX_MESSAGE_BYTES, weight_chunk_bytes=1 << 12),
             run=RunConfig(dir=str(self.run_dir), seed=11),
         )
@@ -389,3 +399,107 @@ def test_importing_the_coordinator_does_not_import_torch() -> None:
         check=True,
     )
     assert result.stdout.strip() == ""
+
+
+# Rewards the envsched tests report: 1-digit tasks always right, 3-digit always wrong, and
+# 2-digit tasks right half the time: only 2-digit groups carry a GRPO signal.
+REWARDS_BY_DIFFICULTY = {
+    1: [1.0] * GROUP_SIZE,
+    2: [1.0, 0.0] * (GROUP_SIZE // 2),
+    3: [0.0] * GROUP_SIZE,
+}
+# Rounds of 8 grants reported before the scheduler's choices are counted.
+TEACHING_ROUNDS = 12
+
+
+def test_envsched_learns_from_reports_and_keeps_its_statistics_across_a_restart(
+    coordinators: Coordinators,
+) -> None:
+    config = coordinators.config(scheduler="envsched", difficulties=(1, 2, 3))
+    first = coordinators.start(config)
+
+    async def teach_then_count() -> tuple[Counter[int], list[SchedulerRow]]:
+        node = client(coordinators.endpoint, "node-a")
+        try:
+            await wait_until_serving(node, first)
+            for _ in range(TEACHING_ROUNDS):
+                for g in await work(node, "node-a", 8):
+                    rewards = REWARDS_BY_DIFFICULTY[g.task.difficulty]
+                    assert isinstance(await node.request(report("node-a", g, rewards)), Ok)
+            chosen = Counter(g.task.difficulty for g in await work(node, "node-a", 64))
+            status = await status_of(node)
+            assert status.scheduler == "envsched" and status.grants_issued == 8 * 12 + 64
+            return chosen, status.table
+        finally:
+            node.close()
+
+    chosen, table = asyncio.run(teach_then_count())
+    # Uniform would give each difficulty a third; the mixed 2-digit cells get most now.
+    assert chosen[2] / 64 > 0.6, chosen
+    envs = {row.name: row for row in table if row.level == "env"}
+    assert envs["arithmetic"].visits == 8 * TEACHING_ROUNDS
+    assert envs["arithmetic"].target_share == 1.0
+    cells = [row for row in table if row.level == "cell"]
+    assert cells[0].name.startswith("arithmetic d2 ")  # best first
+    assert all(
+        (row.mixed or 0.0) < 0.2 for row in cells if not row.name.startswith("arithmetic d2 ")
+    )
+
+    first.send_signal(signal.SIGKILL)
+    first.wait(timeout=STOP_TIMEOUT_S)
+    second = coordinators.start(config)
+
+    async def after_restart() -> list[SchedulerRow]:
+        node = client(coordinators.endpoint, "node-a")
+        try:
+            return (await wait_until_serving(node, second)).table
+        finally:
+            node.close()
+
+    assert asyncio.run(after_restart()) == table  # replayed: the same statistics, bit for bit
+    assert "scheduler statistics rebuilt from 96 reports" in coordinators.log_path.read_text()
+
+
+def test_agentjet_status_prints_the_scheduler_table(coordinators: Coordinators) -> None:
+    proc = coordinators.start(coordinators.config(scheduler="envsched", difficulties=(1, 2)))
+
+    async def one_round() -> None:
+        node = client(coordinators.endpoint, "node-a")
+        try:
+            await wait_until_serving(node, proc)
+            for g in await work(node, "node-a", 4):
+                rewards = REWARDS_BY_DIFFICULTY[g.task.difficulty]
+                assert isinstance(await node.request(report("node-a", g, rewards)), Ok)
+        finally:
+            node.close()
+
+    asyncio.run(one_round())
+    # Through the real entry point, checking on the way that it never loads torch.
+    probe = (
+        "import sys; from agentjet.cli import main; "
+        f"code = main(['status', '--coordinator', {coordinators.endpoint!r}]); "
+        "print('torch loaded' if 'torch' in sys.modules else 'torch not loaded'); sys.exit(code)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=START_TIMEOUT_S,
+    )
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "scheduler envsched: 4 grants issued, 4 completed" in out
+    assert "nodes: node-a" in out
+    assert "environment (observed)" in out and "top cells (predicted)" in out
+    env_line = next(line for line in out.splitlines() if line.startswith("arithmetic "))
+    assert env_line.split()[1] == "4"  # visits
+    assert out.rstrip().endswith("torch not loaded")
+
+    silent = subprocess.run(
+        [sys.executable, "-m", "agentjet.cli", "status", "--coordinator",
+         coordinators.endpoint.replace("coordinator.ipc", "nobody.ipc"), "--timeout-s", "0.5"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=START_TIMEOUT_S,
+    )  # fmt: skip
+    assert silent.returncode == 2
+    assert silent.stderr.count("\n") == 1 and "no answer from" in silent.stderr

@@ -1,0 +1,640 @@
+"""EnvSched: grant (environment, task) work where GRPO learns — groups whose rewards differ.
+
+    GroupReport ──▶ Statistics.observe ──▶ decayed sums per node of the graph:
+                      env ⊃ cell (env, op, difficulty) ⊃ task (env, id)
+                      cell ~ neighbours: same op and difficulty in another env (family),
+                                         same difficulty with another op (difficulty)
+    choose(k) ──▶ envs: apportion(k, ratio target × health, capacity room)
+              ──▶ per env: pool_factor × its count candidates from its TaskSource
+              ──▶ weight = P(mixed group) / relative cost + coverage bonus + epsilon
+              ──▶ sample without replacement ∝ weight
+
+The model. A task's success rate p is drawn from its cell's distribution, Beta(a, b); a group
+of n samples of that task is mixed (gives GRPO any signal) with probability
+1 − E[p^n] − E[(1−p)^n], the Beta-binomial chance that not all n agree. A cell's (a, b) come
+from two moments estimated from the reports: the mean reward (over samples) and E[p²] (over
+ordered pairs of samples of one group: E[r_i r_j] = E[p²] for i ≠ j). The second moment is
+what a per-sample Beta misses: a cell whose tasks are each always right or always wrong has
+mean 0.5 but never a mixed group (the measured 64% zero-variance groups come from exactly
+this spread). A task that was seen is the cell's Beta updated with its own rewards, so
+repeated tasks (1-digit problems, task files) are scored by what they did.
+
+Borrowing strength. Generated 2- and 3-digit tasks never repeat, so evidence lives in cells,
+and a cell's moments are shrunk toward a parent pooled from its graph neighbours (weighted by
+relation) and, below those, the prior Beta: rarely seen cells and new environments start
+from what similar cells show. Rewards are read as success probabilities in [0, 1] (binary
+verifiers; partial credit is a fractional success, and the same sums then give the running
+mean and variance).
+
+Ageing. The policy changes, so every sum halves after `half_life_groups` further reports,
+and the coverage bonus `bonus_scale / sqrt(1 + decayed groups of the cell)` grows back for
+cells left alone. Time is counted in reports, not seconds, so replaying the stored reports in
+order rebuilds the same statistics bit for bit after a restart.
+
+Cost and failures. Within an environment a candidate's score is divided by its cell's
+expected completion tokens relative to the environment's; across environments each ratio
+target is scaled by the environment's health (1 − shrunk rate of failed reports, floored so
+a broken environment is still probed and its repair noticed). Lease expiries are not held
+against an environment: a node that dies expires its leases whatever they were.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import random
+from collections import Counter, OrderedDict
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
+
+from agentjet.config import EnvConfig, EnvSchedConfig, RolloutConfig
+from agentjet.protocol import GroupReport, SchedulerRow, Task
+from agentjet.tasks import TaskSource
+
+# Rewards are clipped into this range before they enter the statistics (success probabilities).
+REWARD_MIN, REWARD_MAX = 0.0, 1.0
+# Success rates are kept this far inside (0, 1) so Beta parameters stay finite and positive.
+MIN_SUCCESS_RATE = 1e-9
+# The share of reward variance between tasks is kept inside (this, 1 − this): a Beta needs it.
+MIN_TASK_CORRELATION = 1e-6
+# A task whose own evidence weighs less than this many groups is a stranger: its group is
+# evidence about its cell (see Statistics.observe).
+STRANGER_GROUPS = 0.5
+# Statistics are kept for at most this many tasks; the least recently reported are dropped.
+# At the default half-life their evidence has decayed to nothing long before.
+MAX_TASK_NODES = 50_000
+# A cell costs at most this many times (or at least 1/this) its environment's mean: one odd
+# report must not make a cell free or unaffordable.
+MAX_COST_RATIO = 4.0
+# A failing environment keeps this share of its ratio target as probes, so a repair is seen.
+MIN_ENV_HEALTH = 0.05
+# How many cells and tasks `agentjet status` lists (best first).
+STATUS_TOP_CELLS = 12
+STATUS_TOP_TASKS = 6
+
+
+# ── sums: decayed sufficient statistics of one node ──────────────────────────────────────
+
+
+class Sums(NamedTuple):
+    """What the reports of one node add up to (each term decayed with its age)."""
+
+    reports: float = 0.0  # groups reported, failed or not
+    failed: float = 0.0  # groups the node reported as failed (no rewards learned from them)
+    tokens: float = 0.0  # completion tokens of those groups (the cost)
+    groups: float = 0.0  # groups with rewards
+    mixed: float = 0.0  # groups whose rewards were not all equal
+    samples: float = 0.0  # rewards
+    reward: float = 0.0  # Σ r
+    reward_sq: float = 0.0  # Σ r²
+    pairs: float = 0.0  # ordered pairs of samples of one group: Σ n(n − 1)
+    pair_products: float = 0.0  # Σ over those pairs of r_i r_j
+
+
+def group_sums(report: GroupReport) -> Sums:
+    """One report as sums. A failed group counts as a failure only: its rewards are the fault's."""
+    if report.failed:
+        return Sums(reports=1.0, failed=1.0, tokens=float(report.completion_tokens))
+    rewards = [min(max(r, REWARD_MIN), REWARD_MAX) for r in report.rewards]
+    n, total, total_sq = len(rewards), sum(rewards), sum(r * r for r in rewards)
+    return Sums(
+        reports=1.0,
+        tokens=float(report.completion_tokens),
+        groups=1.0 if n else 0.0,
+        mixed=1.0 if n and max(rewards) != min(rewards) else 0.0,
+        samples=float(n),
+        reward=total,
+        reward_sq=total_sq,
+        pairs=float(n * (n - 1)),
+        pair_products=total * total - total_sq,  # Σ_{i≠j} r_i r_j
+    )
+
+
+def scaled(sums: Sums, factor: float) -> Sums:
+    return Sums(*(x * factor for x in sums))
+
+
+def added(a: Sums, b: Sums, weight: float = 1.0) -> Sums:
+    """a + weight · b, term by term."""
+    return Sums(*(x + weight * y for x, y in zip(a, b, strict=True)))
+
+
+def decay_factor(elapsed_reports: float, half_life_reports: float) -> float:
+    """How much evidence that is `elapsed_reports` old still counts: it halves every half-life."""
+    return 0.5 ** (elapsed_reports / half_life_reports)
+
+
+class Node(NamedTuple):
+    """A node of the graph: its sums as of report number `tick`, and its undecayed visits."""
+
+    sums: Sums
+    tick: int
+    visits: int
+    lent: Sums = Sums()  # tasks: the part of `sums` that is also their cell's evidence
+
+
+def updated(
+    node: Node | None,
+    group: Sums,
+    tick: int,
+    half_life: float,
+    *,
+    evidence: bool = True,
+    lent: bool = False,
+) -> Node:
+    """`node` aged to `tick` and visited once more; `group` joins its sums when `evidence`,
+    and its lent part when `lent`."""
+    node = node or Node(Sums(), tick, 0)
+    factor = decay_factor(tick - node.tick, half_life)
+    sums, lent_sums = scaled(node.sums, factor), scaled(node.lent, factor)
+    return Node(
+        added(sums, group) if evidence else sums,
+        tick,
+        node.visits + 1,
+        added(lent_sums, group) if lent else lent_sums,
+    )
+
+
+# ── the Beta model ────────────────────────────────────────────────────────────────────────
+
+
+class Moments(NamedTuple):
+    """First and second moment of the success rate p of a task drawn from a node."""
+
+    mean: float  # E[p]
+    mean_sq: float  # E[p²]
+
+
+class Beta(NamedTuple):
+    alpha: float
+    beta: float
+
+
+def prior_moments(alpha: float, beta: float) -> Moments:
+    """The moments of Beta(alpha, beta): where every node starts."""
+    total = alpha + beta
+    return Moments(alpha / total, alpha * (alpha + 1) / (total * (total + 1)))
+
+
+def shrink(sums: Sums, prior: Moments, prior_groups: float, group_size: int) -> Moments:
+    """A node's moments: its own evidence plus `prior_groups` groups' worth of `prior`.
+
+    The mean is estimated from samples, E[p²] from within-group pairs, so each is weighted by
+    its own count; a group of the configured size brings n samples and n(n − 1) pairs.
+    """
+    prior_samples = prior_groups * group_size
+    prior_pairs = prior_groups * group_size * (group_size - 1)
+    return Moments(
+        (sums.reward + prior_samples * prior.mean) / (sums.samples + prior_samples),
+        (sums.pair_products + prior_pairs * prior.mean_sq) / (sums.pairs + prior_pairs),
+    )
+
+
+def beta_from_moments(moments: Moments) -> Beta:
+    """The Beta with these moments (method of moments), kept proper.
+
+    ρ = Var(p) / (E[p](1 − E[p])) is the share of reward variance that lies between tasks
+    (the intra-class correlation); the Beta's concentration a + b is 1/ρ − 1.
+    """
+    mean = min(max(moments.mean, MIN_SUCCESS_RATE), 1 - MIN_SUCCESS_RATE)
+    correlation = (moments.mean_sq - mean * mean) / (mean * (1 - mean))
+    correlation = min(max(correlation, MIN_TASK_CORRELATION), 1 - MIN_TASK_CORRELATION)
+    concentration = 1 / correlation - 1
+    return Beta(mean * concentration, (1 - mean) * concentration)
+
+
+def updated_beta(prior: Beta, sums: Sums) -> Beta:
+    """The Beta posterior of one task after its own (fractional) successes and failures."""
+    return Beta(prior.alpha + sums.reward, prior.beta + sums.samples - sums.reward)
+
+
+def mixed_probability(beta: Beta, group_size: int) -> float:
+    """P(a group of `group_size` samples is mixed) = 1 − E[p^n] − E[(1−p)^n], p ~ Beta.
+
+    E[p^n] = Π_{i<n} (a + i) / (a + b + i); with a point mass at p this is 1 − p^n − (1−p)^n.
+    """
+    all_right = all_wrong = 1.0
+    total = beta.alpha + beta.beta
+    for i in range(group_size):
+        all_right *= (beta.alpha + i) / (total + i)
+        all_wrong *= (beta.beta + i) / (total + i)
+    return max(0.0, 1.0 - all_right - all_wrong)
+
+
+def within_variance(beta: Beta) -> float:
+    """E[p(1 − p)]: the reward variance expected inside one group (what GRPO normalises)."""
+    total = beta.alpha + beta.beta
+    return beta.alpha * beta.beta / (total * (total + 1))
+
+
+# ── the graph ─────────────────────────────────────────────────────────────────────────────
+
+
+class Cell(NamedTuple):
+    """Tasks of one environment that declare the same features."""
+
+    env: str
+    op: str  # "" when not declared
+    difficulty: int  # 0 when not declared
+
+
+def cell_of(task: Task) -> Cell:
+    return Cell(task.env, task.op, task.difficulty)
+
+
+def relation_weight(
+    cell: Cell, other: Cell, family_weight: float, difficulty_weight: float
+) -> float:
+    """How much `other`'s evidence counts toward `cell`'s parent.
+
+    Family: the same declared op and difficulty in another environment. Difficulty: the same
+    declared difficulty with another op, in any environment. Undeclared features relate
+    nothing, so featureless task files learn only from their own tasks.
+    """
+    if other == cell:
+        return 0.0
+    declared = bool(cell.op or cell.difficulty)
+    if declared and (other.op, other.difficulty) == (cell.op, cell.difficulty):
+        return family_weight
+    if cell.difficulty and other.difficulty == cell.difficulty and other.op != cell.op:
+        return difficulty_weight
+    return 0.0
+
+
+def coverage_bonus(groups: float, scale: float) -> float:
+    """Exploration: `scale` for a cell never (or long ago) seen, shrinking as 1/sqrt(visits)."""
+    return scale / math.sqrt(1.0 + groups)
+
+
+def relative_cost(cell: Sums, env: Sums, prior_groups: float) -> float:
+    """Expected completion tokens of a cell's group over its environment's mean, clipped.
+
+    The cell's mean is shrunk toward the environment's by `prior_groups` groups; an
+    environment that reports no tokens makes every cell cost 1.
+    """
+    if env.reports <= 0 or env.tokens <= 0:
+        return 1.0
+    env_mean = env.tokens / env.reports
+    cell_mean = (cell.tokens + prior_groups * env_mean) / (cell.reports + prior_groups)
+    return min(max(cell_mean / env_mean, 1 / MAX_COST_RATIO), MAX_COST_RATIO)
+
+
+def env_health(env: Sums, prior_groups: float) -> float:
+    """1 − the environment's rate of failed reports (shrunk toward none), floored."""
+    return max(MIN_ENV_HEALTH, 1.0 - env.failed / (env.reports + prior_groups))
+
+
+def candidate_weight(
+    mixed: float, cost: float, bonus: float, epsilon: float, sharpness: float = 1.0
+) -> float:
+    """The sampling weight of one candidate: expected signal per unit cost (sharpened), plus
+    the coverage bonus and the floor that keeps every candidate possible."""
+    return (mixed / cost) ** sharpness + bonus + epsilon
+
+
+# ── allocation ────────────────────────────────────────────────────────────────────────────
+
+
+def weights_at(
+    base: Mapping[str, float],
+    at_grants: Sequence[int],
+    schedule: Mapping[str, Sequence[float]],
+    grants_issued: int,
+) -> dict[str, float]:
+    """The ratio targets in force after `grants_issued` grants: the newest schedule step that
+    has begun overrides the environments it names; the others keep their configured weight."""
+    step = bisect.bisect_right(at_grants, grants_issued) - 1
+    if step < 0:
+        return dict(base)
+    return {env: schedule[env][step] if env in schedule else w for env, w in base.items()}
+
+
+def apportion(
+    k: int, weights: Mapping[str, float], room: Mapping[str, int], rng: random.Random
+) -> dict[str, int]:
+    """Split `k` slots among environments in proportion to `weights`, within capacity.
+
+    Systematic sampling: each environment gets the floor or the ceiling of its quota, the
+    expectation exactly, so ratios hold in every batch and a batch of one still reaches every
+    environment over time. An environment absent from `room` has no limit; one that hits its
+    room gives the slots it cannot take to the others. Fewer than `k` are handed out only
+    when every environment is full.
+    """
+    counts = dict.fromkeys(weights, 0)
+    remaining = k
+    while remaining > 0:
+        open_envs = sorted(
+            env for env, w in weights.items() if w > 0 and counts[env] < room.get(env, k + 1)
+        )
+        if not open_envs:
+            break
+        total = sum(weights[env] for env in open_envs)
+        offset = rng.random()
+        start = 0.0
+        for i, env in enumerate(open_envs):
+            end = remaining if i == len(open_envs) - 1 else start + remaining * weights[env] / total
+            counts[env] += math.floor(end + offset) - math.floor(start + offset)
+            start = end
+        remaining = 0
+        for env, limit in room.items():
+            if env in counts and counts[env] > limit:
+                remaining += counts[env] - limit
+                counts[env] = limit
+    return counts
+
+
+def weighted_sample(weights: Sequence[float], k: int, rng: random.Random) -> list[int]:
+    """`k` distinct indices drawn without replacement with probability ∝ weight (all > 0).
+
+    Efraimidis–Spirakis: the k largest keys log(u)/w, u ~ U(0, 1].
+    """
+    keys = [math.log(1.0 - rng.random()) / w for w in weights]
+    return sorted(range(len(weights)), key=lambda i: keys[i], reverse=True)[:k]
+
+
+def pick(weights: Sequence[float], k: int, rng: random.Random) -> list[int]:
+    """`k` indices ∝ weight, distinct while there are enough (a small task file repeats)."""
+    chosen: list[int] = []
+    while len(chosen) < k and weights:
+        chosen += weighted_sample(weights, min(k - len(chosen), len(weights)), rng)
+    return chosen
+
+
+# ── the statistics ────────────────────────────────────────────────────────────────────────
+
+
+class CellView(NamedTuple):
+    """A cell's statistics as the scorer needs them, computed once per batch."""
+
+    sums: Sums
+    parent: Moments  # pooled from the graph neighbours and the prior
+    beta: Beta  # the cell's distribution of task success rates
+
+
+class Statistics:
+    """Online, decaying reward statistics over the (env, task) graph, fed one report at a time.
+
+    Both schedulers keep one: uniform only measures (so the baseline's table can be compared),
+    EnvSched chooses by it.
+    """
+
+    def __init__(self, params: EnvSchedConfig, group_size: int) -> None:
+        self.params = params
+        self.group_size = group_size
+        self.tick = 0  # reports observed so far: the clock of decay (a new group is at age 0)
+        self.envs: dict[str, Node] = {}
+        self.cells: dict[Cell, Node] = {}
+        self.tasks: OrderedDict[tuple[Cell, str], Node] = OrderedDict()  # (cell, task id)
+        self._views: dict[Cell, CellView] = {}
+        self.root = prior_moments(params.prior_alpha, params.prior_beta)
+
+    def observe(self, task: Task, report: GroupReport) -> None:
+        """Add one report. Its group is evidence about the cell only if the task was a stranger
+        (chosen for what its cell promised): a task chosen for its own record is no random
+        draw from the cell, and counting it would make cells look as good as their best."""
+        self.tick += 1
+        group, tick, half_life = group_sums(report), self.tick, self.params.half_life_groups
+        self.envs[task.env] = updated(self.envs.get(task.env), group, tick, half_life)
+        cell, key = cell_of(task), (cell_of(task), task.id)
+        stranger = self.now(self.tasks.get(key)).groups < STRANGER_GROUPS
+        self.cells[cell] = updated(self.cells.get(cell), group, tick, half_life, evidence=stranger)
+        self.tasks[key] = updated(self.tasks.get(key), group, tick, half_life, lent=stranger)
+        self.tasks.move_to_end(key)
+        if len(self.tasks) > MAX_TASK_NODES:
+            self.tasks.popitem(last=False)
+        self._views.clear()
+
+    def now(self, node: Node | None) -> Sums:
+        """A node's sums aged to the current tick (zero for a node never reported)."""
+        if node is None:
+            return Sums()
+        return scaled(node.sums, decay_factor(self.tick - node.tick, self.params.half_life_groups))
+
+    def now_lent(self, node: Node) -> Sums:
+        """The part of a task's sums that its cell counts, aged to the current tick."""
+        return scaled(node.lent, decay_factor(self.tick - node.tick, self.params.half_life_groups))
+
+    def env_sums(self, env: str) -> Sums:
+        return self.now(self.envs.get(env))
+
+    def cell_view(self, cell: Cell) -> CellView:
+        view = self._views.get(cell)
+        if view is None:
+            p = self.params
+            pooled = Sums()
+            for other, node in self.cells.items():
+                weight = relation_weight(cell, other, p.family_weight, p.difficulty_weight)
+                if weight > 0:
+                    pooled = added(pooled, self.now(node), weight)
+            parent = shrink(pooled, self.root, p.prior_groups, self.group_size)
+            sums = self.now(self.cells.get(cell))
+            beta = beta_from_moments(shrink(sums, parent, p.shrink_groups, self.group_size))
+            view = self._views[cell] = CellView(sums, parent, beta)
+        return view
+
+    def task_beta(self, task: Task, view: CellView | None = None) -> Beta:
+        """A task's Beta: its cell's (without the task's own evidence) updated by its rewards."""
+        view = view or self.cell_view(cell_of(task))
+        node = self.tasks.get((cell_of(task), task.id))
+        if node is None:
+            return view.beta
+        own = self.now(node)
+        others = added(view.sums, self.now_lent(node), -1.0)
+        others = Sums(*(max(0.0, x) for x in others))  # decayed floats may dip below zero
+        prior = beta_from_moments(
+            shrink(others, view.parent, self.params.shrink_groups, self.group_size)
+        )
+        return updated_beta(prior, own)
+
+    def mixed(self, task: Task) -> float:
+        """Predicted P(a group of this task is mixed)."""
+        return mixed_probability(self.task_beta(task), self.group_size)
+
+
+# ── the scheduler ─────────────────────────────────────────────────────────────────────────
+
+
+class EnvSched:
+    """Chooses tasks by predicted chance of a mixed group, per unit cost, within env ratios."""
+
+    def __init__(
+        self,
+        envs: Sequence[EnvConfig],
+        params: EnvSchedConfig | None = None,
+        group_size: int = RolloutConfig().group_size,
+        seed: int = 0,
+    ) -> None:
+        if not envs:
+            raise ValueError("EnvSched needs at least one environment")
+        self.params = params or EnvSchedConfig()
+        self.statistics = Statistics(self.params, group_size)
+        # Entries that share a name are one environment; its candidates come from each entry
+        # in proportion to the entry's weight.
+        self.sources: dict[str, list[tuple[TaskSource, float]]] = {}
+        for env in envs:
+            source = TaskSource(env.name, env.difficulties, env.ops, env.task_file)
+            self.sources.setdefault(env.name, []).append((source, env.weight))
+        self.base_weights = {name: sum(w for _, w in s) for name, s in self.sources.items()}
+        # Per env: tasks whose last group was mixed, oldest first (see frontier_size).
+        self.frontiers: dict[str, OrderedDict[str, Task]] = {}
+        self.rng = random.Random(seed)  # used only when the caller passes no rng
+
+    def observe(self, task: Task, report: GroupReport) -> None:
+        self.statistics.observe(task, report)
+        frontier = self.frontiers.setdefault(task.env, OrderedDict())
+        frontier.pop(task.id, None)
+        if group_sums(report).mixed and self.params.frontier_size:
+            frontier[task.id] = task
+            if len(frontier) > self.params.frontier_size:
+                frontier.popitem(last=False)
+
+    def target_weights(self, grants_issued: int) -> dict[str, float]:
+        """Each environment's ratio target at this point of the run, scaled by its health."""
+        p = self.params
+        targets = weights_at(self.base_weights, p.ratio_at_grants, p.ratio_weights, grants_issued)
+        return {
+            env: w * env_health(self.statistics.env_sums(env), p.shrink_groups)
+            for env, w in targets.items()
+        }
+
+    def choose(
+        self,
+        k: int,
+        rng: random.Random | None = None,
+        open_by_env: Mapping[str, int] | None = None,
+        grants_issued: int = 0,
+    ) -> list[Task]:
+        """Up to `k` tasks (fewer only when every environment is at its `max_open`)."""
+        rng = rng or self.rng
+        open_by_env = open_by_env or {}
+        room = {
+            env: max(0, cap - open_by_env.get(env, 0)) for env, cap in self.params.max_open.items()
+        }
+        counts = apportion(k, self.target_weights(grants_issued), room, rng)
+        tasks: list[Task] = []
+        for env in sorted(counts):
+            tasks += self._choose_in(env, counts[env], rng)
+        return tasks
+
+    def _choose_in(self, env: str, count: int, rng: random.Random) -> list[Task]:
+        if count == 0:
+            return []
+        sources, weights = zip(*self.sources[env], strict=True)
+        pool: dict[str, Task] = dict(self.frontiers.get(env, {}))
+        for source in rng.choices(sources, weights=weights, k=self.params.pool_factor * count):
+            task = source.sample(rng)
+            pool.setdefault(task.id, task)
+        candidates = list(pool.values())
+        scores = [self.score(task) for task in candidates]
+        return [candidates[i] for i in pick(scores, count, rng)]
+
+    def score(self, task: Task) -> float:
+        """The sampling weight of a candidate task."""
+        stats, p = self.statistics, self.params
+        view = stats.cell_view(cell_of(task))
+        mixed = mixed_probability(stats.task_beta(task, view), stats.group_size)
+        cost = relative_cost(view.sums, stats.env_sums(task.env), p.shrink_groups)
+        return candidate_weight(
+            mixed, cost, coverage_bonus(view.sums.groups, p.bonus_scale), p.epsilon, p.sharpness
+        )
+
+
+# ── the status table ──────────────────────────────────────────────────────────────────────
+
+
+def cell_name(cell: Cell) -> str:
+    features = " ".join(
+        part for part in (f"d{cell.difficulty}" if cell.difficulty else "", cell.op) if part
+    )
+    return f"{cell.env} {features or '(no features)'}"
+
+
+def _observed(sums: Sums) -> tuple[float | None, float | None, float | None]:
+    """Mean reward, within-group variance and mixed-group rate as reported (decayed)."""
+    if sums.samples <= 0:
+        return None, None, None
+    mean = sums.reward / sums.samples
+    variance = None
+    if sums.pairs > 0:
+        variance = max(0.0, sums.reward_sq / sums.samples - sums.pair_products / sums.pairs)
+    return mean, variance, sums.mixed / sums.groups
+
+
+def status_table(
+    statistics: Statistics, recent: Sequence[Task], targets: Mapping[str, float]
+) -> list[SchedulerRow]:
+    """Rows for `agentjet status`: every environment, then the top cells, then the top tasks.
+
+    Environment rows show what was observed (decayed); cell and task rows show what the model
+    predicts, and a cell's score is the weight an unseen task of it gets. `recent` are the
+    newest grants, whose shares the rows report; `targets` are the environments' ratio
+    targets (normalised here).
+    """
+    stats, params = statistics, statistics.params
+    total_target = sum(targets.values()) or 1.0
+    by_env = Counter(task.env for task in recent)
+    by_cell = Counter(cell_of(task) for task in recent)
+    by_task = Counter((cell_of(task), task.id) for task in recent)
+    share = 1.0 / len(recent) if recent else 0.0
+    rows = []
+    for env in sorted(set(targets) | set(stats.envs)):
+        sums = stats.env_sums(env)
+        mean, variance, mixed = _observed(sums)
+        node = stats.envs.get(env)
+        rows.append(
+            SchedulerRow(
+                level="env",
+                name=env,
+                visits=node.visits if node else 0,
+                mean_reward=mean,
+                variance=variance,
+                mixed=mixed,
+                grant_share=by_env[env] * share,
+                target_share=targets.get(env, 0.0) / total_target,
+                failure_rate=sums.failed / sums.reports if sums.reports else None,
+            )
+        )
+    cells = []
+    for cell, node in stats.cells.items():
+        view = stats.cell_view(cell)
+        mixed = mixed_probability(view.beta, stats.group_size)
+        weight = candidate_weight(
+            mixed,
+            relative_cost(view.sums, stats.env_sums(cell.env), params.shrink_groups),
+            coverage_bonus(view.sums.groups, params.bonus_scale),
+            params.epsilon,
+            params.sharpness,
+        )
+        cells.append((-weight, cell, node, view.beta, mixed))
+    for neg_weight, cell, node, beta, mixed in sorted(cells)[:STATUS_TOP_CELLS]:
+        rows.append(
+            SchedulerRow(
+                level="cell",
+                name=cell_name(cell),
+                visits=node.visits,
+                mean_reward=beta.alpha / (beta.alpha + beta.beta),
+                variance=within_variance(beta),
+                mixed=mixed,
+                grant_share=by_cell[cell] * share,
+                score=-neg_weight,
+            )
+        )
+    repeated = [(key, node) for key, node in stats.tasks.items() if node.visits > 1]
+    repeated.sort(key=lambda item: (-item[1].visits, item[0]))
+    for (cell, task_id), node in repeated[:STATUS_TOP_TASKS]:
+        task = Task(
+            id=task_id, env=cell.env, prompt="", answer=0, op=cell.op, difficulty=cell.difficulty
+        )
+        beta = stats.task_beta(task)
+        rows.append(
+            SchedulerRow(
+                level="task",
+                name=f"{cell.env} {task_id}",
+                visits=node.visits,
+                mean_reward=beta.alpha / (beta.alpha + beta.beta),
+                variance=within_variance(beta),
+                mixed=mixed_probability(beta, stats.group_size),
+                grant_share=by_task[(cell, task_id)] * share,
+            )
+        )
+    return rows

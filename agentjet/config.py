@@ -55,7 +55,9 @@ class RolloutConfig(_Section):
     groups_per_batch: PositiveInt = 8
     sampling: SamplingConfig = msgspec.field(default_factory=SamplingConfig)
     # Unacknowledged groups kept in memory before the node stops generating (backpressure).
-    max_unacked_groups: PositiveInt = 64
+    # One batch: more only adds staleness, since a trainer that falls behind holds its own
+    # queue (trainer.max_queued_groups) and anything beyond max_policy_lag is wasted.
+    max_unacked_groups: PositiveInt = 8
     # A group not acknowledged within this time is sent again.
     resend_after_s: PositiveFloat = 20.0
     # torch intra-op threads for the engine (2-core boxes share cores with the trainer).
@@ -91,7 +93,8 @@ class TrainerConfig(_Section):
     max_policy_lag: NonNegInt = 4
     # Groups waiting to be trained; beyond this the trainer answers "busy" and rollout nodes
     # hold their groups (and then stop generating) instead of piling up stale work here.
-    max_queued_groups: PositiveInt = 16
+    # One step's worth keeps the learner fed while bounding staleness.
+    max_queued_groups: PositiveInt = 8
     max_grad_norm: PositiveFloat = 1.0
     # Sequences per forward/backward pass (bounds activation memory).
     micro_batch_samples: PositiveInt = 16
@@ -142,9 +145,6 @@ class EnvSchedConfig(_Section):
     pool_factor: PositiveInt = 8
     # Added to every candidate's weight so no task starves.
     epsilon: PositiveFloat = 0.01
-    # Candidates are drawn in proportion to (P(mixed) / relative cost) ** sharpness, plus the
-    # bonus and epsilon: 1 = in proportion; higher leans harder on the best predictions.
-    sharpness: PositiveFloat = 1.0
     # Tasks whose last group was mixed, kept per env (newest first) and offered again beside
     # fresh candidates: a task in reach of the policy keeps teaching until it is learned.
     # 0 = fresh candidates only.

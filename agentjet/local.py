@@ -192,7 +192,7 @@ def running(pid: int) -> bool:
 
 
 def stop_children(children: list[Child], seen: set[int], grace_s: float = STOP_GRACE_S) -> None:
-    """SIGTERM every role's process group, then SIGKILL whatever outlives the grace period.
+    """SIGTERM every role, then SIGKILL its process group and daemons after the grace period.
 
     Daemons a role started (hivemind's DHT process, p2pd) share its process group; `seen`
     holds every PID ever observed below the launcher, so daemons that left the group or
@@ -200,7 +200,10 @@ def stop_children(children: list[Child], seen: set[int], grace_s: float = STOP_G
     """
     daemons = seen | {pid for child in children for pid in descendants(child.process.pid)}
     for child in children:
-        _signal_group(child.process.pid, signal.SIGTERM)
+        # The role itself, not its group: it shuts its hivemind processes down in order. A
+        # SIGTERM to them too would leave an optimizer step waiting on dead averagers.
+        with contextlib.suppress(ProcessLookupError):
+            child.process.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     for child in children:
         try:

@@ -46,8 +46,10 @@ log = logging.getLogger(__name__)
 POLICY_POLL_S = 1.0
 # Back-off bounds when the coordinator or a trainer does not answer.
 RETRY_MIN_S, RETRY_MAX_S = 0.5, 10.0
-# When a trainer's queue is full, offer the group again after this long.
+# When a trainer's queue is full, offer groups again after this long.
 BUSY_RETRY_S = 1.0
+# Shortest sleep of the delivery loop (timer granularity; avoids spinning).
+MIN_WAIT_S = 0.05
 
 
 @dataclass
@@ -131,6 +133,7 @@ class Rollout:
         self.room.set()
         self.unsent = asyncio.Event()
         self.newer_policy = asyncio.Event()  # a trainer reported a version newer than ours
+        self.busy_until = 0.0  # monotonic time before which the trainer said it is full
         log.info("rollout node %s ready (envs: %s)", self.node_id, ", ".join(self.envs))
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -240,11 +243,13 @@ class Rollout:
         delay = RETRY_MIN_S
         while True:
             now = time.monotonic()
-            due = [p for p in self.unacked.values() if p.due_at <= now]
+            due = [p for p in self.unacked.values() if max(p.due_at, self.busy_until) <= now]
             if not due:
                 self.unsent.clear()
                 next_due = min((p.due_at for p in self.unacked.values()), default=None)
-                timeout = None if next_due is None else max(next_due - now, 0.05)
+                timeout = None
+                if next_due is not None:
+                    timeout = max(max(next_due, self.busy_until) - now, MIN_WAIT_S)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.unsent.wait(), timeout)
                 continue
@@ -262,9 +267,10 @@ class Rollout:
                     break
                 delay = RETRY_MIN_S
                 if isinstance(reply, protocol.Error) and reply.code == "busy":
-                    # The trainer's queue is full: keep the group, offer it again shortly.
+                    # The trainer's queue is full: keep every group, offer them again shortly.
                     pending.awaiting_ack = False
-                    pending.due_at = time.monotonic() + BUSY_RETRY_S
+                    pending.due_at = time.monotonic()
+                    self.busy_until = time.monotonic() + BUSY_RETRY_S
                     self.counts["trainer_busy"] += 1
                     break
                 self._on_ack(pending.group.group_id, reply)

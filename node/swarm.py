@@ -14,6 +14,7 @@ own logging kept quiet.
 from __future__ import annotations
 
 import logging
+import signal
 from collections.abc import Iterable
 from functools import partial
 
@@ -44,30 +45,37 @@ class SwarmOptimizer:
         target_batch_size: int,
     ) -> None:
         quiet_hivemind()
-        self.dht = hivemind.DHT(
-            initial_peers=config.initial_peers,
-            host_maddrs=config.host_maddrs,
-            start=True,
-            startup_timeout=config.startup_timeout_s,
-        )
+        # hivemind's DHT, averager processes and p2pd inherit SIGINT ignored: a Ctrl-C in a
+        # terminal (sent to the whole process group) then reaches only this process, which
+        # shuts them down in order instead of racing their deaths mid optimizer step.
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
-            self.optimizer = hivemind.Optimizer(
-                dht=self.dht,
-                run_id=config.run_id,
-                target_batch_size=target_batch_size,
-                optimizer=partial(torch.optim.AdamW, lr=lr, weight_decay=weight_decay),
-                params=params,
-                matchmaking_time=config.matchmaking_time_s,
-                averaging_timeout=config.averaging_timeout_s,
-                averager_opts={"request_timeout": config.request_timeout_s},
-                grad_averager_factory=partial(
-                    GradientAverager, request_timeout=config.request_timeout_s
-                ),
-                verbose=False,
+            self.dht = hivemind.DHT(
+                initial_peers=config.initial_peers,
+                host_maddrs=config.host_maddrs,
+                start=True,
+                startup_timeout=config.startup_timeout_s,
             )
-        except BaseException:
-            self.dht.shutdown()
-            raise
+            try:
+                self.optimizer = hivemind.Optimizer(
+                    dht=self.dht,
+                    run_id=config.run_id,
+                    target_batch_size=target_batch_size,
+                    optimizer=partial(torch.optim.AdamW, lr=lr, weight_decay=weight_decay),
+                    params=params,
+                    matchmaking_time=config.matchmaking_time_s,
+                    averaging_timeout=config.averaging_timeout_s,
+                    averager_opts={"request_timeout": config.request_timeout_s},
+                    grad_averager_factory=partial(
+                        GradientAverager, request_timeout=config.request_timeout_s
+                    ),
+                    verbose=False,
+                )
+            except BaseException:
+                self.dht.shutdown()
+                raise
+        finally:
+            signal.signal(signal.SIGINT, previous)
 
     @property
     def epoch(self) -> int:

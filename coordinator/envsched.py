@@ -1,11 +1,12 @@
 """EnvSched: grant (environment, task) work where GRPO learns — groups whose rewards differ.
 
     GroupReport ──▶ Statistics.observe ──▶ decayed sums per node of the graph:
-                      env ⊃ cell (env, op, difficulty) ⊃ task (env, id)
+                      env ⊃ cell (env, op, difficulty) ⊃ task (cell, id)
                       cell ~ neighbours: same op and difficulty in another env (family),
                                          same difficulty with another op (difficulty)
+                ──▶ EnvSched.frontiers: per env, the tasks whose last group was mixed
     choose(k) ──▶ envs: apportion(k, ratio target × health, capacity room)
-              ──▶ per env: pool_factor × its count candidates from its TaskSource
+              ──▶ per env: its frontier + pool_factor × its count fresh candidates
               ──▶ weight = P(mixed group) / relative cost + coverage bonus + epsilon
               ──▶ sample without replacement ∝ weight
 
@@ -15,21 +16,29 @@ of n samples of that task is mixed (gives GRPO any signal) with probability
 from two moments estimated from the reports: the mean reward (over samples) and E[p²] (over
 ordered pairs of samples of one group: E[r_i r_j] = E[p²] for i ≠ j). The second moment is
 what a per-sample Beta misses: a cell whose tasks are each always right or always wrong has
-mean 0.5 but never a mixed group (the measured 64% zero-variance groups come from exactly
-this spread). A task that was seen is the cell's Beta updated with its own rewards, so
+mean 0.5 but never a mixed group. (SmolLM2-135M's accuracies, 74% / 11% / 1.5% by digits,
+would give 46% zero-variance groups if all tasks of a digit count were alike; uniform runs
+measured 64%.) A task that was seen is its cell's Beta updated with its own rewards, so
 repeated tasks (1-digit problems, task files) are scored by what they did.
 
 Borrowing strength. Generated 2- and 3-digit tasks never repeat, so evidence lives in cells,
 and a cell's moments are shrunk toward a parent pooled from its graph neighbours (weighted by
 relation) and, below those, the prior Beta: rarely seen cells and new environments start
-from what similar cells show. Rewards are read as success probabilities in [0, 1] (binary
-verifiers; partial credit is a fractional success, and the same sums then give the running
-mean and variance).
+from what similar cells show. Only strangers (tasks chosen for what their cell promised,
+not for their own record) are evidence about a cell, or cells would look as good as the
+tasks picked from them. Rewards are read as success probabilities in [0, 1] (binary
+verifiers; partial credit is a fractional success, and the same sums give the running mean
+and variance).
+
+The frontier. Without per-task features, nothing tells two fresh 2-digit tasks apart; a task
+whose last group was mixed is within the policy's reach, so it is offered again beside the
+fresh candidates until a group of it comes back all-equal (learned, or out of reach). In the
+simulation (bench/sched_sim.py) this is most of EnvSched's gain over uniform sampling.
 
 Ageing. The policy changes, so every sum halves after `half_life_groups` further reports,
 and the coverage bonus `bonus_scale / sqrt(1 + decayed groups of the cell)` grows back for
 cells left alone. Time is counted in reports, not seconds, so replaying the stored reports in
-order rebuilds the same statistics bit for bit after a restart.
+order rebuilds the same statistics and frontiers bit for bit after a restart.
 
 Cost and failures. Within an environment a candidate's score is divided by its cell's
 expected completion tokens relative to the environment's; across environments each ratio
@@ -284,12 +293,10 @@ def env_health(env: Sums, prior_groups: float) -> float:
     return max(MIN_ENV_HEALTH, 1.0 - env.failed / (env.reports + prior_groups))
 
 
-def candidate_weight(
-    mixed: float, cost: float, bonus: float, epsilon: float, sharpness: float = 1.0
-) -> float:
-    """The sampling weight of one candidate: expected signal per unit cost (sharpened), plus
-    the coverage bonus and the floor that keeps every candidate possible."""
-    return (mixed / cost) ** sharpness + bonus + epsilon
+def candidate_weight(mixed: float, cost: float, bonus: float, epsilon: float) -> float:
+    """The sampling weight of one candidate: expected signal per unit cost, plus the coverage
+    bonus and the floor that keeps every candidate possible."""
+    return mixed / cost + bonus + epsilon
 
 
 # ── allocation ────────────────────────────────────────────────────────────────────────────
@@ -358,6 +365,26 @@ def pick(weights: Sequence[float], k: int, rng: random.Random) -> list[int]:
     while len(chosen) < k and weights:
         chosen += weighted_sample(weights, min(k - len(chosen), len(weights)), rng)
     return chosen
+
+
+class EnvSource(NamedTuple):
+    """One `envs` entry as EnvSched draws from it."""
+
+    source: TaskSource
+    weight: float
+    ids: frozenset[str] | None  # a task file's ids; None for generated tasks
+
+    @classmethod
+    def of(cls, env: EnvConfig) -> EnvSource:
+        source = TaskSource(env.name, env.difficulties, env.ops, env.task_file)
+        ids = None if source.rows is None else frozenset(task.id for task in source.rows)
+        return cls(source, env.weight, ids)
+
+    def can_draw(self, task: Task) -> bool:
+        """Whether this entry could draw `task` (a task of an older config is not offered)."""
+        if self.ids is not None:
+            return task.id in self.ids
+        return task.difficulty in self.source.difficulties and task.op in self.source.ops
 
 
 # ── the statistics ────────────────────────────────────────────────────────────────────────
@@ -446,10 +473,6 @@ class Statistics:
         )
         return updated_beta(prior, own)
 
-    def mixed(self, task: Task) -> float:
-        """Predicted P(a group of this task is mixed)."""
-        return mixed_probability(self.task_beta(task), self.group_size)
-
 
 # ── the scheduler ─────────────────────────────────────────────────────────────────────────
 
@@ -470,11 +493,12 @@ class EnvSched:
         self.statistics = Statistics(self.params, group_size)
         # Entries that share a name are one environment; its candidates come from each entry
         # in proportion to the entry's weight.
-        self.sources: dict[str, list[tuple[TaskSource, float]]] = {}
+        self.sources: dict[str, list[EnvSource]] = {}
         for env in envs:
-            source = TaskSource(env.name, env.difficulties, env.ops, env.task_file)
-            self.sources.setdefault(env.name, []).append((source, env.weight))
-        self.base_weights = {name: sum(w for _, w in s) for name, s in self.sources.items()}
+            self.sources.setdefault(env.name, []).append(EnvSource.of(env))
+        self.base_weights = {
+            name: sum(entry.weight for entry in entries) for name, entries in self.sources.items()
+        }
         # Per env: tasks whose last group was mixed, oldest first (see frontier_size).
         self.frontiers: dict[str, OrderedDict[str, Task]] = {}
         self.rng = random.Random(seed)  # used only when the caller passes no rng
@@ -519,10 +543,15 @@ class EnvSched:
     def _choose_in(self, env: str, count: int, rng: random.Random) -> list[Task]:
         if count == 0:
             return []
-        sources, weights = zip(*self.sources[env], strict=True)
-        pool: dict[str, Task] = dict(self.frontiers.get(env, {}))
-        for source in rng.choices(sources, weights=weights, k=self.params.pool_factor * count):
-            task = source.sample(rng)
+        entries = self.sources[env]
+        pool = {
+            task_id: task
+            for task_id, task in self.frontiers.get(env, {}).items()
+            if any(entry.can_draw(task) for entry in entries)
+        }
+        weights = [entry.weight for entry in entries]
+        for entry in rng.choices(entries, weights=weights, k=self.params.pool_factor * count):
+            task = entry.source.sample(rng)
             pool.setdefault(task.id, task)
         candidates = list(pool.values())
         scores = [self.score(task) for task in candidates]
@@ -535,7 +564,7 @@ class EnvSched:
         mixed = mixed_probability(stats.task_beta(task, view), stats.group_size)
         cost = relative_cost(view.sums, stats.env_sums(task.env), p.shrink_groups)
         return candidate_weight(
-            mixed, cost, coverage_bonus(view.sums.groups, p.bonus_scale), p.epsilon, p.sharpness
+            mixed, cost, coverage_bonus(view.sums.groups, p.bonus_scale), p.epsilon
         )
 
 
@@ -603,7 +632,6 @@ def status_table(
             relative_cost(view.sums, stats.env_sums(cell.env), params.shrink_groups),
             coverage_bonus(view.sums.groups, params.bonus_scale),
             params.epsilon,
-            params.sharpness,
         )
         cells.append((-weight, cell, node, view.beta, mixed))
     for neg_weight, cell, node, beta, mixed in sorted(cells)[:STATUS_TOP_CELLS]:

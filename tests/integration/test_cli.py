@@ -26,7 +26,7 @@ def agentjet(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess
 
 @pytest.mark.parametrize(
     "command",
-    [[], ["local"], ["node"], ["coordinator"], ["eval"], ["tasks"]],
+    [[], ["local"], ["node"], ["coordinator"], ["eval"], ["tasks"], ["status"]],
 )
 def test_every_subcommand_has_help(command):
     result = agentjet(*command, "--help")

@@ -7,6 +7,7 @@ one group [1, 1] gives samples 2, reward 2, pairs 2, pair products 2.
 from __future__ import annotations
 
 import random
+import tomllib
 from collections import Counter
 from pathlib import Path
 
@@ -19,15 +20,18 @@ from agentjet.config import (
     EnvConfig,
     EnvSchedConfig,
     config_from_dict,
+    to_toml,
 )
 from agentjet.errors import ConfigError
 from agentjet.protocol import CoordinatorStatus, GroupReport, SchedulerRow, Task
+from agentjet.tasks import generate_tasks, write_task_file
 from coordinator import envsched
 from coordinator.envsched import (
     MIN_ENV_HEALTH,
     Beta,
     Cell,
     EnvSched,
+    EnvSource,
     Moments,
     Node,
     Statistics,
@@ -158,7 +162,7 @@ def test_a_tasks_posterior_is_its_cells_beta_updated_by_its_rewards() -> None:
     # Beta(1, 1), updated by one right and one wrong: Beta(2, 2).
     assert stats.task_beta(seen) == pytest.approx(Beta(2, 2))
     # P(mixed of 2) = 1 − 2·E[p²] = 1 − 2·(2·3)/(4·5)
-    assert stats.mixed(seen) == pytest.approx(0.4)
+    assert mixed_probability(stats.task_beta(seen), 2) == pytest.approx(0.4)
 
 
 def test_only_strangers_are_evidence_about_their_cell() -> None:
@@ -234,7 +238,6 @@ def test_failing_environments_lose_their_share_but_keep_probes() -> None:
 
 def test_candidate_weight_is_signal_per_cost_plus_exploration() -> None:
     assert candidate_weight(0.5, 2.0, 0.1, 0.01) == pytest.approx(0.25 + 0.11)
-    assert candidate_weight(0.5, 2.0, 0.1, 0.01, sharpness=2.0) == pytest.approx(0.0625 + 0.11)
 
 
 # ── allocation ────────────────────────────────────────────────────────────────────────────
@@ -328,6 +331,20 @@ def test_envsched_offers_tasks_whose_last_group_was_mixed_again() -> None:
     assert not off.frontiers["arithmetic"]
 
 
+def test_frontier_tasks_of_an_older_config_are_not_offered(tmp_path: Path) -> None:
+    # Restarted with 1-digit tasks only, a 3-digit task of the history stays out.
+    scheduler = EnvSched([EnvConfig(difficulties=[1])], EnvSchedConfig(), group_size=8)
+    old = task(op="*", difficulty=3, id="d3:123*456")
+    scheduler.observe(old, report([1.0, 0.0] * 4))
+    picks = [t for i in range(20) for t in scheduler.choose(8, random.Random(i))]
+    assert old not in picks and {t.difficulty for t in picks} == {1}
+    task_file = tmp_path / "tasks.jsonl"
+    write_task_file(generate_tasks(3, seed=1), task_file)
+    entry = EnvSource.of(EnvConfig(task_file=str(task_file)))
+    assert all(entry.can_draw(t) for t in generate_tasks(3, seed=1))
+    assert not entry.can_draw(old)
+
+
 def test_envsched_keeps_env_ratios_capacity_and_schedule() -> None:
     envs = [EnvConfig(name="arithmetic", weight=3.0), EnvConfig(name="python_tool", weight=1.0)]
     params = EnvSchedConfig(
@@ -388,6 +405,23 @@ def test_config_rejects_what_envsched_cannot_use() -> None:
         load({"ratio_at_grants": [10], "ratio_weights": {"arithmetic": [0.0]}})
     with pytest.raises(ConfigError, match="coordinator.scheduler"):
         config_from_dict({"coordinator": {"scheduler": "greedy"}})
+
+
+def test_envsched_config_survives_the_resolved_config_file() -> None:
+    config = config_from_dict(
+        {
+            "envs": [{"name": "arithmetic"}, {"name": "python_tool"}],
+            "coordinator": {
+                "scheduler": "envsched",
+                "envsched": {
+                    "max_open": {"python_tool": 4},
+                    "ratio_at_grants": [0, 100],
+                    "ratio_weights": {"python_tool": [1.0, 3.0]},
+                },
+            },
+        }
+    )
+    assert config_from_dict(tomllib.loads(to_toml(config))) == config
 
 
 # ── restart and status ────────────────────────────────────────────────────────────────────

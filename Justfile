@@ -43,3 +43,11 @@ check: ensure
 # Learning benchmark: SmolLM2-135M, held-out accuracy before/after (writes bench/results/learn.json)
 bench-learn *ARGS: ensure
     {{bin}}/python bench/learn.py {{ARGS}}
+
+# Scheduling benchmark: EnvSched vs uniform, real training, same wall time (writes bench/results/sched.json)
+bench-sched *ARGS: ensure
+    {{bin}}/python bench/sched.py {{ARGS}}
+
+# Scheduling simulation: EnvSched vs uniform vs oracle on synthetic drifting tasks (seconds)
+bench-sched-sim *ARGS: ensure
+    {{bin}}/python bench/sched_sim.py {{ARGS}}

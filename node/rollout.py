@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import random
 import socket
 import time
 import uuid
@@ -34,6 +35,7 @@ from agentjet.config import Config
 from agentjet.episode import Episode, SamplingParams
 from agentjet.metrics import MetricsWriter
 from agentjet.roles import run_role, supervise
+from agentjet.tasks import TaskSource
 from agentjet.transport import Client, PeerUnavailable
 from node.model import resolve_model
 from node.torch_engine import TorchEngine
@@ -48,6 +50,9 @@ POLICY_POLL_S = 1.0
 RETRY_MIN_S, RETRY_MAX_S = 0.5, 10.0
 # When a trainer's queue is full, offer groups again after this long.
 BUSY_RETRY_S = 1.0
+# While the coordinator is away, each batch first asks it for this long, then goes local.
+FALLBACK_PROBE_S = 1.0
+LOCAL_GRANT_PREFIX = "local-"
 # Shortest sleep of the delivery loop (timer granularity; avoids spinning).
 MIN_WAIT_S = 0.05
 
@@ -106,6 +111,9 @@ class Rollout:
         path = resolve_model(cfg.model.name, cfg.model.cache_dir)
         self.engine = TorchEngine(path, dtype=cfg.model.dtype, seed=cfg.run.seed)
         self.envs = {env.name: make_env(env) for env in cfg.envs}
+        self.sources = [TaskSource(e.name, e.difficulties, e.ops, e.task_file) for e in cfg.envs]
+        self.rng = random.Random(cfg.run.seed)
+        self.coordinator_away = False
         s = cfg.rollout.sampling
         self.params = SamplingParams(
             temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_new_tokens
@@ -201,6 +209,7 @@ class Rollout:
                 self.room.clear()
 
     async def _request_work(self) -> list[protocol.WorkGrant]:
+        """Grants from the coordinator; while it does not answer, tasks drawn locally."""
         request = protocol.WorkRequest(
             node_id=self.node_id,
             max_groups=self.config.rollout.groups_per_batch,
@@ -209,20 +218,52 @@ class Rollout:
         delay = RETRY_MIN_S
         while True:
             try:
-                reply = await self.coordinator.request(request)
+                reply = await self.coordinator.request(request, self._coordinator_timeout())
             except PeerUnavailable as e:
-                log.warning("%s; retrying in %.1f s", e, delay)
-            else:
-                if isinstance(reply, protocol.WorkGrants) and reply.grants:
-                    return reply.grants
-                if isinstance(reply, protocol.Error):
-                    log.warning("coordinator refused work request: %s", reply.message)
+                if not self.coordinator_away:
+                    log.warning("%s; drawing tasks locally until it is back", e)
+                self.coordinator_away = True
+                return self._local_grants()
+            if self.coordinator_away:
+                log.info("coordinator is back")
+                self.coordinator_away = False
+            if isinstance(reply, protocol.WorkGrants) and reply.grants:
+                return reply.grants
+            if isinstance(reply, protocol.Error):
+                log.warning("coordinator refused work request: %s", reply.message)
             await asyncio.sleep(delay)
             delay = min(2 * delay, RETRY_MAX_S)
+
+    def _coordinator_timeout(self) -> float | None:
+        """Once the coordinator has gone silent, ask it only briefly (the default otherwise)."""
+        return FALLBACK_PROBE_S if self.coordinator_away else None
+
+    def _local_grants(self) -> list[protocol.WorkGrant]:
+        """The local fallback: uniform tasks from this node's own task sources.
+
+        Their groups are trained like any other; the coordinator never hears of them (it
+        has no grant to attach them to), so its scheduler learns nothing from them.
+        """
+        cfg = self.config
+        sources = self.rng.choices(
+            self.sources, weights=[e.weight for e in cfg.envs], k=cfg.rollout.groups_per_batch
+        )
+        self.counts["local_grants"] += len(sources)
+        return [
+            protocol.WorkGrant(
+                grant_id=f"{LOCAL_GRANT_PREFIX}{uuid.uuid4().hex}",
+                task=source.sample(self.rng),
+                group_size=cfg.rollout.group_size,
+                lease_s=0.0,
+            )
+            for source in sources
+        ]
 
     def _queue_report(
         self, grant: protocol.WorkGrant, episodes: list[Episode], wall_s: float, error: str
     ) -> None:
+        if grant.grant_id.startswith(LOCAL_GRANT_PREFIX):
+            return
         errors = [e.error for e in episodes if e.error]
         self.reports.put_nowait(
             protocol.GroupReport(
@@ -299,7 +340,7 @@ class Rollout:
             delay = RETRY_MIN_S
             while True:
                 try:
-                    reply = await self.coordinator.request(report)
+                    reply = await self.coordinator.request(report, self._coordinator_timeout())
                     break
                 except PeerUnavailable:
                     await asyncio.sleep(delay)
@@ -314,7 +355,7 @@ class Rollout:
             await asyncio.sleep(interval_s)
             beat.policy_version = self.engine.policy_version
             try:
-                await self.coordinator.request(beat)
+                await self.coordinator.request(beat, self._coordinator_timeout())
             except PeerUnavailable:
                 log.warning("coordinator missed a heartbeat")
 

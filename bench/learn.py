@@ -116,10 +116,12 @@ def main() -> int:
         "before": {k: before[k] for k in ("overall", "by_difficulty", "by_op", "n")},
         "after": {k: after[k] for k in ("overall", "by_difficulty", "by_op", "n")},
         "minutes": round(wall_s / 60, 2),
-        "policy_versions": len(steps),
+        "policy_versions": len({r["policy_version"] for r in steps}),
         "samples_per_s": round(samples / wall_s, 3),
         "gen_tokens_per_s": round(gen_tokens / gen_s, 2) if gen_s else 0.0,
-        "s_per_policy_version": round(wall_s / max(len(steps), 1), 2),
+        "s_per_policy_version": round(
+            wall_s / max(len({r["policy_version"] for r in steps}), 1), 2
+        ),
         "zero_variance_group_frac": round(zero_var / max(groups, 1), 3),
         # Peak memory of all roles together, as proportional set size (see memory_mb).
         "peak_rss_mb": round(peak_rss, 1),

@@ -40,7 +40,7 @@ def summarize(run_dir: Path, wall_s: float, heldout: dict) -> dict:
         "effective_samples_per_s": round(effective / wall_s, 4),
         "heldout_accuracy": heldout["overall"],
         "heldout_by_difficulty": heldout["by_difficulty"],
-        "policy_versions": len(steps),
+        "policy_versions": len({r["policy_version"] for r in steps}),
         "groups_trained": groups,
         "wall_s": round(wall_s, 1),
     }

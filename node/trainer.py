@@ -214,15 +214,22 @@ class Trainer:
             lags = [rl.policy_lag(s.policy_version, self.version) for g in batch for s in g.samples]
             self.lag_histogram.update(lags)
             row: dict[str, Any] = await asyncio.to_thread(self.learner.train_step, batch)
+            # hivemind occasionally keeps a step's gradients for the next epoch instead of
+            # stepping at once (its progress tracker lags); the weights are then unchanged,
+            # so there is no new version to publish. The groups still count as trained.
+            stepped = int(row["policy_version"]) > self.version
             self.version = int(row["policy_version"])
             self.counts["groups_trained"] += len(batch)
-            self.previous = self.published
-            self.published = await asyncio.to_thread(
-                snapshot, self.model, self.version, cfg.net.weight_chunk_bytes
-            )
+            if stepped:
+                self.previous = self.published
+                self.published = await asyncio.to_thread(
+                    snapshot, self.model, self.version, cfg.net.weight_chunk_bytes
+                )
             now = time.perf_counter()
+            assert self.published is not None
             row |= {
                 "event": "step",
+                "optimizer_stepped": stepped,
                 "trained_group_ids": [g.group_id for g in batch],
                 "trained_group_versions": [min(s.policy_version for s in g.samples) for g in batch],
                 "stale_group_ids": self.stale_ids,
@@ -237,7 +244,7 @@ class Trainer:
             last = now
             self.stale_ids = []
             self.metrics.write(row)
-            if self.version % cfg.trainer.checkpoint_every == 0:
+            if stepped and self.version % cfg.trainer.checkpoint_every == 0:
                 await asyncio.to_thread(self._checkpoint)
             if cfg.run.max_steps and self.version >= cfg.run.max_steps:
                 log.info("reached max_steps=%d", cfg.run.max_steps)

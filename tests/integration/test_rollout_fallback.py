@@ -73,7 +73,7 @@ def test_rollout_trains_on_local_tasks_while_coordinator_is_away(
         for r in read_metrics(tmp_path / "run" / "metrics" / "trainer.jsonl")
         if r.get("event") == "step"
     ]
-    assert [r["policy_version"] for r in steps] == list(range(1, MAX_STEPS + 1))
+    assert max(r["policy_version"] for r in steps) == MAX_STEPS
     trained = [g for r in steps for g in r["trained_group_ids"]]
     assert trained and all(g.startswith("local-") for g in trained)
     assert "drawing tasks locally" in (tmp_path / "rollout.log").read_text()

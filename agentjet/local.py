@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import json
 import os
 import signal
 import socket
@@ -25,7 +26,6 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from agentjet.config import Config, to_toml
-from agentjet.metrics import read_metrics
 
 ROLES = ("coordinator", "trainer", "rollout")
 # How often the launcher reads metrics and checks on its children.
@@ -58,19 +58,23 @@ class Progress:
     """Turns metric rows into the lines a user watches."""
 
     out: TextIO
-    offsets: dict[str, int] = field(default_factory=dict)
+    offsets: dict[str, int] = field(default_factory=dict)  # bytes already shown, per file
     last_version: int = 0
     started: float = field(default_factory=time.monotonic)
 
     def poll(self, run_dir: Path) -> None:
+        """Show the rows appended since the last poll (whole lines only; files only grow)."""
         for role in ("rollout", "trainer"):
             path = run_dir / "metrics" / f"{role}.jsonl"
             if not path.exists():
                 continue
-            rows = read_metrics(path)
-            for row in rows[self.offsets.get(role, 0) :]:
-                self._show(row)
-            self.offsets[role] = len(rows)
+            with open(path, "rb") as f:
+                f.seek(self.offsets.get(role, 0))
+                data = f.read()
+            complete = data[: data.rfind(b"\n") + 1]
+            self.offsets[role] = self.offsets.get(role, 0) + len(complete)
+            for line in complete.splitlines():
+                self._show(json.loads(line))
 
     def _show(self, row: dict[str, Any]) -> None:
         elapsed = time.monotonic() - self.started

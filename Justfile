@@ -46,7 +46,7 @@ bench-learn *ARGS: ensure
 
 # Scheduling benchmark: EnvSched vs uniform, real training, same wall time (writes bench/results/sched.json)
 bench-sched *ARGS: ensure
-    {{bin}}/python bench/sched.py {{ARGS}}
+    {{bin}}/python bench/sched_train.py {{ARGS}}
 
 # Scheduling simulation: EnvSched vs uniform vs oracle on synthetic drifting tasks (seconds)
 bench-sched-sim *ARGS: ensure

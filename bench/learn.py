@@ -45,6 +45,17 @@ def memory_mb(pids: set[int]) -> float:
     return total_kb / 1024
 
 
+def make_heldout(run_dir: Path, count: int) -> Path:
+    """The held-out task file: generated with a seed that training never uses."""
+    tasks = run_dir / "heldout.jsonl"
+    subprocess.run(
+        [*AGENTJET, "tasks", "--count", str(count), "--seed", str(HELDOUT_SEED),
+         "--out", str(tasks)],
+        check=True, cwd=ROOT,
+    )  # fmt: skip
+    return tasks
+
+
 def evaluate(checkpoint: str, tasks: Path, config: Path) -> dict:
     out = subprocess.run(
         [*AGENTJET, "eval", "--checkpoint", checkpoint, "--tasks", str(tasks),
@@ -82,12 +93,7 @@ def main() -> int:
 
     run_dir = ROOT / "runs" / f"bench-learn-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir.mkdir(parents=True)
-    tasks = run_dir / "heldout.jsonl"
-    subprocess.run(
-        [*AGENTJET, "tasks", "--count", str(args.heldout), "--seed", str(HELDOUT_SEED),
-         "--out", str(tasks)],
-        check=True, cwd=ROOT,
-    )  # fmt: skip
+    tasks = make_heldout(run_dir, args.heldout)
     before = evaluate("base", tasks, args.config)
     print("before:", json.dumps(before), flush=True)
 

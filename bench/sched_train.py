@@ -6,7 +6,7 @@
             samples per second, held-out accuracy of the final checkpoint
     ──▶ bench/results/sched.json
 
-Run: `just bench-sched` (or `.venv/bin/python bench/sched.py --minutes 15`). Both runs
+Run: `just bench-sched` (or `.venv/bin/python bench/sched_train.py --minutes 15`). Both runs
 train on the same mixed arithmetic set (all three difficulties, all three ops).
 """
 
@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from learn import AGENTJET, HELDOUT_SEED, ROOT, evaluate, train  # noqa: E402
+from learn import HELDOUT_SEED, ROOT, evaluate, make_heldout, train  # noqa: E402
 
 from agentjet.metrics import read_metrics  # noqa: E402
 
@@ -56,12 +55,7 @@ def main() -> int:
 
     root = ROOT / "runs" / f"bench-sched-{time.strftime('%Y%m%d-%H%M%S')}"
     root.mkdir(parents=True)
-    tasks = root / "heldout.jsonl"
-    subprocess.run(
-        [*AGENTJET, "tasks", "--count", str(args.heldout), "--seed", str(HELDOUT_SEED),
-         "--out", str(tasks)],
-        check=True, cwd=ROOT,
-    )  # fmt: skip
+    tasks = make_heldout(root, args.heldout)
     result: dict = {"minutes": args.minutes, "heldout_seed": HELDOUT_SEED}
     for scheduler in SCHEDULERS:
         run_dir = root / scheduler

@@ -68,6 +68,7 @@ class Trainer:
         self.version = 0
         self.checkpointed_version = -1
         self.stale_ids: list[str] = []  # dropped as stale since the last metrics row
+        self.step_task: asyncio.Task[float] | None = None
 
     def setup(self, cleanup: ExitStack) -> None:
         cfg = self.config
@@ -211,47 +212,55 @@ class Trainer:
                 self.queue.extendleft(reversed(batch))
                 self.batch_ready.clear()
                 continue
-            lags = [rl.policy_lag(s.policy_version, self.version) for g in batch for s in g.samples]
-            self.lag_histogram.update(lags)
-            row: dict[str, Any] = await asyncio.to_thread(self.learner.train_step, batch)
-            # hivemind occasionally keeps a step's gradients for the next epoch instead of
-            # stepping at once (its progress tracker lags); the weights are then unchanged,
-            # so there is no new version to publish. The groups still count as trained.
-            stepped = int(row["policy_version"]) > self.version
-            self.version = int(row["policy_version"])
-            self.counts["groups_trained"] += len(batch)
-            if stepped:
-                self.previous = self.published
-                self.published = await asyncio.to_thread(
-                    snapshot, self.model, self.version, cfg.net.weight_chunk_bytes
-                )
-            now = time.perf_counter()
-            assert self.published is not None
-            row |= {
-                "event": "step",
-                "optimizer_stepped": stepped,
-                "trained_group_ids": [g.group_id for g in batch],
-                "trained_group_versions": [min(s.policy_version for s in g.samples) for g in batch],
-                "stale_group_ids": self.stale_ids,
-                "policy_sha256": self.published.sha256,
-                "charts/staleness_mean": sum(lags) / len(lags),
-                "charts/staleness_max": max(lags),
-                "perf/s_per_version": now - last,
-                "perf/samples_per_s": row["charts/samples"] / (now - last),
-                "queue": len(self.queue),
-                **self._counts(),
-            }
-            last = now
-            self.stale_ids = []
-            self.metrics.write(row)
-            if stepped and self.version % cfg.trainer.checkpoint_every == 0:
-                await asyncio.to_thread(self._checkpoint)
+            # A stop must not cut a step in two (weights stepped, version or row not
+            # recorded): the step runs shielded and `run` waits for it before cleanup.
+            self.step_task = asyncio.create_task(self._step(batch, last), name="trainer-step")
+            last = await asyncio.shield(self.step_task)
             if cfg.run.max_steps and self.version >= cfg.run.max_steps:
                 log.info("reached max_steps=%d", cfg.run.max_steps)
                 stop.set()
                 return
             if len(self.queue) < cfg.trainer.groups_per_step:
                 self.batch_ready.clear()
+
+    async def _step(self, batch: list[protocol.TrajectoryGroup], last: float) -> float:
+        """Train on `batch`, publish and record the new version; returns the step's end time."""
+        cfg = self.config
+        lags = [rl.policy_lag(s.policy_version, self.version) for g in batch for s in g.samples]
+        self.lag_histogram.update(lags)
+        row: dict[str, Any] = await asyncio.to_thread(self.learner.train_step, batch)
+        # hivemind occasionally keeps a step's gradients for the next epoch instead of
+        # stepping at once (its progress tracker lags); the weights are then unchanged,
+        # so there is no new version to publish. The groups still count as trained.
+        stepped = int(row["policy_version"]) > self.version
+        self.version = int(row["policy_version"])
+        self.counts["groups_trained"] += len(batch)
+        if stepped:
+            self.previous = self.published
+            self.published = await asyncio.to_thread(
+                snapshot, self.model, self.version, cfg.net.weight_chunk_bytes
+            )
+        now = time.perf_counter()
+        assert self.published is not None
+        row |= {
+            "event": "step",
+            "optimizer_stepped": stepped,
+            "trained_group_ids": [g.group_id for g in batch],
+            "trained_group_versions": [min(s.policy_version for s in g.samples) for g in batch],
+            "stale_group_ids": self.stale_ids,
+            "policy_sha256": self.published.sha256,
+            "charts/staleness_mean": sum(lags) / len(lags),
+            "charts/staleness_max": max(lags),
+            "perf/s_per_version": now - last,
+            "perf/samples_per_s": row["charts/samples"] / (now - last),
+            "queue": len(self.queue),
+            **self._counts(),
+        }
+        self.stale_ids = []
+        self.metrics.write(row)
+        if stepped and self.version % cfg.trainer.checkpoint_every == 0:
+            await asyncio.to_thread(self._checkpoint)
+        return now
 
     def _checkpoint(self) -> None:
         directory = self.run_dir / "checkpoints" / f"v{self.version:06d}"

@@ -45,6 +45,16 @@ def memory_mb(pids: set[int]) -> float:
     return total_kb / 1024
 
 
+def final_checkpoint(run_dir: Path) -> Path:
+    return run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
+
+
+def write_result(path: Path, result: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+
+
 def make_heldout(run_dir: Path, count: int) -> Path:
     """The held-out task file: generated with a seed that training never uses."""
     tasks = run_dir / "heldout.jsonl"
@@ -99,8 +109,7 @@ def main() -> int:
 
     extra = [a for s in args.set for a in ("--set", s)]
     wall_s, peak_rss = train(args.minutes, args.config, run_dir / "train", extra)
-    latest = (run_dir / "train" / "checkpoints" / "latest").read_text().strip()
-    after = evaluate(str(run_dir / "train" / "checkpoints" / latest), tasks, args.config)
+    after = evaluate(str(final_checkpoint(run_dir / "train")), tasks, args.config)
     print("after:", json.dumps(after), flush=True)
 
     steps = [
@@ -137,9 +146,7 @@ def main() -> int:
         "machine": f"{os.cpu_count()} CPU cores",
         "date": time.strftime("%Y-%m-%d"),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
+    write_result(args.out, result)
     return 0
 
 

@@ -20,7 +20,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from learn import HELDOUT_SEED, ROOT, evaluate, make_heldout, train  # noqa: E402
+from learn import (  # noqa: E402
+    HELDOUT_SEED,
+    ROOT,
+    evaluate,
+    final_checkpoint,
+    make_heldout,
+    train,
+    write_result,
+)
 
 from agentjet.metrics import read_metrics  # noqa: E402
 
@@ -62,13 +70,10 @@ def main() -> int:
         wall_s, _ = train(
             args.minutes, args.config, run_dir, ["--set", f'coordinator.scheduler="{scheduler}"']
         )
-        latest = (run_dir / "checkpoints" / "latest").read_text().strip()
-        heldout = evaluate(str(run_dir / "checkpoints" / latest), tasks, args.config)
+        heldout = evaluate(str(final_checkpoint(run_dir)), tasks, args.config)
         result[scheduler] = summarize(run_dir, wall_s, heldout)
         print(scheduler, json.dumps(result[scheduler]), flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
+    write_result(args.out, result)
     return 0
 
 

@@ -23,7 +23,7 @@ setup:
 
 [private]
 ensure:
-    @test -f {{stamp}} || just setup
+    @test -f {{stamp}} || {{just_executable()}} setup
 
 # The main job: RL on the embedded SmolLM2-135M, all roles on this box (Ctrl-C stops)
 local *ARGS: ensure
@@ -38,7 +38,21 @@ check: ensure
     {{bin}}/ruff check .
     {{bin}}/ruff format --check .
     {{bin}}/mypy agentjet coordinator node sandboxes
-    just test
+    {{just_executable()}} test
+
+# Build the docker sandbox image offline from this machine's Debian mirror (as root, ~30 s)
+sandbox-image *ARGS: ensure
+    {{bin}}/agentjet sandbox build-image {{ARGS}}
+
+# Debian, as root: install and start a docker engine (and bubblewrap), build the sandbox image
+docker-up: ensure
+    command -v dockerd >/dev/null && command -v debootstrap >/dev/null && command -v bwrap >/dev/null \
+      || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker.io debootstrap bubblewrap >/dev/null)
+    {{bin}}/python -c "import docker; docker.from_env().ping()" 2>/dev/null \
+      || (nohup dockerd --iptables=false --bridge=none >/var/log/agentjet-dockerd.log 2>&1 &)
+    for _ in $(seq 120); do {{bin}}/python -c "import docker; docker.from_env().ping()" 2>/dev/null && exit 0; sleep 0.5; done; \
+      tail -20 /var/log/agentjet-dockerd.log; exit 1
+    {{bin}}/agentjet sandbox build-image
 
 # Learning benchmark: SmolLM2-135M, held-out accuracy before/after (writes bench/results/learn.json)
 bench-learn *ARGS: ensure
@@ -47,6 +61,10 @@ bench-learn *ARGS: ensure
 # Scheduling benchmark: EnvSched vs uniform, real training, same wall time (writes bench/results/sched.json)
 bench-sched *ARGS: ensure
     {{bin}}/python bench/sched_train.py {{ARGS}}
+
+# Sandbox benchmark: exec latency warm/cold/process, pool throughput (writes bench/results/sandbox.json)
+bench-sandbox *ARGS: ensure
+    {{bin}}/python bench/sandbox.py {{ARGS}}
 
 # Scheduling simulation: EnvSched vs uniform vs oracle on synthetic drifting tasks (seconds)
 bench-sched-sim *ARGS: ensure

@@ -6,6 +6,7 @@
     agentjet eval         greedy accuracy of a checkpoint on a task file
     agentjet tasks        write a generated arithmetic task file
     agentjet status       ask a running coordinator what it hands out and has learned
+    agentjet sandbox      build-image: the docker sandbox image, offline from Debian packages
 
 Heavy imports (torch, hivemind) happen only after arguments and config are valid, so
 `--help` and `--dry-run` are instant and every user error is one clear line.
@@ -90,6 +91,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--timeout-s", type=float, default=STATUS_TIMEOUT_S, help="give up after this long"
     )
     status.add_argument("--json", action="store_true", help="print the raw status as JSON")
+
+    sandbox = sub.add_parser("sandbox", help="manage the docker sandbox image")
+    actions = sandbox.add_subparsers(
+        dest="action", required=True, metavar="ACTION", parser_class=_Parser
+    )
+    image = actions.add_parser(
+        "build-image",
+        help="build the docker sandbox image offline from Debian packages (root, ~30 s)",
+        description="debootstrap a minimal Debian with python3 from this machine's apt "
+        "mirror and import it into docker; an existing image is kept unless --force",
+    )
+    image.add_argument("--tag", help="image name (default: the docker backend's default image)")
+    image.add_argument("--mirror", metavar="URL", help="Debian mirror (default: from apt sources)")
+    image.add_argument("--suite", help="Debian suite, e.g. bookworm (default: from apt sources)")
+    image.add_argument("--force", action="store_true", help="rebuild even if the image exists")
     return parser
 
 
@@ -127,6 +143,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _tasks(args)
     if args.command == "status":
         return _status(args)
+    if args.command == "sandbox" and args.action == "build-image":
+        return _build_image(args)
     if args.command == "local":
         default_dir = None
         if args.run_dir is None and not any(s.startswith("run.dir=") for s in args.set):
@@ -178,6 +196,13 @@ def _tasks(args: argparse.Namespace) -> int:
     tasks = generate_tasks(args.count, args.seed, difficulties, ops)
     write_task_file(tasks, args.out)
     print(f"wrote {len(tasks)} tasks to {args.out}")
+    return 0
+
+
+def _build_image(args: argparse.Namespace) -> int:
+    from sandboxes.image import DEFAULT_IMAGE, build_image
+
+    build_image(args.tag or DEFAULT_IMAGE, mirror=args.mirror, suite=args.suite, force=args.force)
     return 0
 
 

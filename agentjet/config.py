@@ -25,7 +25,9 @@ NonNegInt = Annotated[int, Meta(ge=0)]
 Probability = Annotated[float, Meta(gt=0, le=1)]
 
 EMBEDDED_MODEL = "embedded:smollm2-135m"
-ENV_NAMES = ("arithmetic", "python_tool")
+ENV_NAMES = ("arithmetic", "python_tool", "python_code", "shell")
+# Environments whose episodes run programs in a sandbox ([sandbox] configures them).
+SANDBOXED_ENVS = ("python_tool", "python_code", "shell")
 
 
 class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -65,11 +67,13 @@ class RolloutConfig(_Section):
 
 
 class EnvConfig(_Section):
-    # Environment name: "arithmetic" (single turn) or "python_tool" (multi-turn, runs Python).
+    # Environment: "arithmetic" (one turn), "python_tool" (arithmetic, may run Python first),
+    # "python_code" (write a function, hidden tests) or "shell" (multi-turn file tasks).
     name: str = "arithmetic"
     # Share of granted work for this environment, relative to the other entries.
     weight: PositiveFloat = 1.0
-    # Generated tasks: operand digits (1-3) and operators; ignored when task_file is set.
+    # Generated tasks: difficulty 1-3 (arithmetic: operand digits) and, for arithmetic
+    # environments, operators; ignored when task_file is set.
     difficulties: list[Annotated[int, Meta(ge=1, le=3)]] = msgspec.field(
         default_factory=lambda: [1, 2, 3]
     )
@@ -80,6 +84,25 @@ class EnvConfig(_Section):
     max_turns: Annotated[int, Meta(ge=1, le=16)] = 3
     # Wall-clock limit of one sandboxed tool call.
     tool_timeout_s: PositiveFloat = 5.0
+
+
+class SandboxConfig(_Section):
+    # Where sandboxed environments run programs: "process" (a subprocess with rlimits, under
+    # bubblewrap when installed) or "docker" (containers: no network, read-only root, limits).
+    backend: Literal["process", "docker"] = "process"
+    # Sandboxes a rollout node keeps warm; also the most episodes holding one at once (a
+    # larger batch is played in waves of this many episodes).
+    pool_size: Annotated[int, Meta(ge=1, le=1024)] = 16
+    # An episode waits this long for a free sandbox before it counts as a fault.
+    acquire_timeout_s: PositiveFloat = 120.0
+    # docker only: the image (`agentjet sandbox build-image` makes this one offline) and
+    # the limits of each container.
+    image: str = "agentjet-sandbox:bookworm"
+    memory_mb: Annotated[int, Meta(ge=16)] = 512
+    cpus: PositiveFloat = 1.0
+    pids: Annotated[int, Meta(ge=8)] = 64
+    work_dir_mb: PositiveInt = 64
+    network: bool = False
 
 
 class TrainerConfig(_Section):
@@ -192,6 +215,7 @@ class Config(_Section):
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     rollout: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
     envs: list[EnvConfig] = msgspec.field(default_factory=lambda: [EnvConfig()])
+    sandbox: SandboxConfig = msgspec.field(default_factory=SandboxConfig)
     trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
     swarm: SwarmConfig = msgspec.field(default_factory=SwarmConfig)
     coordinator: CoordinatorConfig = msgspec.field(default_factory=CoordinatorConfig)

@@ -65,6 +65,8 @@ class Episode:
     finish_reason: str = ""
     # Non-empty when a tool call or the sandbox failed (the episode still counts).
     error: str = ""
+    # Sandbox faults of its tool calls, in order (sandboxes.base.FAULTS).
+    faults: list[str] = field(default_factory=list)
     policy_version: int = 0
 
     def add_model_turn(self, completion: Completion) -> None:

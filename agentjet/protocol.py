@@ -20,7 +20,8 @@ from typing import Literal
 import msgspec
 import numpy as np
 
-PROTOCOL_VERSION = 1
+# 2: Task.setup/check (sandboxed environments), Sample.faults.
+PROTOCOL_VERSION = 2
 
 
 class _Msg(msgspec.Struct, kw_only=True, tag_field="t", forbid_unknown_fields=True):
@@ -28,14 +29,22 @@ class _Msg(msgspec.Struct, kw_only=True, tag_field="t", forbid_unknown_fields=Tr
 
 
 class Task(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
-    """One task of one environment. `answer` is what the environment's verifier checks."""
+    """One task of one environment, with what its verifier checks.
+
+    Arithmetic environments check `answer`. Sandboxed environments write `setup`, (path,
+    text) pairs (a tuple, so tasks stay hashable), into the episode's work dir before the
+    first turn and score by running `check`, a Python program, in the same sandbox after
+    the last: exit code 0 is success. Neither `answer` nor `check` is shown to the model.
+    """
 
     id: str
     env: str
     prompt: str
-    answer: int
+    answer: int = 0
     op: str = ""
     difficulty: int = 0
+    setup: tuple[tuple[str, str], ...] = ()
+    check: str = ""
 
 
 # ── handshake and errors (both sockets) ───────────────────────────────────────────
@@ -165,6 +174,8 @@ class Sample(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     turns: int = 1
     finish_reason: str = ""
     error: str = ""
+    # What went wrong in the sandbox, one entry per fault (sandboxes.base.FAULTS).
+    faults: list[str] = msgspec.field(default_factory=list)
 
 
 class TrajectoryGroup(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -1,7 +1,9 @@
-"""Task sources: generated arithmetic problems and JSONL task files.
+"""Task sources: generated tasks of every built-in environment, and JSONL task files.
 
 Pure and torch-free, so the coordinator (which hands tasks out) can import it.
-Task file rows: {"id": str, "prompt": str, "answer": int, "op"?: str, "difficulty"?: int}.
+Task file rows: {"id": str, "prompt": str, "answer"?: int, "op"?: str, "difficulty"?: int,
+"setup"?: {path: text}, "check"?: str}. Arithmetic environments (arithmetic, python_tool)
+need "answer"; sandboxed ones scored by a program (python_code, shell) need "check".
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import msgspec
 
 from agentjet.errors import TaskFileError
 from agentjet.protocol import Task
+from agentjet.sandbox_tasks import TASK_MAKERS
 
 OPS = ("+", "-", "*")
 MAX_TASK_FILE_ROWS = 1_000_000
@@ -23,9 +26,11 @@ MAX_TASK_FILE_ROWS = 1_000_000
 class _Row(msgspec.Struct, forbid_unknown_fields=True):
     id: str
     prompt: str
-    answer: int
+    answer: int | None = None
     op: str = ""
     difficulty: int = 0
+    setup: dict[str, str] = msgspec.field(default_factory=dict)
+    check: str = ""
 
 
 def arithmetic_prompt(a: int, op: str, b: int) -> str:
@@ -65,12 +70,22 @@ class TaskSource:
         self.ops = list(ops)
         self.rows = load_task_file(task_file, env) if task_file else None
 
+    def covers(self, task: Task) -> bool:
+        """Whether this source could have drawn `task` (for tasks of an older config)."""
+        if self.rows is not None:
+            return task in self.rows
+        if task.difficulty not in self.difficulties:
+            return False
+        return self.env in TASK_MAKERS or task.op in self.ops
+
     def sample(self, rng: random.Random) -> Task:
         if self.rows is not None:
             return rng.choice(self.rows)
-        return make_arithmetic_task(
-            rng, rng.choice(self.difficulties), rng.choice(self.ops), self.env
-        )
+        difficulty = rng.choice(self.difficulties)
+        maker = TASK_MAKERS.get(self.env)
+        if maker is not None:
+            return maker(rng, difficulty, self.env)
+        return make_arithmetic_task(rng, difficulty, rng.choice(self.ops), self.env)
 
 
 def generate_tasks(
@@ -122,17 +137,24 @@ def load_task_file(path: str | Path, env: str = "arithmetic") -> list[Task]:
             row = decoder.decode(line)
         except msgspec.DecodeError as e:
             raise TaskFileError(f"task file {path} line {lineno}: {e}") from None
+        where = f"task file {path} line {lineno}"
         if row.id in seen:
-            raise TaskFileError(f"task file {path} line {lineno}: duplicate id {row.id!r}")
+            raise TaskFileError(f"{where}: duplicate id {row.id!r}")
         seen.add(row.id)
+        if env in TASK_MAKERS and not row.check:
+            raise TaskFileError(f'{where}: {env} tasks need a "check" program')
+        if env not in TASK_MAKERS and row.answer is None:
+            raise TaskFileError(f'{where}: {env} tasks need an integer "answer"')
         tasks.append(
             Task(
                 id=row.id,
                 env=env,
                 prompt=row.prompt,
-                answer=row.answer,
+                answer=row.answer or 0,
                 op=row.op,
                 difficulty=row.difficulty,
+                setup=tuple(row.setup.items()),
+                check=row.check,
             )
         )
     if not tasks:

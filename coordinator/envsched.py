@@ -384,7 +384,7 @@ class EnvSource(NamedTuple):
         """Whether this entry could draw `task` (a task of an older config is not offered)."""
         if self.ids is not None:
             return task.id in self.ids
-        return task.difficulty in self.source.difficulties and task.op in self.source.ops
+        return self.source.covers(task)
 
 
 # ── the statistics ────────────────────────────────────────────────────────────────────────

@@ -9,18 +9,21 @@ numbers mean the same thing in both places.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from agentjet.config import Config, EnvConfig
+from agentjet.config import SANDBOXED_ENVS, Config, EnvConfig
 from agentjet.episode import SamplingParams
 from agentjet.errors import ModelError
 from agentjet.tasks import load_task_file
 from node.model import resolve_model
 from node.torch_engine import TorchEngine
 from sandboxes.envs import make_env
+from sandboxes.pool import open_pool
 
 
 def evaluate_checkpoint(
@@ -34,15 +37,20 @@ def evaluate_checkpoint(
             raise ModelError(f"{checkpoint} is not a checkpoint folder (no config.json)")
     tasks = load_task_file(tasks_path, env=env_name)
     env_config = next((e for e in config.envs if e.name == env_name), EnvConfig(name=env_name))
-    env = make_env(env_config)
     engine = TorchEngine(path, dtype=config.model.dtype, seed=config.run.seed)
     params = SamplingParams(max_new_tokens=config.rollout.sampling.max_new_tokens, greedy=True)
     start = time.perf_counter()
     rewards: list[float] = []
-    for i in range(0, len(tasks), batch_size):
-        chunk = tasks[i : i + batch_size]
-        episodes = env.run_group(engine, chunk, 1, params)
-        rewards += [eps[0].reward for eps in episodes]
+    with contextlib.ExitStack() as cleanup:
+        pool = None
+        if env_name in SANDBOXED_ENVS:
+            pool = open_pool(config.sandbox, f"eval-{os.getpid()}")
+            cleanup.callback(pool.close)
+        env = make_env(env_config, pool)
+        for i in range(0, len(tasks), batch_size):
+            chunk = tasks[i : i + batch_size]
+            episodes = env.run_group(engine, chunk, 1, params)
+            rewards += [eps[0].reward for eps in episodes]
     return summarize(tasks, rewards) | {
         "checkpoint": checkpoint,
         "env": env_name,

@@ -23,7 +23,7 @@ import random
 import socket
 import time
 import uuid
-from collections import defaultdict
+from collections import Counter, defaultdict
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from agentjet import protocol, rl
-from agentjet.config import Config
+from agentjet.config import SANDBOXED_ENVS, Config
 from agentjet.episode import Episode, SamplingParams
 from agentjet.metrics import MetricsWriter
 from agentjet.roles import run_role, supervise
@@ -41,6 +41,7 @@ from node.model import resolve_model
 from node.torch_engine import TorchEngine
 from node.weights import WeightAssembly
 from sandboxes.envs import make_env
+from sandboxes.pool import SandboxPool, open_pool
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,7 @@ def build_group(
             turns=e.turns,
             finish_reason=e.finish_reason,
             error=e.error,
+            faults=e.faults,
         )
         for e, a in zip(episodes, advantages, strict=True)
     ]
@@ -110,7 +112,11 @@ class Rollout:
         torch.set_num_threads(cfg.rollout.torch_threads)
         path = resolve_model(cfg.model.name, cfg.model.cache_dir)
         self.engine = TorchEngine(path, dtype=cfg.model.dtype, seed=cfg.run.seed)
-        self.envs = {env.name: make_env(env) for env in cfg.envs}
+        self.pool: SandboxPool | None = None
+        if any(env.name in SANDBOXED_ENVS for env in cfg.envs):
+            self.pool = open_pool(cfg.sandbox, self.node_id)
+            cleanup.callback(self.pool.close)
+        self.envs = {env.name: make_env(env, self.pool) for env in cfg.envs}
         self.sources = [TaskSource(e.name, e.difficulties, e.ops, e.task_file) for e in cfg.envs]
         self.rng = random.Random(cfg.run.seed)
         self.coordinator_away = False
@@ -190,6 +196,9 @@ class Rollout:
                     self._queue_report(grant, eps, wall_s / len(env_grants), "")
                 self.counts["groups_created"] += len(env_grants)
                 rewards = [e.reward for eps in episodes for e in eps]
+                faults = Counter(f for eps in episodes for e in eps for f in e.faults)
+                for fault, count in faults.items():
+                    self.counts[f"sandbox_{fault}"] += count
                 self.metrics.write(
                     {
                         "event": "batch",
@@ -201,12 +210,25 @@ class Rollout:
                         "perf/samples_per_s": len(rewards) / wall_s,
                         "perf/batch_s": wall_s,
                         "unacked": len(self.unacked),
+                        "sandbox/faults": dict(faults),
+                        **self._pool_metrics(),
                         **self.counts,
                     }
                 )
                 self.unsent.set()
             if len(self.unacked) >= cfg.rollout.max_unacked_groups:
                 self.room.clear()
+
+    def _pool_metrics(self) -> dict[str, float]:
+        if self.pool is None:
+            return {}
+        stats = self.pool.stats()
+        return {
+            "sandbox/waited": stats.waited,
+            "sandbox/wait_s": round(stats.wait_s, 3),
+            "sandbox/timeouts": stats.timeouts,
+            "sandbox/replaced": stats.replaced,
+        }
 
     async def _request_work(self) -> list[protocol.WorkGrant]:
         """Grants from the coordinator; while it does not answer, tasks drawn locally."""

@@ -26,6 +26,30 @@ MAX_OUTPUT_BYTES = 64 * 1024
 # What an exec runs: Python source, or a command line for /bin/sh.
 Language = Literal["python", "sh"]
 
+# Environment variables of every program, on every backend (each adds PATH, HOME, TMPDIR).
+PROGRAM_ENVIRONMENT = {
+    "LANG": "C.UTF-8",
+    # Partial output of a program that later times out still reaches the caller.
+    "PYTHONUNBUFFERED": "1",
+    "PYTHONDONTWRITEBYTECODE": "1",
+    # HOME is the writable work dir: without this a program could plant a usercustomize.py
+    # there that runs first in every later Python process, the task's check included.
+    "PYTHONNOUSERSITE": "1",
+    # One thread per numeric library: thread pools would eat the memory limits.
+    "OMP_NUM_THREADS": "1",
+    "OPENBLAS_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+}
+
+# Why a run went wrong: `ExecResult.fault`, and per episode in `Episode.faults`, the
+# trajectory's samples and the rollout node's metrics.
+FAULT_TIMEOUT = "timeout"  # killed at the wall-clock limit
+FAULT_OOM = "oom_killed"  # killed by the kernel for exceeding the memory limit
+FAULT_PIDS = "pids_limit"  # a fork was refused: the process-count limit was reached
+FAULT_LOST = "sandbox_lost"  # the sandbox itself is gone (a container killed from outside)
+FAULT_UNAVAILABLE = "no_sandbox"  # no sandbox could be had (pool busy, engine down)
+FAULTS = (FAULT_TIMEOUT, FAULT_OOM, FAULT_PIDS, FAULT_LOST, FAULT_UNAVAILABLE)
+
 
 class SandboxError(AgentjetError):
     """The sandbox itself failed or was misused; the program it runs never raises this."""
@@ -37,7 +61,8 @@ class ExecResult:
 
     `exit_code` follows `subprocess`: negative means killed by that signal (-9 after a
     timeout). `error` is non-empty only when the sandbox could not run the program at all;
-    `truncated` says that stdout or stderr was longer than the sandbox keeps.
+    `truncated` says that stdout or stderr was longer than the sandbox keeps. `fault` names
+    the limit or failure that ended the run (one of FAULTS), "" when none did.
     """
 
     stdout: str
@@ -47,6 +72,7 @@ class ExecResult:
     timed_out: bool = False
     error: str = ""
     truncated: bool = False
+    fault: str = ""
 
     @property
     def ok(self) -> bool:
@@ -84,6 +110,10 @@ class Sandbox(ABC):
     def close(self) -> None:
         """Release everything the sandbox holds. Calling it twice is a no-op."""
 
+    def healthy(self) -> bool:
+        """Whether the sandbox can still run programs (a pool replaces one that cannot)."""
+        return True
+
     def __enter__(self) -> Self:
         self.start()
         return self
@@ -95,3 +125,23 @@ class Sandbox(ABC):
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+class BoundedBuffer:
+    """Keeps the first `limit` bytes written to it and counts the rest."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.chunks: list[bytes] = []
+        self.kept = 0
+        self.dropped = 0
+
+    def append(self, chunk: bytes) -> None:
+        room = self.limit - self.kept
+        if room > 0:
+            self.chunks.append(chunk[:room])
+            self.kept += min(room, len(chunk))
+        self.dropped += max(0, len(chunk) - room)
+
+    def text(self) -> str:
+        return b"".join(self.chunks).decode("utf-8", errors="replace")

@@ -45,7 +45,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from sandboxes.base import MAX_OUTPUT_BYTES, ExecResult, Language, Sandbox, SandboxError
+from sandboxes.base import (
+    FAULT_TIMEOUT,
+    MAX_OUTPUT_BYTES,
+    PROGRAM_ENVIRONMENT,
+    BoundedBuffer,
+    ExecResult,
+    Language,
+    Sandbox,
+    SandboxError,
+)
 
 # After the program exits, output still buffered in the pipes is read for at most this
 # long; only a process that escaped the group (setsid) can hold a pipe open past it.
@@ -162,14 +171,7 @@ class ProcessSandbox(Sandbox):
             "PATH": _SANDBOX_PATH,
             "HOME": str(work),
             "TMPDIR": str(work),
-            "LANG": "C.UTF-8",
-            # Partial output of a program that later times out still reaches the caller.
-            "PYTHONUNBUFFERED": "1",
-            "PYTHONDONTWRITEBYTECODE": "1",
-            # One thread per numeric library: thread pools would eat the address-space limit.
-            "OMP_NUM_THREADS": "1",
-            "OPENBLAS_NUM_THREADS": "1",
-            "MKL_NUM_THREADS": "1",
+            **PROGRAM_ENVIRONMENT,
         }
         started = time.monotonic()
         try:
@@ -206,8 +208,8 @@ class ProcessSandbox(Sandbox):
         without reaping it: the loop sleeps in one `select` and wakes on output or exit.
         """
         assert proc.stdout is not None and proc.stderr is not None
-        stdout = _BoundedBuffer(self.max_output_bytes)
-        stderr = _BoundedBuffer(self.max_output_bytes)
+        stdout = BoundedBuffer(self.max_output_bytes)
+        stderr = BoundedBuffer(self.max_output_bytes)
         outputs = {proc.stdout.fileno(): stdout, proc.stderr.fileno(): stderr}
         exited = False
         with selectors.DefaultSelector() as selector, _pidfd(proc.pid) as exit_fd:
@@ -242,6 +244,7 @@ class ProcessSandbox(Sandbox):
             duration_s=time.monotonic() - started,
             timed_out=not exited,
             truncated=stdout.dropped > 0 or stderr.dropped > 0,
+            fault="" if exited else FAULT_TIMEOUT,
         )
 
     def _launcher(self, timeout_s: float) -> list[str]:
@@ -287,26 +290,6 @@ def bwrap_argv(bwrap: str, work_dir: Path) -> list[str]:
         "--die-with-parent",
         "--",
     ]  # fmt: skip
-
-
-class _BoundedBuffer:
-    """Keeps the first `limit` bytes written to it and counts the rest."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.chunks: list[bytes] = []
-        self.kept = 0
-        self.dropped = 0
-
-    def append(self, chunk: bytes) -> None:
-        room = self.limit - self.kept
-        if room > 0:
-            self.chunks.append(chunk[:room])
-            self.kept += min(room, len(chunk))
-        self.dropped += max(0, len(chunk) - room)
-
-    def text(self) -> str:
-        return b"".join(self.chunks).decode("utf-8", errors="replace")
 
 
 @contextlib.contextmanager

@@ -3,15 +3,20 @@
 `tiny_model_dir` is a random SmolLM2-shaped model saved as an HF folder (built once per
 session; the SmolLM2 tokenizer is converted from the embedded GGUF once and cached).
 Tests that run torch call `one_torch_thread` so parallel test runs on small boxes do not
-fight over cores.
+fight over cores. Docker-tier tests take `docker_client`: without a reachable engine they
+skip, or fail where AGENTJET_REQUIRE_DOCKER=1 (CI) says the docker tier must run.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import docker
+import docker.errors
 import pytest
+import requests.exceptions
 import torch
 
 from node.model import build_tiny_model
@@ -29,3 +34,18 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def docker_client() -> Iterator[docker.DockerClient]:
+    """A client of the engine named by DOCKER_HOST (default: the local socket)."""
+    try:
+        client = docker.from_env()
+        client.ping()
+    except (docker.errors.DockerException, requests.exceptions.RequestException) as e:
+        reason = f"no docker engine reachable: {str(e).splitlines()[0]}"
+        if os.environ.get("AGENTJET_REQUIRE_DOCKER") == "1":
+            pytest.fail(f"{reason} (AGENTJET_REQUIRE_DOCKER=1 requires one)")
+        pytest.skip(reason)
+    yield client
+    client.close()

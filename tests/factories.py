@@ -1,9 +1,13 @@
-"""Well-formed wire objects for tests; each test changes only what it is about."""
+"""Well-formed wire objects and stand-in policies for tests; each test changes only what
+it is about."""
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from typing import Any
 
+from agentjet.episode import Completion, SamplingParams
 from agentjet.protocol import Sample, TrajectoryGroup, pack_floats, pack_ids, pack_mask
 
 
@@ -33,3 +37,29 @@ def make_group(
         samples=[make_sample(reward=r, policy_version=version) for r in rewards],
         created_at=1.0,
     )
+
+
+class RuleGenerator:
+    """A Generator that answers every context by a rule: `reply(text)` gets the decoded
+    context (prompt and turns so far) and returns the next model turn. For tests of whole
+    episodes at scale, where scripting each engine call would be longer than the test."""
+
+    def __init__(self, tokenizer: Any, reply: Callable[[str], str]) -> None:
+        self.tokenizer = tokenizer
+        self.reply = reply
+        self.policy_version = 0
+        self.calls = 0
+        self._lock = threading.Lock()
+
+    def generate(
+        self, prompts: list[list[int]], n: int, params: SamplingParams
+    ) -> list[list[Completion]]:
+        with self._lock:
+            self.calls += 1
+        out = []
+        for prompt in prompts:
+            text = self.reply(self.tokenizer.decode(prompt))
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            ids.append(self.tokenizer.eos_token_id)
+            out.append([Completion(ids, [-0.5] * len(ids), "stop") for _ in range(n)])
+        return out

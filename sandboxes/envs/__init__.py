@@ -11,16 +11,36 @@ reward 0 and an `Episode.error`. Engine failures propagate.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 from agentjet.config import ENV_NAMES, EnvConfig
 from agentjet.episode import Episode, Generator, SamplingParams
 from agentjet.errors import ConfigError
 from agentjet.protocol import Task
+from sandboxes.base import Sandbox
 from sandboxes.envs.arithmetic import ArithmeticEnv
+from sandboxes.envs.python_code import PythonCodeEnv
 from sandboxes.envs.python_tool import PythonToolEnv
+from sandboxes.envs.sandboxed import MAX_EPISODES_AT_ONCE, SandboxedEnv
+from sandboxes.envs.shell import ShellEnv
+from sandboxes.pool import SandboxPool
+from sandboxes.process import ProcessSandbox
 
-__all__ = ["ArithmeticEnv", "Environment", "PythonToolEnv", "make_env"]
+__all__ = [
+    "ArithmeticEnv",
+    "Environment",
+    "PythonCodeEnv",
+    "PythonToolEnv",
+    "ShellEnv",
+    "make_env",
+]
+
+_SANDBOXED: dict[str, type[SandboxedEnv]] = {
+    "python_tool": PythonToolEnv,
+    "python_code": PythonCodeEnv,
+    "shell": ShellEnv,
+}
 
 
 class Environment(Protocol):
@@ -38,10 +58,18 @@ class Environment(Protocol):
         ...
 
 
-def make_env(config: EnvConfig) -> Environment:
-    """The environment an `[[envs]]` config entry names."""
+def make_env(config: EnvConfig, pool: SandboxPool | None = None) -> Environment:
+    """The environment an `[[envs]]` config entry names. Sandboxed ones lease each
+    episode's sandbox from `pool` (at most its size at once); without one, each episode
+    gets a fresh ProcessSandbox."""
     if config.name == "arithmetic":
         return ArithmeticEnv()
-    if config.name == "python_tool":
-        return PythonToolEnv(max_turns=config.max_turns, tool_timeout_s=config.tool_timeout_s)
+    if config.name in _SANDBOXED:
+        factory: Callable[[], Sandbox] = ProcessSandbox if pool is None else pool.lease
+        return _SANDBOXED[config.name](
+            max_turns=config.max_turns,
+            tool_timeout_s=config.tool_timeout_s,
+            sandbox_factory=factory,
+            max_episodes_at_once=MAX_EPISODES_AT_ONCE if pool is None else pool.size,
+        )
     raise ConfigError(f"unknown environment {config.name!r} (allowed: {', '.join(ENV_NAMES)})")

@@ -6,6 +6,7 @@ with a table of unit tests.
 
 from __future__ import annotations
 
+import functools
 import re
 
 # A number as models write it: an optional sign, digits or comma-grouped thousands, an
@@ -18,8 +19,15 @@ _NUMBER = re.compile(
     r"(?P<frac>\.\d+)?"
 )
 
-# A fenced code block labelled as Python; the body runs in a sandbox.
-_CODE_BLOCK = re.compile(r"```(?:python3?|py)[ \t]*\n(?P<code>.*?)```", re.DOTALL | re.IGNORECASE)
+# Fenced code blocks by language label; the body runs in a sandbox.
+PYTHON_TAGS = ("python", "python3", "py")
+SHELL_TAGS = ("sh", "bash", "shell", "console")
+
+
+@functools.cache
+def _code_block(tags: tuple[str, ...]) -> re.Pattern[str]:
+    labels = "|".join(re.escape(tag) for tag in tags)
+    return re.compile(rf"```(?:{labels})[ \t]*\n(?P<code>.*?)```", re.DOTALL | re.IGNORECASE)
 
 
 def final_integer(text: str) -> int | None:
@@ -45,16 +53,16 @@ def exact_answer_reward(text: str, answer: int) -> float:
     return 1.0 if final_integer(text) == answer else 0.0
 
 
-def first_code_block(text: str) -> str | None:
-    """The body of the first complete ```python block, or None.
+def first_code_block(text: str, tags: tuple[str, ...] = PYTHON_TAGS) -> str | None:
+    """The body of the first complete code block labelled with one of `tags`, or None.
 
     Only a closed fence counts: a block cut off by the token limit is unfinished code,
     and running it would feed the model an error it did not cause.
     """
-    match = _CODE_BLOCK.search(text)
+    match = _code_block(tags).search(text)
     return match.group("code") if match else None
 
 
-def strip_code_blocks(text: str) -> str:
-    """`text` without its Python blocks, so numbers inside code are not read as the answer."""
-    return _CODE_BLOCK.sub(" ", text)
+def strip_code_blocks(text: str, tags: tuple[str, ...] = PYTHON_TAGS) -> str:
+    """`text` without its code blocks, so numbers inside code are not read as the answer."""
+    return _code_block(tags).sub(" ", text)

@@ -17,7 +17,7 @@ from agentjet.protocol import Task
 from sandboxes.base import ExecResult, Language, SandboxError
 from sandboxes.envs import ArithmeticEnv, PythonToolEnv, make_env
 from sandboxes.envs.parsing import final_integer, first_code_block, strip_code_blocks
-from sandboxes.envs.python_tool import FINISH_MAX_TURNS, MAX_TOOL_OUTPUT_CHARS, tool_feedback
+from sandboxes.envs.sandboxed import FINISH_MAX_TURNS, MAX_TOOL_OUTPUT_CHARS, tool_feedback
 from sandboxes.process import ProcessSandbox
 
 pytestmark = pytest.mark.unit
@@ -314,7 +314,7 @@ class _BrokenSandbox(ProcessSandbox):
     [
         (_BrokenSandbox, "print(1)", "turn 1: sandbox failed: no space left on device"),
         (ProcessSandbox, "print('a')\x00", "turn 1: cannot start the program"),
-        (ProcessSandbox, "import sys; sys.exit(3)", "turn 1: tool exited with code 3"),
+        (ProcessSandbox, "import sys; sys.exit(3)", "turn 1: exited with code 3"),
     ],
 )
 def test_tool_faults_become_episode_errors(

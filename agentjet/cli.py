@@ -4,7 +4,7 @@
     agentjet node         --role trainer|rollout, one role of a swarm
     agentjet coordinator  hands out (environment, task) work
     agentjet eval         greedy accuracy of a checkpoint on a task file
-    agentjet tasks        write a generated arithmetic task file
+    agentjet tasks        write a generated task file
     agentjet status       ask a running coordinator what it hands out and has learned
     agentjet sandbox      build-image: the docker sandbox image, offline from Debian packages
 
@@ -76,11 +76,14 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--batch-size", type=int, default=64, help="tasks per engine batch")
     _config_args(ev)
 
-    tasks = sub.add_parser("tasks", help="write generated arithmetic tasks as JSONL")
+    tasks = sub.add_parser("tasks", help="write generated tasks as JSONL (for eval)")
+    tasks.add_argument("--env", default="arithmetic", choices=ENV_NAMES)
     tasks.add_argument("--count", type=int, required=True)
     tasks.add_argument("--seed", type=int, default=0)
     tasks.add_argument("--difficulties", default="1,2,3", help="comma-separated digits, 1-3")
-    tasks.add_argument("--ops", default="+,-,*", help="comma-separated operators")
+    tasks.add_argument(
+        "--ops", default="+,-,*", help="comma-separated operators (arithmetic environments)"
+    )
     tasks.add_argument("--out", type=Path, required=True)
 
     status = sub.add_parser("status", help="what a running coordinator hands out and has learned")
@@ -193,7 +196,10 @@ def _tasks(args: argparse.Namespace) -> int:
     ops = args.ops.split(",")
     if not set(difficulties) <= {1, 2, 3} or not set(ops) <= {"+", "-", "*"} or args.count < 1:
         raise AgentjetError("--difficulties must be within 1,2,3, --ops within +,-,*, --count >= 1")
-    tasks = generate_tasks(args.count, args.seed, difficulties, ops)
+    try:
+        tasks = generate_tasks(args.count, args.seed, difficulties, ops, args.env)
+    except ValueError as e:
+        raise AgentjetError(str(e)) from None
     write_task_file(tasks, args.out)
     print(f"wrote {len(tasks)} tasks to {args.out}")
     return 0

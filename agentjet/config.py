@@ -312,17 +312,29 @@ def _explain(message: str) -> str:
         allowed = ", ".join(_fields_at(path))
         full = f"{path}.{field}" if path else field
         return f"config error at {full}: unknown key (allowed here: {allowed})"
-    return f"config error at {path or '<top>'}: {what[0].lower()}{what[1:]}"
+    explained = f"config error at {path or '<top>'}: {what[0].lower()}{what[1:]}"
+    if what.startswith("Invalid enum value"):
+        allowed = getattr(_type_at(path), "__args__", ())
+        explained += f" (allowed: {', '.join(map(str, allowed))})"
+    return explained
 
 
-def _fields_at(path: str) -> list[str]:
+def _type_at(path: str) -> Any:
+    """The declared type of the config key at `path` (list items for an index)."""
     cls: Any = Config
     for part in filter(None, path.split(".")):
+        if getattr(cls, "__origin__", None) is list:
+            cls = cls.__args__[0]
         if part.isdigit():
             continue
         cls = {f.name: f.type for f in msgspec.structs.fields(cls)}[part]
-        if getattr(cls, "__origin__", None) is list:
-            cls = cls.__args__[0]
+    return cls
+
+
+def _fields_at(path: str) -> list[str]:
+    cls = _type_at(path)
+    if getattr(cls, "__origin__", None) is list:
+        cls = cls.__args__[0]
     return [f.name for f in msgspec.structs.fields(cls)]
 
 

@@ -95,17 +95,22 @@ def generate_tasks(
     ops: Sequence[str] = OPS,
     env: str = "arithmetic",
 ) -> list[Task]:
-    """`count` tasks balanced over (difficulty, op), distinct ids, reproducible by seed."""
+    """`count` tasks of `env` balanced over difficulty (and op, for arithmetic environments),
+    distinct ids, reproducible by seed."""
     rng = random.Random(seed)
+    maker = TASK_MAKERS.get(env)
     tasks: dict[str, Task] = {}
-    cells = [(d, op) for d in difficulties for op in ops]
+    cells = [(d, op) for d in difficulties for op in (ops if maker is None else [""])]
     attempts = 0
     while len(tasks) < count:
         d, op = cells[len(tasks) % len(cells)]
-        task = make_arithmetic_task(rng, d, op, env)
+        task = make_arithmetic_task(rng, d, op, env) if maker is None else maker(rng, d, env)
         attempts += 1
         if attempts > 100 * count:
-            raise ValueError(f"cannot make {count} distinct tasks from {cells}")
+            raise ValueError(
+                f"cannot make {count} distinct {env} tasks of difficulties "
+                f"{list(difficulties)}: {len(tasks)} found in {attempts - 1} draws; ask for fewer"
+            )
         tasks.setdefault(task.id, task)
     return list(tasks.values())
 
@@ -113,8 +118,10 @@ def generate_tasks(
 def write_task_file(tasks: Sequence[Task], path: str | Path) -> None:
     with open(path, "w") as f:
         for t in tasks:
-            row = {"id": t.id, "prompt": t.prompt, "answer": t.answer}
+            row: dict[str, object] = {"id": t.id, "prompt": t.prompt, "answer": t.answer}
             row |= {"op": t.op, "difficulty": t.difficulty}
+            if t.check:
+                row |= {"setup": dict(t.setup), "check": t.check}
             f.write(json.dumps(row) + "\n")
 
 

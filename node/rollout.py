@@ -224,6 +224,7 @@ class Rollout:
             return {}
         stats = self.pool.stats()
         return {
+            "sandbox/acquired": stats.acquired,
             "sandbox/waited": stats.waited,
             "sandbox/wait_s": round(stats.wait_s, 3),
             "sandbox/timeouts": stats.timeouts,

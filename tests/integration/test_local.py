@@ -16,6 +16,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -33,8 +34,10 @@ def run_local(
     run_dir: Path,
     max_steps: int = MAX_STEPS,
     interrupt_when: Callable[[], bool] | None = None,
+    settings: tuple[str, ...] = (),
 ) -> tuple[int, str, set[int]]:
     """Run `agentjet local` to the end, or SIGINT it (like Ctrl-C) once `interrupt_when()`.
+    `settings`: more `--set key=value` overrides.
 
     Returns (exit code, output, every PID it spawned).
     """
@@ -59,6 +62,7 @@ def run_local(
         "--set", "trainer.checkpoint_every=2",
         "--set", "envs.0.difficulties=[1]",
     ]  # fmt: skip
+    argv += [arg for setting in settings for arg in ("--set", setting)]
     output_path = run_dir.with_name(run_dir.name + ".out")
     with open(output_path, "wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -161,3 +165,30 @@ def test_ctrl_c_stops_every_process_and_keeps_a_checkpoint(tiny_model_dir: Path,
     assert latest == f"v{stopped:06d}"
     for role in ("coordinator", "trainer", "rollout"):  # each went through its clean shutdown
         assert f"{role} stopped" in (run_dir / "logs" / f"{role}.log").read_text()
+
+
+@pytest.mark.docker
+def test_a_sandboxed_environment_runs_in_containers_and_leaves_none(
+    tiny_model_dir: Path, tmp_path: Path, docker_client: Any
+) -> None:
+    """The shell environment on the docker backend: every episode is scored by its check
+    in a container from the rollout node's pool; at exit no container of the run is left."""
+    from sandboxes.docker_sandbox import LABEL_OWNER
+
+    run_dir = tmp_path / "run"
+    settings = ('envs.0.name="shell"', 'sandbox.backend="docker"', "sandbox.pool_size=4")
+    code, output, spawned = run_local(tiny_model_dir, run_dir, max_steps=2, settings=settings)
+    assert code == 0, output
+    batches = [
+        r for r in read_metrics(run_dir / "metrics" / "rollout.jsonl") if r.get("event") == "batch"
+    ]
+    assert batches and {r["env"] for r in batches} == {"shell"}
+    # 2 groups of 4 episodes per batch, each checked in a leased container
+    assert batches[-1]["sandbox/acquired"] == 8 * len(batches)
+    assert batches[-1]["sandbox/timeouts"] == 0
+    leftovers = [
+        c.name
+        for c in docker_client.containers.list(all=True, filters={"label": LABEL_OWNER})
+        if int(c.labels[LABEL_OWNER].split(":")[0]) in spawned
+    ]
+    assert leftovers == []

@@ -45,6 +45,15 @@ def test_overrides_parse_toml_values_and_bare_strings():
         ({"envs": []}, "config error at envs: at least one environment"),
         ({"coordinator": {"endpoint": "localhost"}}, "config error at coordinator.endpoint:"),
         ({"rollout": {"sampling": {"top_p": 1.5}}}, "config error at rollout.sampling.top_p:"),
+        (
+            {"sandbox": {"backend": "vm"}},
+            "config error at sandbox.backend: invalid enum value 'vm' (allowed: process, docker)",
+        ),
+        ({"sandbox": {"pids": 2}}, "config error at sandbox.pids: expected `int` >= 8"),
+        (
+            {"sandbox": {"pool": 2}},
+            "config error at sandbox.pool: unknown key (allowed here: backend",
+        ),
     ],
 )
 def test_errors_name_the_key(data, message):
@@ -70,3 +79,25 @@ def test_resolved_config_round_trips_through_toml():
     again = config_from_dict(tomllib.loads(to_toml(config)))
     assert again == config
     assert again != Config()
+
+
+def test_every_environment_and_sandbox_backend_is_accepted():
+    config = load_config(
+        None,
+        [
+            "envs.0.name=shell",
+            "envs.1.name=python_code",
+            "envs.2.name=python_tool",
+            "sandbox.backend=docker",
+            "sandbox.pool_size=4",
+        ],
+    )
+    assert [e.name for e in config.envs] == ["shell", "python_code", "python_tool"]
+    assert (config.sandbox.backend, config.sandbox.pool_size) == ("docker", 4)
+
+
+def test_the_default_image_is_the_one_build_image_makes():
+    from agentjet.config import SandboxConfig
+    from sandboxes.docker_sandbox import DEFAULT_IMAGE
+
+    assert SandboxConfig().image == DEFAULT_IMAGE

@@ -110,6 +110,11 @@ class TrainerConfig(_Section):
     weight_decay: NonNegFloat = 0.0
     # Groups per policy version (one optimizer step; the global batch with one trainer).
     groups_per_step: PositiveInt = 8
+    # 0: a policy version is one step of `groups_per_step` groups, all samples counted.
+    # N > 0: the optimizer steps once N samples that carry gradient (non-zero advantage)
+    # have accumulated, over as many trained batches as that takes. Keeps an update's
+    # size fixed when a scheduler changes how many of the groups teach anything.
+    informative_samples_per_step: NonNegInt = 0
     # PPO-style clip range on the importance ratio pi_theta / pi_sampler.
     clip_eps: Annotated[float, Meta(gt=0, lt=1)] = 0.2
     # Groups sampled more than this many versions ago are dropped, not trained.
@@ -314,8 +319,8 @@ def _explain(message: str) -> str:
         return f"config error at {full}: unknown key (allowed here: {allowed})"
     explained = f"config error at {path or '<top>'}: {what[0].lower()}{what[1:]}"
     if what.startswith("Invalid enum value"):
-        allowed = getattr(_type_at(path), "__args__", ())
-        explained += f" (allowed: {', '.join(map(str, allowed))})"
+        choices = getattr(_type_at(path), "__args__", None) or ()
+        explained += f" (allowed: {', '.join(map(str, choices))})"
     return explained
 
 

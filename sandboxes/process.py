@@ -261,7 +261,12 @@ class ProcessSandbox(Sandbox):
         return [self.python, "-I", "-S", "-c", _LAUNCHER, spec]
 
     def _isolation_prefix(self) -> list[str]:
-        return [] if self.bwrap is None else bwrap_argv(self.bwrap, self.work_dir)
+        if self.bwrap is None:
+            return []
+        # The interpreter's installation (a venv: two levels up) stays visible when it
+        # lives under /tmp, which the sandbox replaces with an empty tmpfs.
+        prefix = Path(self.python).absolute().parent.parent
+        return bwrap_argv(self.bwrap, self.work_dir, keep=[prefix])
 
     def _resolve(self, path: str) -> Path:
         """`path` inside the work dir, following symlinks: a program must not be able to
@@ -275,15 +280,18 @@ class ProcessSandbox(Sandbox):
         return target
 
 
-def bwrap_argv(bwrap: str, work_dir: Path) -> list[str]:
+def bwrap_argv(bwrap: str, work_dir: Path, keep: list[Path] | None = None) -> list[str]:
     """The bubblewrap prefix: read-only root filesystem, a private /tmp, only the work dir
-    writable, fresh namespaces (no network), and death with the parent."""
+    writable, fresh namespaces (no network), and death with the parent. `keep`: paths
+    under /tmp that stay visible, read-only (the interpreter's installation)."""
+    kept = [path for path in keep or [] if path.is_relative_to("/tmp")]
     return [
         bwrap,
         "--ro-bind", "/", "/",
         "--dev", "/dev",
         "--proc", "/proc",
         "--tmpfs", "/tmp",
+        *[arg for path in kept for arg in ("--ro-bind", str(path), str(path))],
         "--bind", str(work_dir), str(work_dir),
         "--chdir", str(work_dir),
         "--unshare-all",

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -252,3 +254,15 @@ def test_bwrap_keeps_the_host_read_only_and_offline() -> None:
         result = box.exec(code, QUICK_S)
         assert result.stdout.split() == ["read-only", "offline"]
         assert box.get_file("ok.txt") == b"x"
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
+def test_an_interpreter_installed_under_tmp_still_runs_under_bwrap(tmp_path: Path) -> None:
+    # bwrap gives the program an empty /tmp; a checkout (and its venv) may live there.
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    (tmp_path / "secret.txt").write_text("host only")
+    with ProcessSandbox(python=str(venv / "bin" / "python"), use_bwrap=True) as box:
+        result = box.exec(f"import os, sys; print(sys.prefix, os.listdir('{tmp_path}'))", QUICK_S)
+    assert result.ok, result.stderr
+    assert result.stdout == f"{venv} ['venv']\n"  # the rest of the host's /tmp stays hidden

@@ -7,7 +7,11 @@
     ──▶ bench/results/sched.json
 
 Run: `just bench-sched` (or `.venv/bin/python bench/sched_train.py --minutes 15`). Both runs
-train on the same mixed arithmetic set (all three difficulties, all three ops).
+train on the same mixed arithmetic set (all three difficulties, all three ops), with the
+same update size: a policy version is `trainer.informative_samples_per_step` samples that
+carry gradient (SHARED_SETTINGS), not a number of groups. With a fixed number of groups
+per version, a scheduler that makes more groups informative makes every step longer and
+the run gets fewer versions for the same wall time (bench/LOG.md, first run).
 """
 
 from __future__ import annotations
@@ -33,6 +37,9 @@ from learn import (  # noqa: E402
 from agentjet.metrics import read_metrics  # noqa: E402
 
 SCHEDULERS = ("uniform", "envsched")
+# Both arms: train every 4 groups, step the optimizer every 24 samples with gradient
+# (what 8 uniform groups hold on average at the start of training).
+SHARED_SETTINGS = ("trainer.groups_per_step=4", "trainer.informative_samples_per_step=24")
 
 
 def summarize(run_dir: Path, wall_s: float, heldout: dict) -> dict:
@@ -59,16 +66,23 @@ def main() -> int:
     parser.add_argument("--heldout", type=int, default=300)
     parser.add_argument("--config", type=Path, default=ROOT / "configs" / "local.toml")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "sched.json")
+    parser.add_argument(
+        "--set", action="append", default=list(SHARED_SETTINGS), help="for both arms"
+    )
     args = parser.parse_args()
 
     root = ROOT / "runs" / f"bench-sched-{time.strftime('%Y%m%d-%H%M%S')}"
     root.mkdir(parents=True)
     tasks = make_heldout(root, args.heldout)
-    result: dict = {"minutes": args.minutes, "heldout_seed": HELDOUT_SEED}
+    result: dict = {"minutes": args.minutes, "heldout_seed": HELDOUT_SEED, "settings": args.set}
+    shared = [arg for setting in args.set for arg in ("--set", setting)]
     for scheduler in SCHEDULERS:
         run_dir = root / scheduler
         wall_s, _ = train(
-            args.minutes, args.config, run_dir, ["--set", f'coordinator.scheduler="{scheduler}"']
+            args.minutes,
+            args.config,
+            run_dir,
+            [*shared, "--set", f'coordinator.scheduler="{scheduler}"'],
         )
         heldout = evaluate(str(final_checkpoint(run_dir)), tasks, args.config)
         result[scheduler] = summarize(run_dir, wall_s, heldout)

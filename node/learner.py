@@ -71,7 +71,11 @@ class Learner:
             params = [p for p in self.model.parameters() if p.grad is not None]
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm))
         self.model.eval()
-        version = self.swarm.step(batch_size=num_samples)
+        if self.config.informative_samples_per_step:
+            # Counted in samples with gradient; a batch without any adds nothing.
+            version = self.swarm.step(batch_size=len(rows)) if rows else self.swarm.epoch
+        else:
+            version = self.swarm.step(batch_size=num_samples)
         rewards = [s.reward for g in groups for s in g.samples]
         return {
             "policy_version": version,

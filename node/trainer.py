@@ -82,7 +82,8 @@ class Trainer:
             self.model.parameters(),
             lr=cfg.trainer.lr,
             weight_decay=cfg.trainer.weight_decay,
-            target_batch_size=cfg.trainer.groups_per_step * cfg.rollout.group_size,
+            target_batch_size=cfg.trainer.informative_samples_per_step
+            or cfg.trainer.groups_per_step * cfg.rollout.group_size,
         )
         cleanup.callback(self.swarm.shutdown)
         self.version = self.swarm.epoch

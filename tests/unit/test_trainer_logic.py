@@ -101,3 +101,25 @@ def test_learner_logprobs_match_the_sampler(tiny_model_dir: Path, one_torch_thre
     assert row["charts/trained_tokens"] == masked
     changed = any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert changed, "an optimizer step with non-zero advantages must move the weights"
+
+
+def test_with_a_sample_budget_a_version_waits_for_enough_gradient(tiny_model_dir: Path) -> None:
+    """trainer.informative_samples_per_step: batches whose samples carry no gradient add
+    nothing; the optimizer steps once the budget of samples with gradient is reached."""
+    model, _ = load_causal_lm(tiny_model_dir)
+    swarm = SwarmOptimizer(
+        SwarmConfig(run_id=f"test-{time.monotonic_ns()}"),
+        model.parameters(),
+        lr=1e-3,
+        weight_decay=0.0,
+        target_batch_size=4,
+    )
+    learner = Learner(model, swarm, TrainerConfig(informative_samples_per_step=4), 1.0, 0)
+    try:
+        versions = [
+            learner.train_step([make_group(name, rewards=rewards)])["policy_version"]
+            for name, rewards in (("same", (1.0, 1.0)), ("a", (1.0, 0.0)), ("b", (0.0, 1.0)))
+        ]
+    finally:
+        swarm.shutdown()
+    assert versions == [0, 0, 1]

@@ -66,6 +66,10 @@ bench-sched *ARGS: ensure
 bench-sandbox *ARGS: ensure
     {{bin}}/python bench/sandbox.py {{ARGS}}
 
+# Timeline merging: trained tokens and step time, merged vs unmerged agent calls (writes bench/results/merge.json)
+bench-merge *ARGS: ensure
+    {{bin}}/python bench/merge.py {{ARGS}}
+
 # Scheduling simulation: EnvSched vs uniform vs oracle on synthetic drifting tasks (seconds)
 bench-sched-sim *ARGS: ensure
     {{bin}}/python bench/sched_sim.py {{ARGS}}

@@ -7,6 +7,7 @@
     agentjet tasks        write a generated task file
     agentjet status       ask a running coordinator what it hands out and has learned
     agentjet sandbox      build-image: the docker sandbox image, offline from Debian packages
+    agentjet agent        play a rollout node's agent episodes from another process
 
 Heavy imports (torch, hivemind) happen only after arguments and config are valid, so
 `--help` and `--dry-run` are instant and every user error is one clear line.
@@ -109,6 +110,20 @@ def build_parser() -> argparse.ArgumentParser:
     image.add_argument("--mirror", metavar="URL", help="Debian mirror (default: from apt sources)")
     image.add_argument("--suite", help="Debian suite, e.g. bookworm (default: from apt sources)")
     image.add_argument("--force", action="store_true", help="rebuild even if the image exists")
+
+    agent = sub.add_parser(
+        "agent",
+        help="play a rollout node's agent episodes from this process (external agents)",
+        description="claim episodes of an agent environment with external = true from a "
+        "rollout node, run your agent against the episode's OpenAI endpoint, report rewards",
+    )
+    agent.add_argument("--rollout", required=True, metavar="URL", help="e.g. http://HOST:PORT")
+    agent.add_argument(
+        "--agent", required=True, metavar="MODULE:FUNCTION", help="async (task, client) -> reward"
+    )
+    agent.add_argument("--token", default="", help="the node's rollout.agent_token")
+    agent.add_argument("--concurrency", type=int, default=4, help="episodes played at once")
+    agent.add_argument("--episodes", type=int, default=0, help="stop after N (0 = run on)")
     return parser
 
 
@@ -148,6 +163,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _status(args)
     if args.command == "sandbox" and args.action == "build-image":
         return _build_image(args)
+    if args.command == "agent":
+        return _agent(args)
     if args.command == "local":
         default_dir = None
         if args.run_dir is None and not any(s.startswith("run.dir=") for s in args.set):
@@ -202,6 +219,35 @@ def _tasks(args: argparse.Namespace) -> int:
         raise AgentjetError(str(e)) from None
     write_task_file(tasks, args.out)
     print(f"wrote {len(tasks)} tasks to {args.out}")
+    return 0
+
+
+def _agent(args: argparse.Namespace) -> int:
+    import asyncio
+    import signal
+
+    from agentjet.agent_runner import load_callable, run_agents
+
+    if args.concurrency < 1 or args.episodes < 0:
+        raise AgentjetError("--concurrency must be >= 1 and --episodes >= 0")
+    agent = load_callable(args.agent, "--agent")
+
+    async def main() -> int:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        return await run_agents(
+            args.rollout.rstrip("/"),
+            agent,
+            token=args.token,
+            concurrency=args.concurrency,
+            episodes=args.episodes,
+            stop=stop,
+        )
+
+    finished = asyncio.run(main())
+    print(f"{finished} episodes finished")
     return 0
 
 

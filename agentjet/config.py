@@ -25,9 +25,11 @@ NonNegInt = Annotated[int, Meta(ge=0)]
 Probability = Annotated[float, Meta(gt=0, le=1)]
 
 EMBEDDED_MODEL = "embedded:smollm2-135m"
-ENV_NAMES = ("arithmetic", "python_tool", "python_code", "shell")
+ENV_NAMES = ("arithmetic", "python_tool", "python_code", "shell", "react", "agent")
 # Environments whose episodes run programs in a sandbox ([sandbox] configures them).
-SANDBOXED_ENVS = ("python_tool", "python_code", "shell")
+SANDBOXED_ENVS = ("python_tool", "python_code", "shell", "react")
+# Environments whose episodes are agent programs using the OpenAI-compatible endpoint.
+AGENT_ENVS = ("react", "agent")
 
 
 class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -64,11 +66,18 @@ class RolloutConfig(_Section):
     resend_after_s: PositiveFloat = 20.0
     # torch intra-op threads for the engine (2-core boxes share cores with the trainer).
     torch_threads: PositiveInt = 1
+    # The OpenAI-compatible endpoint of agent environments: HOST:PORT (port 0 = any free
+    # one; give a fixed one for external agents), and the token external agents must send
+    # to claim episodes ("" = none; keep the endpoint on loopback then).
+    agent_listen: str = "127.0.0.1:0"
+    agent_token: str = ""
 
 
 class EnvConfig(_Section):
     # Environment: "arithmetic" (one turn), "python_tool" (arithmetic, may run Python first),
-    # "python_code" (write a function, hidden tests) or "shell" (multi-turn file tasks).
+    # "python_code" (write a function, hidden tests), "shell" (multi-turn file tasks),
+    # "react" (a built-in agent on the OpenAI endpoint: arithmetic with a python tool) or
+    # "agent" (your agent, see `agent`; tasks from task_file, else arithmetic).
     name: str = "arithmetic"
     # Share of granted work for this environment, relative to the other entries.
     weight: PositiveFloat = 1.0
@@ -84,6 +93,20 @@ class EnvConfig(_Section):
     max_turns: Annotated[int, Meta(ge=1, le=16)] = 3
     # Wall-clock limit of one sandboxed tool call.
     tool_timeout_s: PositiveFloat = 5.0
+    # Agent environments: `module:function`, an `async def run_episode(task, client) ->
+    # reward` using the openai client it is given; and optionally a judge
+    # `module:function(task, messages) -> reward` that scores instead.
+    agent: str = ""
+    judge: str = ""
+    # Agent environments: episodes are claimed and played by `agentjet agent` processes
+    # (anywhere) instead of in-process.
+    external: bool = False
+    # Agent environments: merge calls that extend one context into one training sequence.
+    merge_timeline: bool = True
+    # Agent environments: an episode is discarded (and played again) when its agent makes
+    # no request for idle_timeout_s, or it has not finished after episode_timeout_s.
+    idle_timeout_s: PositiveFloat = 60.0
+    episode_timeout_s: PositiveFloat = 300.0
 
 
 class SandboxConfig(_Section):
@@ -358,9 +381,23 @@ def _check(config: Config) -> None:
                 f"config error at envs.{i}: difficulties and ops must be non-empty "
                 "when no task_file is given"
             )
+        if env.name == "agent" and not env.agent and not env.external:
+            raise ConfigError(
+                f"config error at envs.{i}.agent: the agent environment needs "
+                'agent = "module:function" or external = true'
+            )
+        for key in ("agent", "judge"):
+            spec = getattr(env, key)
+            if spec and not re.fullmatch(r"[\w.]+:\w+", spec):
+                raise ConfigError(
+                    f"config error at envs.{i}.{key}: {spec!r} is not module:function"
+                )
         if env.task_file and not Path(env.task_file).expanduser().is_file():
             raise ConfigError(f"config error at envs.{i}.task_file: {env.task_file} not found")
     _check_envsched(config.coordinator.envsched, {env.name for env in config.envs})
+    listen = config.rollout.agent_listen
+    if not re.fullmatch(r"[^:\s]+:\d{1,5}", listen):
+        raise ConfigError(f"config error at rollout.agent_listen: {listen!r} is not HOST:PORT")
     for key, endpoint in (
         ("coordinator.endpoint", config.coordinator.endpoint),
         ("net.trainer_endpoint", config.net.trainer_endpoint),

@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from agentjet.timeline import Sequence
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -68,6 +70,9 @@ class Episode:
     # Sandbox faults of its tool calls, in order (sandboxes.base.FAULTS).
     faults: list[str] = field(default_factory=list)
     policy_version: int = 0
+    # Agent episodes (OpenAI endpoint): the model calls merged into training sequences
+    # (agentjet.timeline). When set, they are what is trained, not the fields above.
+    sequences: list[Sequence] = field(default_factory=list)
 
     def add_model_turn(self, completion: Completion) -> None:
         self.completion_ids += completion.token_ids

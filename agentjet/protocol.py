@@ -20,7 +20,7 @@ from typing import Literal
 import msgspec
 import numpy as np
 
-# 2: Task.setup/check (sandboxed environments), Sample.faults.
+# 2: Task.setup/check (sandboxed environments), Sample.faults and Sample.episode.
 PROTOCOL_VERSION = 2
 
 
@@ -176,6 +176,10 @@ class Sample(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     error: str = ""
     # What went wrong in the sandbox, one entry per fault (sandboxes.base.FAULTS).
     faults: list[str] = msgspec.field(default_factory=list)
+    # The episode (index in its group) this sequence belongs to, when an episode's model
+    # calls forked into several sequences (agentjet.timeline); -1: the sample is a whole
+    # episode. Advantages are per episode.
+    episode: int = -1
 
 
 class TrajectoryGroup(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -293,6 +297,13 @@ def check_group(group: TrajectoryGroup, vocab_size: int, max_tokens: int) -> str
             return f"sample {i}: reward and advantage must be finite"
         if s.policy_version < 0:
             return f"sample {i}: negative policy version"
+    episodes = [s.episode for s in group.samples]
+    if any(e < 0 for e in episodes) and any(e >= 0 for e in episodes):
+        return "samples must all name their episode, or none"
+    rewards: dict[int, float] = {}
+    for i, s in enumerate(group.samples):
+        if s.episode >= 0 and rewards.setdefault(s.episode, s.reward) != s.reward:
+            return f"sample {i}: episode {s.episode} has samples with different rewards"
     return None
 
 

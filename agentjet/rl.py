@@ -35,6 +35,19 @@ def group_advantages(rewards: Sequence[float]) -> list[float]:
     return [(r - mean) / (std + ADVANTAGE_EPS) for r in rewards]
 
 
+def sample_advantages(rewards: Sequence[float], episodes: Sequence[int]) -> list[float]:
+    """Advantages of a group's samples when an episode may span several samples (timeline
+    merging keeps forked conversations apart): `episodes[i]` is sample i's episode, -1 for a
+    sample that is an episode of its own. Each episode counts once, with its reward."""
+    if all(e < 0 for e in episodes):
+        return group_advantages(rewards)
+    keys = [e if e >= 0 else -1 - i for i, e in enumerate(episodes)]  # lone samples: unique
+    reward_of = dict(zip(keys, rewards, strict=True))
+    order = list(reward_of)
+    advantage_of = dict(zip(order, group_advantages([reward_of[k] for k in order]), strict=True))
+    return [advantage_of[k] for k in keys]
+
+
 def policy_loss(
     logprobs: torch.Tensor,
     sampler_logprobs: torch.Tensor,

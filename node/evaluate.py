@@ -16,14 +16,16 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from agentjet.config import SANDBOXED_ENVS, Config, EnvConfig
+from agentjet.config import AGENT_ENVS, SANDBOXED_ENVS, Config, EnvConfig
 from agentjet.episode import SamplingParams
 from agentjet.errors import ModelError
 from agentjet.tasks import load_task_file
+from node.agents import make_agent_env
 from node.model import resolve_model
 from node.torch_engine import TorchEngine
 from sandboxes.envs import make_env
 from sandboxes.pool import open_pool
+from sandboxes.process import ProcessSandbox
 
 
 def evaluate_checkpoint(
@@ -46,11 +48,20 @@ def evaluate_checkpoint(
         if env_name in SANDBOXED_ENVS:
             pool = open_pool(config.sandbox, f"eval-{os.getpid()}")
             cleanup.callback(pool.close)
-        env = make_env(env_config, pool)
-        for i in range(0, len(tasks), batch_size):
-            chunk = tasks[i : i + batch_size]
-            episodes = env.run_group(engine, chunk, 1, params)
-            rewards += [eps[0].reward for eps in episodes]
+        if env_name in AGENT_ENVS:
+            factory = ProcessSandbox if pool is None else pool.lease
+            agent_env = make_agent_env(env_config, config.rollout, factory)
+            cleanup.callback(agent_env.close)
+            for i in range(0, len(tasks), batch_size):
+                chunk = tasks[i : i + batch_size]
+                played = agent_env.play(engine, chunk, 1, params, training=False)
+                rewards += [group[0].reward if group else 0.0 for group in played]
+        else:
+            env = make_env(env_config, pool)
+            for i in range(0, len(tasks), batch_size):
+                chunk = tasks[i : i + batch_size]
+                episodes = env.run_group(engine, chunk, 1, params)
+                rewards += [eps[0].reward for eps in episodes]
     return summarize(tasks, rewards) | {
         "checkpoint": checkpoint,
         "env": env_name,

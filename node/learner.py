@@ -95,7 +95,9 @@ class Learner:
     def _rows(self, groups: list[TrajectoryGroup]) -> tuple[list[_Row], int]:
         rows, num_samples = [], 0
         for group in groups:
-            advantages = rl.group_advantages([s.reward for s in group.samples])
+            advantages = rl.sample_advantages(
+                [s.reward for s in group.samples], [s.episode for s in group.samples]
+            )
             num_samples += len(group.samples)
             for sample, advantage in zip(group.samples, advantages, strict=True):
                 mask = torch.from_numpy(unpack_mask(sample.loss_mask).astype("int64"))

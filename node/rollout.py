@@ -31,17 +31,20 @@ from pathlib import Path
 import torch
 
 from agentjet import protocol, rl
-from agentjet.config import SANDBOXED_ENVS, Config
+from agentjet.config import AGENT_ENVS, SANDBOXED_ENVS, Config
 from agentjet.episode import Episode, SamplingParams
 from agentjet.metrics import MetricsWriter
 from agentjet.roles import run_role, supervise
 from agentjet.tasks import TaskSource
+from agentjet.timeline import Sequence
 from agentjet.transport import Client, PeerUnavailable
+from node.agents import make_agent_env
 from node.model import resolve_model
 from node.torch_engine import TorchEngine
 from node.weights import WeightAssembly
-from sandboxes.envs import make_env
+from sandboxes.envs import Environment, make_env
 from sandboxes.pool import SandboxPool, open_pool
+from sandboxes.process import ProcessSandbox
 
 log = logging.getLogger(__name__)
 
@@ -65,26 +68,40 @@ class _Pending:
     awaiting_ack: bool = False  # sent, and neither acknowledged nor refused as busy
 
 
+def _model_tokens(episode: Episode) -> int:
+    """Tokens the model sampled in an episode (all its sequences)."""
+    if episode.sequences:
+        return sum(sum(seq.loss_mask) for seq in episode.sequences)
+    return sum(episode.loss_mask)
+
+
 def build_group(
     grant: protocol.WorkGrant, episodes: list[Episode], node_id: str, wall_s: float
 ) -> protocol.TrajectoryGroup:
+    """One sample per episode, or, for episodes made of several sequences (forked agent
+    conversations), one per sequence, each naming its episode."""
     advantages = rl.group_advantages([e.reward for e in episodes])
-    samples = [
-        protocol.Sample(
-            prompt_ids=protocol.pack_ids(e.prompt_ids),
-            completion_ids=protocol.pack_ids(e.completion_ids),
-            logprobs=protocol.pack_floats(e.logprobs),
-            loss_mask=protocol.pack_mask(e.loss_mask),
-            reward=e.reward,
-            advantage=a,
-            policy_version=e.policy_version,
-            turns=e.turns,
-            finish_reason=e.finish_reason,
-            error=e.error,
-            faults=e.faults,
-        )
-        for e, a in zip(episodes, advantages, strict=True)
-    ]
+    forked = any(e.sequences for e in episodes)
+    samples = []
+    for index, (e, advantage) in enumerate(zip(episodes, advantages, strict=True)):
+        sequences: list[Sequence | Episode] = [*e.sequences] or [e]
+        for seq in sequences:
+            samples.append(
+                protocol.Sample(
+                    prompt_ids=protocol.pack_ids(seq.prompt_ids),
+                    completion_ids=protocol.pack_ids(seq.completion_ids),
+                    logprobs=protocol.pack_floats(seq.logprobs),
+                    loss_mask=protocol.pack_mask(seq.loss_mask),
+                    reward=e.reward,
+                    advantage=advantage,
+                    policy_version=seq.policy_version,
+                    turns=e.turns,
+                    finish_reason=seq.finish_reason,
+                    error=e.error,
+                    faults=e.faults,
+                    episode=index if forked else -1,
+                )
+            )
     return protocol.TrajectoryGroup(
         group_id=grant.grant_id,
         grant_id=grant.grant_id,
@@ -116,7 +133,15 @@ class Rollout:
         if any(env.name in SANDBOXED_ENVS for env in cfg.envs):
             self.pool = open_pool(cfg.sandbox, self.node_id)
             cleanup.callback(self.pool.close)
-        self.envs = {env.name: make_env(env, self.pool) for env in cfg.envs}
+        self.envs: dict[str, Environment] = {}
+        for env in cfg.envs:
+            if env.name in AGENT_ENVS:
+                factory = ProcessSandbox if self.pool is None else self.pool.lease
+                agent_env = make_agent_env(env, cfg.rollout, factory)
+                cleanup.callback(agent_env.close)
+                self.envs[env.name] = agent_env
+            else:
+                self.envs[env.name] = make_env(env, self.pool)
         self.sources = [TaskSource(e.name, e.difficulties, e.ops, e.task_file) for e in cfg.envs]
         self.rng = random.Random(cfg.run.seed)
         self.coordinator_away = False
@@ -189,13 +214,19 @@ class Rollout:
                     env.run_group, self.engine, [g.task for g in env_grants], n, self.params
                 )
                 wall_s = time.perf_counter() - start
-                tokens = sum(sum(e.loss_mask) for eps in episodes for e in eps)
+                tokens = sum(_model_tokens(e) for eps in episodes for e in eps)
+                created: list[str] = []
                 for grant, eps in zip(env_grants, episodes, strict=True):
+                    if not eps:  # the environment could not finish this task's episodes
+                        self._queue_report(grant, [], wall_s / len(env_grants), "no episodes")
+                        continue
                     group = build_group(grant, eps, self.node_id, wall_s / len(env_grants))
                     self.unacked[group.group_id] = _Pending(group)
+                    created.append(group.group_id)
                     self._queue_report(grant, eps, wall_s / len(env_grants), "")
-                self.counts["groups_created"] += len(env_grants)
-                rewards = [e.reward for eps in episodes for e in eps]
+                self.counts["groups_created"] += len(created)
+                self.counts["groups_failed"] += len(env_grants) - len(created)
+                rewards = [e.reward for eps in episodes for e in eps] or [0.0]
                 faults = Counter(f for eps in episodes for e in eps for f in e.faults)
                 for fault, count in faults.items():
                     self.counts[f"sandbox_{fault}"] += count
@@ -203,7 +234,7 @@ class Rollout:
                     {
                         "event": "batch",
                         "env": env_name,
-                        "group_ids": [g.grant_id for g in env_grants],
+                        "group_ids": created,
                         "policy_version": self.engine.policy_version,
                         "charts/reward_mean": sum(rewards) / len(rewards),
                         "perf/gen_tokens_per_s": tokens / wall_s,

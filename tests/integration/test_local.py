@@ -192,3 +192,31 @@ def test_a_sandboxed_environment_runs_in_containers_and_leaves_none(
         if int(c.labels[LABEL_OWNER].split(":")[0]) in spawned
     ]
     assert leftovers == []
+
+
+def test_an_agent_environment_trains_through_the_openai_endpoint(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The react agent (openai client → the rollout node's endpoint → the engine) plays
+    multi-turn episodes; each episode's calls are merged and trained; nothing is lost."""
+    run_dir = tmp_path / "run"
+    settings = ('envs.0.name="react"', "envs.0.max_turns=3", "rollout.sampling.max_new_tokens=6")
+    code, output, spawned = run_local(tiny_model_dir, run_dir, max_steps=2, settings=settings)
+    logs = "\n".join(p.read_text() for p in (run_dir / "logs").glob("*.log"))
+    assert code == 0, output + logs
+    assert "OpenAI endpoint at http://127.0.0.1:" in logs
+    trainer = read_metrics(run_dir / "metrics" / "trainer.jsonl")
+    rollout = read_metrics(run_dir / "metrics" / "rollout.jsonl")
+    steps = [r for r in trainer if r.get("event") == "step"]
+    assert {r["policy_version"] for r in steps} >= {1, 2}
+    # three calls per episode (a random model never answers), merged: one sample each
+    assert all(r["charts/samples"] == 4 * len(r["trained_group_ids"]) for r in steps)
+    created = [g for r in rollout if r.get("event") == "batch" for g in r["group_ids"]]
+    trained = [g for r in steps for g in r["trained_group_ids"]]
+    [trainer_end] = [r for r in trainer if r.get("event") == "stopped"]
+    [rollout_end] = [r for r in rollout if r.get("event") == "stopped"]
+    stale = [g for r in trainer for g in r.get("stale_group_ids", [])]
+    pending = trainer_end["queued_group_ids"] + rollout_end["unacked_group_ids"]
+    assert len(trained) == len(set(trained))
+    assert set(created) == set(trained) | set(stale) | set(pending)
+    assert [pid for pid in spawned if running(pid)] == []

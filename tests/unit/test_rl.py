@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from agentjet.rl import group_advantages, is_stale, policy_lag, policy_loss
+from agentjet.rl import group_advantages, is_stale, policy_lag, policy_loss, sample_advantages
 
 pytestmark = pytest.mark.unit
 
@@ -72,3 +72,10 @@ def test_staleness_bound():
     assert not is_stale(3, 5, max_policy_lag=2)
     assert is_stale(2, 5, max_policy_lag=2)
     assert not is_stale(5, 5, max_policy_lag=0)
+
+
+def test_advantages_count_each_episode_once_when_it_spans_several_samples() -> None:
+    # episode 0 forked into two sequences; each episode counts once
+    forked = sample_advantages([1.0, 1.0, 0.0], [0, 0, 1])
+    assert forked == pytest.approx([1.0, 1.0, -1.0], abs=1e-5)
+    assert sample_advantages([1.0, 0.0], [-1, -1]) == group_advantages([1.0, 0.0])

@@ -1,0 +1,300 @@
+"""Agent environments: episodes are programs that talk to the policy through the OpenAI API.
+
+    rollout node ── run_group(engine, tasks, n) ──▶ AgentEnv (its own event-loop thread)
+        for each of the n episodes of a task: EpisodeHub.open ─▶ key
+            in-process:  reward = await agent(task, AsyncOpenAI(base_url, key))
+            external:    an `agentjet agent` process claims it over HTTP, plays, finishes
+        episode's calls ──agentjet.timeline.merge_calls──▶ training sequences ──▶ Episode
+
+An agent is `async def run_episode(task, client) -> float` (or an object with that
+`__call__`), written against the official `openai` client; a separate
+`judge(task, messages) -> float` may score instead. An episode that fails (the agent
+raised, went silent past `idle_timeout_s`, ran past `episode_timeout_s`, returned no
+finite reward, or never called the model) is discarded, never trained, and played again
+from scratch up to `attempts` times; a task whose episodes keep failing yields no group
+(the rollout node reports it as failed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import inspect
+import logging
+import math
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from agentjet.agent_runner import load_callable
+from agentjet.config import EnvConfig, RolloutConfig
+from agentjet.episode import Episode, Generator, SamplingParams
+from agentjet.errors import ConfigError
+from agentjet.protocol import Task
+from agentjet.timeline import Call, merge_calls
+from node.openai_api import AgentEpisode, EpisodeHub, OpenAIServer
+from sandboxes.base import Sandbox
+from sandboxes.envs.react import ReactAgent, react_judge
+
+log = logging.getLogger(__name__)
+
+Agent = Callable[[Task, Any], Any]  # async (task, openai.AsyncOpenAI) -> float
+Judge = Callable[[Task, list[dict[str, Any]]], Any]  # (task, final messages) -> float
+# Attempts at one episode before its task's group is given up.
+ATTEMPTS = 2
+
+
+@dataclass
+class Played:
+    """A finished episode: its reward and its calls as sampled."""
+
+    reward: float
+    calls: list[Call]
+    error: str = ""
+
+
+class AgentEnv:
+    """See the module docstring. One per environment entry of a rollout node."""
+
+    def __init__(
+        self,
+        name: str,
+        agent: Agent | None,
+        *,
+        judge: Judge | None = None,
+        external: bool = False,
+        merge: bool = True,
+        episode_timeout_s: float = 300.0,
+        idle_timeout_s: float = 60.0,
+        listen: str = "127.0.0.1:0",
+        agent_token: str = "",
+        attempts: int = ATTEMPTS,
+    ) -> None:
+        if agent is None and not external:
+            raise ConfigError(f"environment {name!r} needs an agent, or external = true")
+        self.name = name
+        self.agent = agent
+        self.judge = judge
+        self.external = external
+        self.merge = merge
+        self.episode_timeout_s = episode_timeout_s
+        self.idle_timeout_s = idle_timeout_s
+        self.host, _, port = listen.rpartition(":")
+        self.port = int(port)
+        self.agent_token = agent_token
+        self.attempts = attempts
+        self.server: OpenAIServer | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._started = threading.Lock()
+        self._running: set[concurrent.futures.Future[list[list[Played]]]] = set()
+
+    # ── the Environment interface ─────────────────────────────────────────────────────
+
+    def run_group(
+        self, generator: Generator, tasks: list[Task], n: int, params: SamplingParams
+    ) -> list[list[Episode]]:
+        """`n` episodes per task (an empty list for a task whose episodes kept failing)."""
+        played = self.play(generator, tasks, n, params)
+        return [[_episode(p, self.merge) for p in group] for group in played]
+
+    def play(
+        self,
+        generator: Generator,
+        tasks: list[Task],
+        n: int,
+        params: SamplingParams,
+        *,
+        training: bool = True,
+    ) -> list[list[Played]]:
+        """The raw outcome: per task, n finished episodes with their calls, or []. An
+        evaluation run (`training=False`) honours the agents' own sampling settings (else
+        `params`); its episodes are for scoring, never for training."""
+        loop = self._ensure_started(generator, params)
+        future = asyncio.run_coroutine_threadsafe(self._group(tasks, n, training), loop)
+        self._running.add(future)
+        try:
+            return future.result()
+        finally:
+            self._running.discard(future)
+
+    def close(self) -> None:
+        """Stop the endpoint; a run_group still waiting on episodes raises CancelledError."""
+        for future in list(self._running):
+            future.cancel()
+        loop, thread = self.loop, self._thread
+        if loop is None or thread is None:
+            return
+        if self.server is not None:
+            asyncio.run_coroutine_threadsafe(self.server.close(), loop).result(timeout=30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=30)
+        self.loop = self._thread = None
+
+    # ── inside the env's event loop ───────────────────────────────────────────────────
+
+    def _ensure_started(
+        self, generator: Generator, params: SamplingParams
+    ) -> asyncio.AbstractEventLoop:
+        with self._started:
+            if self.loop is None:
+                loop = asyncio.new_event_loop()
+                self._thread = threading.Thread(
+                    target=loop.run_forever, name=f"{self.name}-agents", daemon=True
+                )
+                self._thread.start()
+                self.hub_and_server(loop, generator, params)
+                self.loop = loop
+            assert self.server is not None
+            self.server.batcher.generator = generator
+            self.server.training_params = params
+            return self.loop
+
+    def hub_and_server(
+        self, loop: asyncio.AbstractEventLoop, generator: Generator, params: SamplingParams
+    ) -> None:
+        async def start() -> str:
+            hub = EpisodeHub(self.idle_timeout_s)
+            self.server = OpenAIServer(generator, hub, params, agent_token=self.agent_token)
+            return await self.server.start(self.host, self.port)
+
+        url = asyncio.run_coroutine_threadsafe(start(), loop).result(timeout=30)
+        log.info("%s: OpenAI endpoint at %s/v1, agent claims at %s/agents", self.name, url, url)
+
+    async def _group(self, tasks: list[Task], n: int, training: bool) -> list[list[Played]]:
+        results = await asyncio.gather(
+            *(self._episode_with_retries(task, training) for task in tasks for _ in range(n))
+        )
+        groups: list[list[Played]] = []
+        for i in range(len(tasks)):
+            group = [p for p in results[i * n : (i + 1) * n] if p is not None]
+            groups.append(group if len(group) == n else [])
+        return groups
+
+    async def _episode_with_retries(self, task: Task, training: bool) -> Played | None:
+        assert self.server is not None
+        hub = self.server.hub
+        for attempt in range(1, self.attempts + 1):
+            episode = hub.open(task, training=training, external=self.external)
+            try:
+                reward, error = await self._play_one(episode)
+            finally:
+                hub.forget(episode)
+            if error == "" and not episode.calls:
+                error = "the agent never called the model"
+            if error == "":
+                return Played(reward, [r.call for r in episode.calls])
+            log.warning("%s: episode of task %s failed (attempt %d): %s",
+                        self.name, task.id, attempt, error)  # fmt: skip
+        return None
+
+    async def _play_one(self, episode: AgentEpisode) -> tuple[float, str]:
+        """(reward, "") for a finished episode, else (0.0, why it failed)."""
+        if self.external:
+            try:
+                await asyncio.wait_for(episode.done.wait(), self.episode_timeout_s)
+            except TimeoutError:
+                return 0.0, f"not finished within {self.episode_timeout_s:g} s"
+            if episode.state != "finished" or episode.reward is None:
+                return 0.0, episode.error or episode.state
+            return await self._judged(episode, episode.reward)
+        import openai
+
+        assert self.server is not None and self.agent is not None
+        client = openai.AsyncOpenAI(
+            base_url=f"{self.server.base_url}/v1",
+            api_key=episode.key,
+            max_retries=0,
+            timeout=self.episode_timeout_s,
+        )
+        agent = asyncio.ensure_future(_call(self.agent, episode.task, client))
+        expired = asyncio.ensure_future(episode.done.wait())
+        try:
+            done, _ = await asyncio.wait(
+                {agent, expired},
+                timeout=self.episode_timeout_s,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+            if agent not in done:
+                why = episode.error if expired in done else f"ran past {self.episode_timeout_s:g} s"
+                return 0.0, why or "stopped"
+            try:
+                reward = agent.result()
+            except Exception as e:  # noqa: BLE001 - the agent's own failure is an outcome
+                return 0.0, f"the agent raised {type(e).__name__}: {e}"
+            episode.close("finished")
+            return await self._judged(episode, reward)
+        finally:
+            for future in (agent, expired):
+                future.cancel()
+            await asyncio.gather(agent, expired, return_exceptions=True)
+            await client.close()
+
+    async def _judged(self, episode: AgentEpisode, reward: Any) -> tuple[float, str]:
+        if self.judge is not None:
+            try:
+                reward = await _call(self.judge, episode.task, _transcript(episode))
+            except Exception as e:  # noqa: BLE001
+                return 0.0, f"the judge raised {type(e).__name__}: {e}"
+        if (
+            isinstance(reward, bool)
+            or not isinstance(reward, int | float)
+            or not math.isfinite(reward)
+        ):
+            return 0.0, f"reward {reward!r} is not a finite number"
+        return float(reward), ""
+
+
+async def _call(fn: Callable[..., Any], *args: Any) -> Any:
+    result = fn(*args)
+    return await result if inspect.isawaitable(result) else result
+
+
+def _transcript(episode: AgentEpisode) -> list[dict[str, Any]]:
+    """The last call's conversation and the reply, for a judge."""
+    if not episode.calls:
+        return []
+    last = episode.calls[-1]
+    return [*last.messages, {"role": "assistant", "content": last.reply}]
+
+
+def _episode(played: Played, merge: bool) -> Episode:
+    sequences = merge_calls(played.calls, merge=merge)
+    return Episode(
+        prompt_ids=sequences[0].prompt_ids,
+        reward=played.reward,
+        turns=len(played.calls),
+        finish_reason=sequences[-1].finish_reason,
+        policy_version=min(s.policy_version for s in sequences),
+        sequences=sequences,
+    )
+
+
+def make_agent_env(
+    config: EnvConfig, rollout: RolloutConfig, sandbox_factory: Callable[[], Sandbox]
+) -> AgentEnv:
+    """The AgentEnv an `[[envs]]` entry names: the built-in react agent, or the user's."""
+    agent: Agent | None
+    if config.name == "react":
+        agent = ReactAgent(
+            max_turns=config.max_turns,
+            tool_timeout_s=config.tool_timeout_s,
+            sandbox_factory=sandbox_factory,
+        )
+    else:
+        agent = load_callable(config.agent, "agent") if config.agent else None
+    judge: Judge | None = load_callable(config.judge, "judge") if config.judge else None
+    if judge is None and config.name == "react" and config.external:
+        judge = react_judge  # external agents never see the answer
+    return AgentEnv(
+        config.name,
+        agent,
+        judge=judge,
+        external=config.external,
+        merge=config.merge_timeline,
+        episode_timeout_s=config.episode_timeout_s,
+        idle_timeout_s=config.idle_timeout_s,
+        listen=rollout.agent_listen,
+        agent_token=rollout.agent_token,
+    )

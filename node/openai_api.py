@@ -1,0 +1,667 @@
+"""The rollout node's OpenAI-compatible endpoint: every agent episode gets its own key.
+
+    agent (openai client, LangChain, raw HTTP) ── POST /v1/chat/completions ──┐
+        Authorization: Bearer <episode key>                                    │
+                                                                               ▼
+    EpisodeHub: key ─▶ episode ─▶ prompt ids (token-faithful, below) ─▶ Batcher ─▶ engine
+                                   ◀── reply (content / tool_calls) ◀── Call recorded
+    external agents: POST /agents/claim ─▶ task, base URL, key ... /agents/{id}/finish
+
+**Token-faithful prompts.** A chat API sends the whole history as text each time; the
+model must see, and the trainer must train, the ids as sampled. When a request's
+messages are an earlier call's messages, then that call's reply, then one new user or
+tool message, the prompt is that call's prompt ids + its completion ids as sampled + the
+new message's ids: the conversation grows token-in/token-out and `agentjet.timeline`
+merges the calls into one sequence. The reply is matched by text, whitespace-normalized,
+with tool-call arguments compared as parsed JSON: the documented fallback for clients
+that re-format history. Anything else (edited history, summaries, another agent's view)
+is rendered afresh with the chat template and becomes a sequence of its own.
+
+**Tools.** The request's `tools` are described in the system message, and the model
+calls one by writing `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; such
+blocks come back as OpenAI `tool_calls` (finish_reason "tool_calls"), and `tool`
+messages go to the model as user turns ("Tool result: ...").
+
+**Sampling.** Training episodes always use the node's sampler settings (the logprobs the
+trainer needs are those of that sampler); evaluation episodes honour the request's
+temperature, top_p and max_tokens. Streaming sends the finished completion as
+server-sent-event chunks (generation itself is batched, not incremental).
+
+Every malformed request gets an OpenAI-style error (`{"error": {"message", "type",
+"code"}}`) and a 4xx status; the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import secrets
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from aiohttp import web
+
+from agentjet.episode import Completion, Generator, SamplingParams
+from agentjet.protocol import Task
+from agentjet.timeline import Call
+from sandboxes.envs.chat import UserTurn
+
+log = logging.getLogger(__name__)
+
+# Requests gathered into one engine call: wait this long after the first for more.
+BATCH_WINDOW_S = 0.01
+MAX_BATCH = 64
+# Largest request body (a long conversation is far below this).
+MAX_REQUEST_BYTES = 4 << 20
+# Most messages per request and characters per message.
+MAX_MESSAGES = 512
+MAX_MESSAGE_CHARS = 200_000
+TOOL_PROMPT = (
+    "You can call tools. To call one, reply with "
+    '<tool_call>{{"name": "<tool name>", "arguments": {{...}}}}</tool_call>. '
+    "Tools:\n{tools}"
+)
+_TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
+# Special-token text in message content is defused so it cannot frame a fake turn.
+_SPECIAL = re.compile(r"<\|")
+
+EpisodeState = Literal["open", "claimed", "finished", "aborted", "expired"]
+
+
+class ApiError(Exception):
+    """An error the client caused or may see: becomes an OpenAI-style error response."""
+
+    def __init__(self, status: int, message: str, code: str, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.kind = kind
+
+    def response(self) -> web.Response:
+        body = {
+            "error": {"message": str(self), "type": self.kind, "param": None, "code": self.code}
+        }
+        return web.json_response(body, status=self.status)
+
+
+# ── chat messages ─────────────────────────────────────────────────────────────────────
+
+
+def normalize_messages(messages: Any, tools: list[dict[str, Any]] | None) -> list[dict[str, str]]:
+    """Request messages as the chat template takes them: role and text content; tool
+    results become user turns, consecutive user turns one; tools described in the system
+    message. ApiError for anything malformed."""
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "messages must be a non-empty list", "invalid_messages")
+    if len(messages) > MAX_MESSAGES:
+        raise ApiError(400, f"at most {MAX_MESSAGES} messages", "too_many_messages")
+    out: list[dict[str, str]] = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ApiError(400, f"messages[{i}] must be an object", "invalid_messages")
+        role = message.get("role")
+        content = _text(message.get("content"), i)
+        if role in ("system", "developer"):
+            role = "system"
+        elif role == "assistant":
+            content = assistant_text(message, i)
+        elif role == "tool":
+            role, content = "user", f"Tool result: {content}"
+        elif role != "user":
+            raise ApiError(400, f"messages[{i}].role {role!r} is not supported", "invalid_role")
+        content = _SPECIAL.sub("<\u200b|", content) if role != "assistant" else content
+        if out and role == "user" and out[-1]["role"] == "user":
+            out[-1]["content"] += "\n\n" + content
+        else:
+            out.append({"role": role, "content": content})
+    if out[-1]["role"] == "assistant":
+        raise ApiError(400, "the last message must be from the user or a tool", "invalid_messages")
+    if tools:
+        described = TOOL_PROMPT.format(tools="\n".join(json.dumps(t) for t in _functions(tools)))
+        if out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + described}
+        else:
+            out.insert(0, {"role": "system", "content": described})
+    return out
+
+
+def parse_reply(text: str, tool_names: set[str]) -> tuple[str | None, list[dict[str, Any]]]:
+    """A completion's text as an OpenAI assistant message: content and tool_calls. Blocks
+    that are not valid calls of a known tool stay in the content."""
+    calls: list[dict[str, Any]] = []
+
+    def take(match: re.Match[str]) -> str:
+        try:
+            call = json.loads(match.group(1))
+        except json.JSONDecodeError:
+            return match.group(0)
+        name, arguments = call.get("name"), call.get("arguments", {})
+        if not isinstance(call, dict) or name not in tool_names or not isinstance(arguments, dict):
+            return match.group(0)
+        calls.append(
+            {
+                "id": f"call_{uuid.uuid4().hex[:24]}",
+                "type": "function",
+                "function": {"name": name, "arguments": json.dumps(arguments)},
+            }
+        )
+        return ""
+
+    content = _TOOL_CALL.sub(take, text).strip() if tool_names else text
+    return (content or None) if calls else content, calls
+
+
+def assistant_text(message: dict[str, Any], i: int) -> str:
+    """An assistant message as the model wrote it: content, then its tool calls."""
+    calls = message.get("tool_calls") or []
+    if not isinstance(calls, list):
+        raise ApiError(400, f"messages[{i}].tool_calls must be a list", "invalid_tool_calls")
+    return _text(message.get("content"), i) + "".join(_tool_call_text(c, i) for c in calls)
+
+
+def same_text(a: str, b: str) -> bool:
+    """Equal up to whitespace: the fallback comparison for re-formatted history."""
+    return a.split() == b.split()
+
+
+def _text(content: Any, i: int) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        text = content
+    elif isinstance(content, list):
+        parts = []
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text"):
+                raise ApiError(400, f"messages[{i}]: only text content parts", "invalid_content")
+            parts.append(str(part.get("text", "")))
+        text = "".join(parts)
+    else:
+        raise ApiError(400, f"messages[{i}].content must be text", "invalid_content")
+    if len(text) > MAX_MESSAGE_CHARS:
+        raise ApiError(
+            400, f"messages[{i}] is longer than {MAX_MESSAGE_CHARS} characters", "too_long"
+        )
+    return text
+
+
+def _tool_call_text(call: Any, i: int) -> str:
+    """A tool call as the model writes it (arguments as canonical JSON)."""
+    try:
+        function = call["function"]
+        arguments = json.loads(function.get("arguments") or "{}")
+        body = {"name": str(function["name"]), "arguments": arguments}
+    except (KeyError, TypeError, AttributeError, json.JSONDecodeError):
+        raise ApiError(
+            400, f"messages[{i}].tool_calls is malformed", "invalid_tool_calls"
+        ) from None
+    return f"<tool_call>{json.dumps(body, sort_keys=True)}</tool_call>"
+
+
+def _functions(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    try:
+        return [
+            {
+                "name": str(t["function"]["name"]),
+                "description": str(t["function"].get("description", "")),
+                "parameters": t["function"].get("parameters", {}),
+            }
+            for t in tools
+            if t.get("type", "function") == "function"
+        ]
+    except (KeyError, TypeError, AttributeError):
+        raise ApiError(400, "tools must be a list of function tools", "invalid_tools") from None
+
+
+# ── episodes ──────────────────────────────────────────────────────────────────────────
+
+
+@dataclass
+class Recorded:
+    """One call of an episode: the normalized request, the reply and the ids as sampled."""
+
+    messages: list[dict[str, str]]
+    reply: str  # the reply as normalize_messages renders an assistant message
+    call: Call
+
+
+@dataclass
+class AgentEpisode:
+    id: str
+    key: str
+    task: Task
+    training: bool
+    state: EpisodeState = "open"
+    calls: list[Recorded] = field(default_factory=list)
+    reward: float | None = None
+    error: str = ""
+    last_active: float = field(default_factory=time.monotonic)
+    in_flight: int = 0  # requests being answered: a waiting agent is not a silent one
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def live(self) -> bool:
+        return self.state in ("open", "claimed")
+
+    def close(self, state: EpisodeState, error: str = "") -> None:
+        if self.live:
+            self.state, self.error = state, error
+            self.done.set()
+
+
+class EpisodeHub:
+    """Episodes by key; claims for external agents; idle episodes expire."""
+
+    def __init__(self, idle_timeout_s: float) -> None:
+        self.idle_timeout_s = idle_timeout_s
+        self.by_key: dict[str, AgentEpisode] = {}
+        self.by_id: dict[str, AgentEpisode] = {}
+        self.claimable: asyncio.Queue[AgentEpisode] = asyncio.Queue()
+
+    def open(self, task: Task, training: bool, *, external: bool = False) -> AgentEpisode:
+        episode = AgentEpisode(
+            id=f"ep-{uuid.uuid4().hex[:16]}", key=secrets.token_urlsafe(24), task=task,
+            training=training,
+        )  # fmt: skip
+        self.by_key[episode.key] = episode
+        self.by_id[episode.id] = episode
+        if external:
+            self.claimable.put_nowait(episode)
+        else:
+            episode.state = "claimed"  # its agent runs in-process, now
+        return episode
+
+    def forget(self, episode: AgentEpisode) -> None:
+        episode.close("aborted", episode.error or "forgotten")
+        self.by_key.pop(episode.key, None)
+        self.by_id.pop(episode.id, None)
+
+    def authorize(self, header: str | None) -> AgentEpisode:
+        key = (header or "").removeprefix("Bearer ").strip()
+        episode = self.by_key.get(key)
+        if episode is None:
+            raise ApiError(401, "unknown API key: each episode has its own", "invalid_api_key",
+                           "authentication_error")  # fmt: skip
+        if not episode.live:
+            raise ApiError(409, f"episode {episode.id} is {episode.state}", "episode_closed")
+        episode.last_active = time.monotonic()
+        return episode
+
+    def sweep(self) -> list[AgentEpisode]:
+        """Expire claimed episodes idle for longer than the timeout; the ones expired."""
+        now = time.monotonic()
+        expired = [
+            e for e in self.by_id.values()
+            if e.state == "claimed" and not e.in_flight
+            and now - e.last_active > self.idle_timeout_s
+        ]  # fmt: skip
+        for episode in expired:
+            episode.close("expired", f"no request for {self.idle_timeout_s:g} s")
+        return expired
+
+
+# ── generation ────────────────────────────────────────────────────────────────────────
+
+
+class Batcher:
+    """Gathers concurrent requests into engine calls, one engine call at a time."""
+
+    def __init__(self, generator: Generator) -> None:
+        self.generator = generator
+        self.queue: asyncio.Queue[tuple[list[int], SamplingParams, asyncio.Future[Any]]] = (
+            asyncio.Queue()
+        )
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="agent-engine")
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams
+    ) -> tuple[Completion, int]:
+        """A completion of `prompt_ids` and the policy version that sampled it."""
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        await self.queue.put((prompt_ids, params, future))
+        return await future  # type: ignore[no-any-return]
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            batch = [await self.queue.get()]
+            deadline = loop.time() + BATCH_WINDOW_S
+            while len(batch) < MAX_BATCH and (left := deadline - loop.time()) > 0:
+                try:
+                    batch.append(await asyncio.wait_for(self.queue.get(), left))
+                except TimeoutError:
+                    break
+            by_params: dict[SamplingParams, list[tuple[list[int], asyncio.Future[Any]]]] = {}
+            for prompt, params, future in batch:
+                by_params.setdefault(params, []).append((prompt, future))
+            for params, items in by_params.items():
+                live = [(p, f) for p, f in items if not f.done()]
+                if not live:
+                    continue
+                try:
+                    completions = await loop.run_in_executor(
+                        self.executor, self.generator.generate, [p for p, _ in live], 1, params
+                    )
+                    version = self.generator.policy_version
+                except Exception as e:  # noqa: BLE001 - handed to every waiting request
+                    for _, future in live:
+                        if not future.done():
+                            future.set_exception(e)
+                    continue
+                for (_, future), samples in zip(live, completions, strict=True):
+                    if not future.done():
+                        future.set_result((samples[0], version))
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+# ── the server ────────────────────────────────────────────────────────────────────────
+
+
+class OpenAIServer:
+    """aiohttp app on one port: /v1 for agents' model calls, /agents for external agents."""
+
+    def __init__(
+        self,
+        generator: Generator,
+        hub: EpisodeHub,
+        training_params: SamplingParams,
+        *,
+        model_name: str = "agentjet-policy",
+        agent_token: str = "",
+    ) -> None:
+        self.tokenizer = generator.tokenizer
+        self.user_turn = UserTurn(self.tokenizer)
+        self.hub = hub
+        self.batcher = Batcher(generator)
+        self.training_params = training_params
+        self.model_name = model_name
+        self.agent_token = agent_token
+        self.rejected = 0
+        self.base_url = ""
+        self._runner: web.AppRunner | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        app = web.Application(client_max_size=MAX_REQUEST_BYTES, middlewares=[self._errors])
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/agents/claim", self._claim)
+        app.router.add_post("/agents/{id}/finish", self._finish)
+        app.router.add_post("/agents/{id}/abort", self._abort)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port)
+        await site.start()
+        sockets = site._server.sockets  # type: ignore[union-attr]
+        bound = sockets[0].getsockname()[1]
+        self.base_url = f"http://{host}:{bound}"
+        self._tasks = [
+            asyncio.create_task(self.batcher.run(), name="agent-batcher"),
+            asyncio.create_task(self._sweep(), name="agent-sweeper"),
+        ]
+        return self.base_url
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._runner is not None:
+            await self._runner.cleanup()
+        self.batcher.close()
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(min(1.0, self.hub.idle_timeout_s / 4))
+            for episode in self.hub.sweep():
+                log.warning("episode %s expired: %s", episode.id, episode.error)
+
+    @web.middleware
+    async def _errors(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except ApiError as e:
+            self.rejected += 1
+            return e.response()
+        except web.HTTPException as e:  # aiohttp's own: unknown route, body too large
+            self.rejected += 1
+            return ApiError(e.status, e.reason, "http_error").response()
+
+    # ── /v1 ───────────────────────────────────────────────────────────────────────────
+
+    async def _models(self, request: web.Request) -> web.Response:
+        self.hub.authorize(request.headers.get("Authorization"))
+        return web.json_response(
+            {"object": "list", "data": [{"id": self.model_name, "object": "model",
+                                          "created": 0, "owned_by": "agentjet"}]}
+        )  # fmt: skip
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        episode = self.hub.authorize(request.headers.get("Authorization"))
+        body = await _json_body(request)
+        tools = body.get("tools") or None
+        if tools is not None and not isinstance(tools, list):
+            raise ApiError(400, "tools must be a list", "invalid_tools")
+        if body.get("n", 1) != 1:
+            raise ApiError(400, "only n=1 is supported", "unsupported_n")
+        messages = normalize_messages(body.get("messages"), tools)
+        params = (
+            self.training_params if episode.training else _client_params(body, self.training_params)
+        )
+        prompt_ids = self._prompt(episode, messages)
+        episode.in_flight += 1
+        try:
+            completion, version = await self.batcher.generate(prompt_ids, params)
+        finally:
+            episode.in_flight -= 1
+        if not episode.live:  # finished or aborted while it waited
+            raise ApiError(409, f"episode {episode.id} is {episode.state}", "episode_closed")
+        episode.last_active = time.monotonic()
+        text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+        names = {f["name"] for f in _functions(tools)} if tools else set()
+        content, tool_calls = parse_reply(text, names)
+        reply: dict[str, Any] = {"role": "assistant", "content": content}
+        if tool_calls:
+            reply["tool_calls"] = tool_calls
+        episode.calls.append(
+            Recorded(
+                messages=messages,
+                reply=assistant_text(reply, 0),
+                call=Call(prompt_ids, completion.token_ids, completion.logprobs, version,
+                          completion.finish_reason),
+            )
+        )  # fmt: skip
+        finish = "tool_calls" if tool_calls else completion.finish_reason
+        usage = {
+            "prompt_tokens": len(prompt_ids),
+            "completion_tokens": len(completion.token_ids),
+            "total_tokens": len(prompt_ids) + len(completion.token_ids),
+        }
+        ident, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+        if body.get("stream"):
+            return await self._stream(request, ident, created, content, tool_calls, finish, usage)
+        return web.json_response(
+            {
+                "id": ident,
+                "object": "chat.completion",
+                "created": created,
+                "model": self.model_name,
+                "choices": [
+                    {"index": 0, "message": reply, "finish_reason": finish, "logprobs": None}
+                ],
+                "usage": usage,
+            }
+        )
+
+    async def _stream(
+        self,
+        request: web.Request,
+        ident: str,
+        created: int,
+        content: str | None,
+        tool_calls: list[dict[str, Any]],
+        finish: str,
+        usage: dict[str, int],
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+
+        async def send(delta: dict[str, Any], finish_reason: str | None = None) -> None:
+            chunk = {
+                "id": ident,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": self.model_name,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}],
+            }
+            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+
+        await send({"role": "assistant", "content": ""})
+        for piece in _pieces(content or ""):
+            await send({"content": piece})
+        if tool_calls:
+            await send({"tool_calls": [{"index": i, **call} for i, call in enumerate(tool_calls)]})
+        await send({}, finish)
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    def _prompt(self, episode: AgentEpisode, messages: list[dict[str, str]]) -> list[int]:
+        """Token-faithful prompt ids (module docstring)."""
+        for recorded in reversed(episode.calls):
+            k = len(recorded.messages)
+            if (
+                len(messages) == k + 2
+                and messages[:k] == recorded.messages
+                and messages[k]["role"] == "assistant"
+                and same_text(messages[k]["content"], recorded.reply)
+                and messages[k + 1]["role"] == "user"
+            ):
+                call = recorded.call
+                tail = self.user_turn.ids(call.completion_ids, messages[k + 1]["content"])
+                return call.prompt_ids + call.completion_ids + tail
+        ids = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return [int(i) for i in ids]
+
+    # ── /agents ───────────────────────────────────────────────────────────────────────
+
+    def _check_agent(self, request: web.Request) -> None:
+        if self.agent_token:
+            given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+            if not secrets.compare_digest(given, self.agent_token):
+                raise ApiError(
+                    401, "wrong agent token", "invalid_agent_token", "authentication_error"
+                )
+
+    async def _claim(self, request: web.Request) -> web.Response:
+        """The next unclaimed episode, waiting up to `wait_s` (body) for one; 204 if none."""
+        self._check_agent(request)
+        body = await _json_body(request, required=False)
+        wait_s = body.get("wait_s", 10.0)
+        if not isinstance(wait_s, int | float) or not 0 <= wait_s <= 60:
+            raise ApiError(400, "wait_s must be a number of seconds in [0, 60]", "invalid_wait")
+        deadline = time.monotonic() + float(wait_s)
+        while True:
+            try:
+                episode = self.hub.claimable.get_nowait()
+            except asyncio.QueueEmpty:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return web.Response(status=204)
+                try:
+                    episode = await asyncio.wait_for(self.hub.claimable.get(), left)
+                except TimeoutError:
+                    return web.Response(status=204)
+            if episode.state == "open":
+                break
+        episode.state = "claimed"
+        episode.last_active = time.monotonic()
+        task = episode.task
+        return web.json_response(
+            {
+                "episode_id": episode.id,
+                "task": {"id": task.id, "env": task.env, "prompt": task.prompt,
+                         "difficulty": task.difficulty, "op": task.op},
+                "base_url": f"{self.base_url}/v1",
+                "api_key": episode.key,
+                "training": episode.training,
+            }
+        )  # fmt: skip
+
+    async def _finish(self, request: web.Request) -> web.Response:
+        episode = self._own_episode(request)
+        body = await _json_body(request)
+        reward = body.get("reward")
+        if isinstance(reward, bool) or not isinstance(reward, int | float) or reward != reward:
+            raise ApiError(400, "reward must be a finite number", "invalid_reward")
+        if abs(float(reward)) == float("inf"):
+            raise ApiError(400, "reward must be a finite number", "invalid_reward")
+        episode.reward = float(reward)
+        episode.close("finished")
+        return web.json_response({"episode_id": episode.id, "state": episode.state})
+
+    async def _abort(self, request: web.Request) -> web.Response:
+        episode = self._own_episode(request)
+        body = await _json_body(request, required=False)
+        episode.close("aborted", str(body.get("reason", "aborted by the agent"))[:200])
+        return web.json_response({"episode_id": episode.id, "state": episode.state})
+
+    def _own_episode(self, request: web.Request) -> AgentEpisode:
+        episode = self.hub.authorize(request.headers.get("Authorization"))
+        if episode.id != request.match_info["id"]:
+            raise ApiError(403, "this key belongs to another episode", "wrong_episode")
+        return episode
+
+
+async def _json_body(request: web.Request, *, required: bool = True) -> dict[str, Any]:
+    raw = await request.read()
+    if not raw and not required:
+        return {}
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ApiError(400, "the body is not valid JSON", "invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object", "invalid_json")
+    return body
+
+
+def _client_params(body: dict[str, Any], default: SamplingParams) -> SamplingParams:
+    """An evaluation request's own sampling settings (checked), else the node's."""
+    temperature = body.get("temperature", default.temperature)
+    top_p = body.get("top_p", default.top_p)
+    max_tokens = (
+        body.get("max_completion_tokens") or body.get("max_tokens") or default.max_new_tokens
+    )
+    for name, value, low, high in (
+        ("temperature", temperature, 0.0, 2.0),
+        ("top_p", top_p, 0.0, 1.0),
+        ("max_tokens", max_tokens, 1, 8192),
+    ):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not low <= value <= high
+        ):
+            raise ApiError(400, f"{name} must be a number in [{low}, {high}]", f"invalid_{name}")
+    if temperature == 0:
+        return SamplingParams(max_new_tokens=int(max_tokens), greedy=True)
+    return SamplingParams(temperature=float(temperature), top_p=float(top_p) or 1.0,
+                          max_new_tokens=int(max_tokens))  # fmt: skip
+
+
+def _pieces(text: str, size: int = 16) -> list[str]:
+    return [text[i : i + size] for i in range(0, len(text), size)]

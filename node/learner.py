@@ -125,7 +125,7 @@ class Learner:
         more than the completion), so the prompt runs once with gradient and its KV cache is
         indexed out to the rows — the same prefix sharing the engine uses, and exactly the
         same numbers as a full forward of every row. Logits are computed only where a
-        completion token is predicted, which also skips most of the vocabulary matmul.
+        trained token is predicted, which skips most of the vocabulary matmul and memory.
         """
         prompts: dict[tuple[int, ...], int] = {}
         row_prompt = [prompts.setdefault(tuple(r.prompt.tolist()), len(prompts)) for r in rows]
@@ -159,14 +159,18 @@ class Learner:
             ],
             dim=1,
         )
-        logits = self.model.get_output_embeddings()(hidden).float() / self.temperature
-        logprobs = torch.gather(torch.log_softmax(logits, dim=-1), 2, c_ids.unsqueeze(-1))
         width = c_ids.shape[1]
-        old_logprobs = torch.stack([_right(r.sampler_logprobs, width) for r in rows])
         mask = torch.stack([_right(r.mask, width) for r in rows])
+        # The vocabulary projection only where a token is trained (the model's own tokens):
+        # in multi-turn sequences most completion positions are tool output and prompts.
+        trained = mask.bool()
+        logits = self.model.get_output_embeddings()(hidden[trained]).float() / self.temperature
+        picked = torch.log_softmax(logits, dim=-1).gather(1, c_ids[trained].unsqueeze(-1))
+        logprobs = torch.zeros(mask.shape, dtype=picked.dtype).masked_scatter(trained, picked)
+        old_logprobs = torch.stack([_right(r.sampler_logprobs, width) for r in rows])
         advantages = torch.tensor([r.advantage for r in rows])
         return rl.policy_loss(
-            logprobs.squeeze(-1), old_logprobs, advantages, mask, self.config.clip_eps, num_tokens
+            logprobs, old_logprobs, advantages, mask, self.config.clip_eps, num_tokens
         )
 
 

@@ -5,8 +5,9 @@
     turned into training groups twice, from the very same calls:
         merged:   agentjet.timeline.merge_calls(calls)               (one sequence per episode)
         unmerged: agentjet.timeline.merge_calls(calls, merge=False)  (one per call)
-    ──▶ tokens the learner forwards, and Learner.train_step time on each (interleaved
-        repeats, median) ──▶ bench/results/merge.json
+    ──▶ tokens the learner forwards (all episodes), and Learner.train_step time on the
+        first --step-groups groups of each (a CPU step on every episode takes many minutes)
+        ──▶ bench/results/merge.json
 
 The learner skips samples without advantage, and a 135M model rarely earns a reward
 here, so for the step-time measurement each group's rewards are set to 1, 0, 1, 0, ...
@@ -84,12 +85,15 @@ def main() -> int:
     parser.add_argument("--group", type=int, default=4)
     parser.add_argument("--turns", type=int, default=6, help="max model calls per episode")
     parser.add_argument("--max-new-tokens", type=int, default=48)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument(
+        "--step-groups", type=int, default=2, help="groups in the timed train_step (CPU: slow)"
+    )
     parser.add_argument("--micro-batch", type=int, default=4, help="sequences per forward")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(2)
     config = load_config(None, [])
     path = resolve_model(EMBEDDED_MODEL, config.model.cache_dir)
     engine = TorchEngine(path, seed=args.seed)
@@ -126,7 +130,8 @@ def main() -> int:
         for _ in range(args.repeats):
             for name, groups in variants.items():  # interleaved: noise hits both alike
                 model.zero_grad(set_to_none=True)
-                step_s[name].append(learner.train_step(groups)["perf/step_s"])
+                row = learner.train_step(groups[: args.step_groups])
+                step_s[name].append(row["perf/step_s"])
     finally:
         swarm.shutdown()
     result: dict = {"turns": round(statistics.mean(turns), 2)}
@@ -136,7 +141,8 @@ def main() -> int:
             "trained_tokens": total,
             "loss_tokens": masked,
             "sequences": sum(len(g.samples) for g in groups),
-            "step_s": round(statistics.median(step_s[name]), 3),
+            "step_s": round(statistics.median(step_s[name]), 2),
+            "step_tokens": tokens(groups[: args.step_groups])[0],
         }
     result["token_ratio"] = round(
         result["unmerged"]["trained_tokens"] / result["merged"]["trained_tokens"], 2
@@ -147,6 +153,8 @@ def main() -> int:
         "episodes": len(turns),
         "max_turns": args.turns,
         "max_new_tokens": args.max_new_tokens,
+        "step_groups": args.step_groups,
+        "torch_threads": 2,
         "mean_reward": round(statistics.mean(p.reward for g in played for p in g), 3),
         "play_s": round(play_s, 1),
         "date": time.strftime("%Y-%m-%d"),

@@ -144,14 +144,14 @@ class AgentEnv:
                     target=loop.run_forever, name=f"{self.name}-agents", daemon=True
                 )
                 self._thread.start()
-                self.hub_and_server(loop, generator, params)
+                self._start_server(loop, generator, params)
                 self.loop = loop
             assert self.server is not None
             self.server.batcher.generator = generator
             self.server.training_params = params
             return self.loop
 
-    def hub_and_server(
+    def _start_server(
         self, loop: asyncio.AbstractEventLoop, generator: Generator, params: SamplingParams
     ) -> None:
         async def start() -> str:
@@ -159,7 +159,11 @@ class AgentEnv:
             self.server = OpenAIServer(generator, hub, params, agent_token=self.agent_token)
             return await self.server.start(self.host, self.port)
 
-        url = asyncio.run_coroutine_threadsafe(start(), loop).result(timeout=30)
+        try:
+            url = asyncio.run_coroutine_threadsafe(start(), loop).result(timeout=30)
+        except OSError as e:
+            where = f"rollout.agent_listen {self.host}:{self.port}"
+            raise ConfigError(f"{where}: cannot listen: {e.strerror}") from None
         log.info("%s: OpenAI endpoint at %s/v1, agent claims at %s/agents", self.name, url, url)
 
     async def _group(self, tasks: list[Task], n: int, training: bool) -> list[list[Played]]:

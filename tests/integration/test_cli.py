@@ -26,7 +26,18 @@ def agentjet(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess
 
 @pytest.mark.parametrize(
     "command",
-    [[], ["local"], ["node"], ["coordinator"], ["eval"], ["tasks"], ["status"]],
+    [
+        [],
+        ["local"],
+        ["node"],
+        ["coordinator"],
+        ["eval"],
+        ["tasks"],
+        ["status"],
+        ["sandbox"],
+        ["sandbox", "build-image"],
+        ["agent"],
+    ],
 )
 def test_every_subcommand_has_help(command):
     result = agentjet(*command, "--help")
@@ -54,6 +65,11 @@ def test_dry_run_writes_resolved_config(tmp_path):
         (["node", "--role", "judge"], "argument --role: invalid choice: 'judge'"),
         (["eval", "--tasks", "t.jsonl"], "the following arguments are required: --checkpoint"),
         (["train"], "invalid choice: 'train'"),
+        (["agent", "--rollout", "http://x", "--agent", "nomodule"], "like module:function"),
+        (["agent", "--rollout", "http://x", "--agent", "no_such_mod:f"], "cannot be loaded"),
+        (["local", "--dry-run", "--set", "envs.0.name=agent"], "needs agent"),
+        (["local", "--dry-run", "--set", "rollout.agent_listen=nowhere"], "is not HOST:PORT"),
+        (["tasks", "--env", "python_code", "--count", "999", "--out", "x"], "ask for fewer"),
     ],
 )
 def test_user_errors_are_one_line(args, message, tmp_path):

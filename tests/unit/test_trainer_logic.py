@@ -80,13 +80,7 @@ def test_learner_logprobs_match_the_sampler(tiny_model_dir: Path, one_torch_thre
         groups.append(build_group(grant, episodes, "n", 0.0))
 
     model, _ = load_causal_lm(tiny_model_dir)
-    swarm = SwarmOptimizer(
-        SwarmConfig(run_id=f"test-{time.monotonic_ns()}"),
-        model.parameters(),
-        lr=1e-3,
-        weight_decay=0.0,
-        target_batch_size=6,
-    )
+    swarm = lone_swarm(model, target_batch_size=6)
     try:
         before = {k: v.clone() for k, v in model.state_dict().items()}
         learner = Learner(model, swarm, TrainerConfig(micro_batch_samples=2), temperature, 0)
@@ -107,13 +101,7 @@ def test_with_a_sample_budget_a_version_waits_for_enough_gradient(tiny_model_dir
     """trainer.informative_samples_per_step: batches whose samples carry no gradient add
     nothing; the optimizer steps once the budget of samples with gradient is reached."""
     model, _ = load_causal_lm(tiny_model_dir)
-    swarm = SwarmOptimizer(
-        SwarmConfig(run_id=f"test-{time.monotonic_ns()}"),
-        model.parameters(),
-        lr=1e-3,
-        weight_decay=0.0,
-        target_batch_size=4,
-    )
+    swarm = lone_swarm(model, target_batch_size=4)
     learner = Learner(model, swarm, TrainerConfig(informative_samples_per_step=4), 1.0, 0)
     try:
         versions = [
@@ -123,3 +111,14 @@ def test_with_a_sample_budget_a_version_waits_for_enough_gradient(tiny_model_dir
     finally:
         swarm.shutdown()
     assert versions == [0, 0, 1]
+
+
+def lone_swarm(model: torch.nn.Module, target_batch_size: int) -> SwarmOptimizer:
+    """A one-peer hivemind optimizer of its own run (the same path as a swarm)."""
+    return SwarmOptimizer(
+        SwarmConfig(run_id=f"test-{time.monotonic_ns()}"),
+        model.parameters(),
+        lr=1e-3,
+        weight_decay=0.0,
+        target_batch_size=target_batch_size,
+    )

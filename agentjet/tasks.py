@@ -12,12 +12,16 @@ import json
 import random
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from agentjet.errors import TaskFileError
 from agentjet.protocol import Task
 from agentjet.sandbox_tasks import TASK_MAKERS
+
+if TYPE_CHECKING:
+    from agentjet.config import EnvConfig
 
 OPS = ("+", "-", "*")
 MAX_TASK_FILE_ROWS = 1_000_000
@@ -69,11 +73,17 @@ class TaskSource:
         self.difficulties = list(difficulties)
         self.ops = list(ops)
         self.rows = load_task_file(task_file, env) if task_file else None
+        self.ids = None if self.rows is None else frozenset(task.id for task in self.rows)
+
+    @classmethod
+    def from_config(cls, env: EnvConfig) -> TaskSource:
+        """The source an `[[envs]]` entry describes."""
+        return cls(env.name, env.difficulties, env.ops, env.task_file)
 
     def covers(self, task: Task) -> bool:
         """Whether this source could have drawn `task` (for tasks of an older config)."""
-        if self.rows is not None:
-            return task in self.rows
+        if self.ids is not None:
+            return task.id in self.ids
         if task.difficulty not in self.difficulties:
             return False
         return self.env in TASK_MAKERS or task.op in self.ops
@@ -86,6 +96,14 @@ class TaskSource:
         if maker is not None:
             return maker(rng, difficulty, self.env)
         return make_arithmetic_task(rng, difficulty, rng.choice(self.ops), self.env)
+
+
+def draw_tasks(
+    rng: random.Random, sources: Sequence[TaskSource], weights: Sequence[float], k: int
+) -> list[Task]:
+    """`k` tasks, each from a source picked by weight: the uniform baseline's choice (the
+    coordinator's UniformScheduler, and a rollout node's fallback while it is away)."""
+    return [source.sample(rng) for source in rng.choices(sources, weights=weights, k=k)]
 
 
 def generate_tasks(

@@ -372,18 +372,13 @@ class EnvSource(NamedTuple):
 
     source: TaskSource
     weight: float
-    ids: frozenset[str] | None  # a task file's ids; None for generated tasks
 
     @classmethod
     def of(cls, env: EnvConfig) -> EnvSource:
-        source = TaskSource(env.name, env.difficulties, env.ops, env.task_file)
-        ids = None if source.rows is None else frozenset(task.id for task in source.rows)
-        return cls(source, env.weight, ids)
+        return cls(TaskSource.from_config(env), env.weight)
 
     def can_draw(self, task: Task) -> bool:
         """Whether this entry could draw `task` (a task of an older config is not offered)."""
-        if self.ids is not None:
-            return task.id in self.ids
         return self.source.covers(task)
 
 

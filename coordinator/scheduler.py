@@ -19,7 +19,7 @@ from typing import NamedTuple, Protocol
 
 from agentjet.config import Config, EnvConfig, EnvSchedConfig, RolloutConfig
 from agentjet.protocol import GroupReport, Task
-from agentjet.tasks import TaskSource
+from agentjet.tasks import TaskSource, draw_tasks
 from coordinator.envsched import EnvSched, Statistics
 
 
@@ -60,9 +60,7 @@ class UniformScheduler:
     ) -> None:
         if not envs:
             raise ValueError("UniformScheduler needs at least one environment")
-        self.sources = [
-            TaskSource(env.name, env.difficulties, env.ops, env.task_file) for env in envs
-        ]
+        self.sources = [TaskSource.from_config(env) for env in envs]
         self.weights = [env.weight for env in envs]
         self.statistics = statistics or Statistics(EnvSchedConfig(), RolloutConfig().group_size)
         # Used only when the caller passes no rng (e.g. a node's local fallback).
@@ -76,9 +74,7 @@ class UniformScheduler:
         grants_issued: int = 0,
     ) -> list[Task]:
         """`k` tasks; capacity limits and ratio schedules are EnvSched's, not the baseline's."""
-        rng = rng or self.rng
-        sources = rng.choices(self.sources, weights=self.weights, k=k)
-        return [source.sample(rng) for source in sources]
+        return draw_tasks(rng or self.rng, self.sources, self.weights, k)
 
     def observe(self, task: Task, report: GroupReport) -> None:
         """Uniform sampling does not learn; it only measures."""

@@ -35,7 +35,7 @@ from agentjet.config import AGENT_ENVS, SANDBOXED_ENVS, Config
 from agentjet.episode import Episode, SamplingParams
 from agentjet.metrics import MetricsWriter
 from agentjet.roles import run_role, supervise
-from agentjet.tasks import TaskSource
+from agentjet.tasks import TaskSource, draw_tasks
 from agentjet.timeline import Sequence
 from agentjet.transport import Client, PeerUnavailable
 from node.agents import make_agent_env
@@ -142,7 +142,7 @@ class Rollout:
                 self.envs[env.name] = agent_env
             else:
                 self.envs[env.name] = make_env(env, self.pool)
-        self.sources = [TaskSource(e.name, e.difficulties, e.ops, e.task_file) for e in cfg.envs]
+        self.sources = [TaskSource.from_config(env) for env in cfg.envs]
         self.rng = random.Random(cfg.run.seed)
         self.coordinator_away = False
         s = cfg.rollout.sampling
@@ -299,18 +299,17 @@ class Rollout:
         has no grant to attach them to), so its scheduler learns nothing from them.
         """
         cfg = self.config
-        sources = self.rng.choices(
-            self.sources, weights=[e.weight for e in cfg.envs], k=cfg.rollout.groups_per_batch
-        )
-        self.counts["local_grants"] += len(sources)
+        weights = [e.weight for e in cfg.envs]
+        tasks = draw_tasks(self.rng, self.sources, weights, cfg.rollout.groups_per_batch)
+        self.counts["local_grants"] += len(tasks)
         return [
             protocol.WorkGrant(
                 grant_id=f"{LOCAL_GRANT_PREFIX}{uuid.uuid4().hex}",
-                task=source.sample(self.rng),
+                task=task,
                 group_size=cfg.rollout.group_size,
                 lease_s=0.0,
             )
-            for source in sources
+            for task in tasks
         ]
 
     def _queue_report(

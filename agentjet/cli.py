@@ -27,7 +27,7 @@ from agentjet.config import ENV_NAMES, Config, load_config, to_toml
 from agentjet.errors import AgentjetError
 
 if TYPE_CHECKING:
-    from agentjet.protocol import CoordinatorStatus, SchedulerRow
+    from agentjet.protocol import CoordinatorStatus, NodeRecord, SchedulerRow
 
 # `agentjet status` gives up on a coordinator that has not answered within this long.
 STATUS_TIMEOUT_S = 5.0
@@ -53,6 +53,69 @@ def _config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dry-run", action="store_true", help="validate, write the config, exit")
 
 
+def _swarm_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--join",
+        action="append",
+        default=[],
+        metavar="MULTIADDR",
+        help="a peer of the swarm to join, as printed by its first node (repeatable)",
+    )
+    p.add_argument(
+        "--listen",
+        metavar="HOST:PORT",
+        help="serve on PORT (ZMQ) and run the swarm peer on PORT+1; 0.0.0.0 needs --announce",
+    )
+    p.add_argument(
+        "--announce", metavar="HOST:PORT", help="the address other machines reach --listen at"
+    )
+    p.add_argument(
+        "--identity", metavar="FILE", help="this node's peer key (made on first use): a stable id"
+    )
+
+
+def _host_port(flag: str, value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65534:
+        raise AgentjetError(f"{flag} {value!r}: expected HOST:PORT, e.g. 10.0.0.5:7000")
+    return host, int(port)
+
+
+def swarm_overrides(args: argparse.Namespace) -> list[str]:
+    """--join/--listen/--announce/--identity as config overrides (they win over the file)."""
+    out: list[str] = []
+    if args.join:
+        out.append(f"swarm.initial_peers={json.dumps(args.join)}")
+    if args.identity:
+        out.append(f"swarm.identity_path={json.dumps(str(args.identity))}")
+    service = {"coordinator": "coordinator.endpoint", "trainer": "net.trainer_endpoint"}.get(
+        "coordinator" if args.command == "coordinator" else args.role
+    )
+    if args.listen:
+        host, port = _host_port("--listen", args.listen)
+        peer_port = port + 1 if port else 0
+        out.append(f'swarm.host_maddrs=["/ip4/{host}/tcp/{peer_port}"]')
+        if service:
+            out.append(f'{service}="tcp://{host}:{port}"')
+        elif port:
+            out.append(f'rollout.agent_listen="{host}:{port}"')
+        if host == "0.0.0.0" and not args.announce:
+            raise AgentjetError(
+                "--listen 0.0.0.0 binds every interface; give --announce HOST:PORT, the "
+                "address other machines reach this node at"
+            )
+    if args.announce:
+        host, port = _host_port("--announce", args.announce)
+        if not port and args.listen:
+            port = _host_port("--listen", args.listen)[1]
+        if not port:
+            raise AgentjetError("--announce needs a port (or --listen with one)")
+        out.append(f'swarm.announce_maddrs=["/ip4/{host}/tcp/{port + 1}"]')
+        if service:
+            out.append(f'swarm.announce_endpoint="tcp://{host}:{port}"')
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="agentjet", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(
@@ -63,11 +126,13 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(local)
     local.add_argument("--max-steps", type=int, help="stop after this many policy versions")
 
-    node = sub.add_parser("node", help="run one trainer or rollout node")
+    node = sub.add_parser("node", help="run one trainer or rollout node of a swarm")
     node.add_argument("--role", choices=["trainer", "rollout"], required=True)
+    _swarm_args(node)
     _config_args(node)
 
     coord = sub.add_parser("coordinator", help="run the coordinator")
+    _swarm_args(coord)
     _config_args(coord)
 
     ev = sub.add_parser("eval", help="greedy accuracy of a checkpoint on a JSONL task file")
@@ -87,10 +152,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tasks.add_argument("--out", type=Path, required=True)
 
-    status = sub.add_parser("status", help="what a running coordinator hands out and has learned")
-    status.add_argument(
-        "--coordinator", required=True, metavar="ENDPOINT", help="tcp://HOST:PORT or ipc://PATH"
+    status = sub.add_parser(
+        "status", help="the swarm's nodes (--join), or what a coordinator hands out and has learned"
     )
+    where = status.add_mutually_exclusive_group(required=True)
+    where.add_argument("--join", metavar="MULTIADDR", help="any peer of the swarm: list its nodes")
+    where.add_argument(
+        "--coordinator", metavar="ENDPOINT", help="tcp://HOST:PORT or ipc://PATH: its scheduler"
+    )
+    status.add_argument("--run-id", default="agentjet", help="the swarm's swarm.run_id (--join)")
     status.add_argument(
         "--timeout-s", type=float, default=STATUS_TIMEOUT_S, help="give up after this long"
     )
@@ -133,6 +203,8 @@ def _resolve(args: argparse.Namespace, default_run_dir: str | None = None) -> Co
         if args.max_steps < 0:
             raise AgentjetError(f"--max-steps must be >= 0, got {args.max_steps}")
         overrides.append(f"run.max_steps={args.max_steps}")
+    if getattr(args, "join", None) is not None and args.command in ("node", "coordinator"):
+        overrides += swarm_overrides(args)
     run_dir = args.run_dir or default_run_dir
     if run_dir is not None:
         overrides.append(f"run.dir={json.dumps(str(run_dir))}")
@@ -263,12 +335,59 @@ def _status(args: argparse.Namespace) -> int:
 
     import msgspec
 
+    if args.join:
+        return _swarm_status(args)
     status = asyncio.run(_fetch_status(args.coordinator, args.timeout_s))
     if args.json:
         print(msgspec.json.format(msgspec.json.encode(status)).decode())
     else:
         print(format_status(status))
     return 0
+
+
+def _swarm_status(args: argparse.Namespace) -> int:
+    import msgspec
+
+    from agentjet.config import SwarmConfig
+
+    if args.timeout_s <= 0:
+        raise AgentjetError(f"--timeout-s must be > 0, got {args.timeout_s}")
+    config = SwarmConfig(
+        run_id=args.run_id,
+        initial_peers=[args.join],
+        startup_timeout_s=args.timeout_s,
+        startup_attempts=1,
+    )
+    from node.swarm import read_directory
+
+    records = read_directory(config)
+    if args.json:
+        print(msgspec.json.format(msgspec.json.encode(records)).decode())
+    else:
+        print(format_swarm(records, now=time.time()))
+    return 0
+
+
+def format_swarm(records: list[NodeRecord], now: float) -> str:
+    """The swarm's nodes by role: address, policy version, queue, throughput, last heartbeat."""
+    if not records:
+        return "no live nodes in the swarm's directory (is --run-id right?)"
+    order = {"coordinator": 0, "trainer": 1, "rollout": 2}
+    header = ("role", "node", "address", "version", "queue", "samples/s", "heartbeat")
+    rows = [
+        (
+            r.role,
+            r.node_id,
+            r.endpoint or (r.maddrs[0] if r.maddrs else "-"),
+            str(r.policy_version) if r.role != "coordinator" else "-",
+            f"{r.queue}/{r.capacity}" if r.role != "coordinator" else "-",
+            f"{r.samples_per_s:.2f}" if r.role != "coordinator" else "-",
+            f"{max(now - r.time, 0):.1f} s ago",
+        )
+        for r in sorted(records, key=lambda r: (order.get(r.role, 3), r.node_id))
+    ]
+    counts = ", ".join(f"{sum(r.role == role for r in records)} {role}" for role in order)
+    return "\n".join([f"swarm: {counts}", *_aligned([header, *rows])])
 
 
 async def _fetch_status(endpoint: str, timeout_s: float) -> CoordinatorStatus:

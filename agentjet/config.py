@@ -32,6 +32,11 @@ SANDBOXED_ENVS = ("python_tool", "python_code", "shell", "react")
 AGENT_ENVS = ("react", "agent")
 
 
+def is_endpoint(text: str) -> bool:
+    """A ZMQ endpoint this project connects to: tcp://HOST:PORT or ipc://PATH."""
+    return re.fullmatch(r"(tcp://[^:/\s]+:\d{1,5}|ipc://\S+)", text) is not None
+
+
 class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     pass
 
@@ -58,12 +63,11 @@ class RolloutConfig(_Section):
     # Groups (tasks) generated together in one engine batch.
     groups_per_batch: PositiveInt = 8
     sampling: SamplingConfig = msgspec.field(default_factory=SamplingConfig)
-    # Unacknowledged groups kept in memory before the node stops generating (backpressure).
+    # Groups not yet accepted by a trainer kept in memory before the node stops generating
+    # (backpressure); accepted ones are held too, until trained, bounded by trainer queues.
     # One batch: more only adds staleness, since a trainer that falls behind holds its own
     # queue (trainer.max_queued_groups) and anything beyond max_policy_lag is wasted.
     max_unacked_groups: PositiveInt = 8
-    # A group not acknowledged within this time is sent again.
-    resend_after_s: PositiveFloat = 20.0
     # torch intra-op threads for the engine (2-core boxes share cores with the trainer).
     torch_threads: PositiveInt = 1
     # The OpenAI-compatible endpoint of agent environments: HOST:PORT (port 0 = any free
@@ -157,17 +161,39 @@ class TrainerConfig(_Section):
 class SwarmConfig(_Section):
     # Peers of one swarm share this id (hivemind prefix); different runs never mix.
     run_id: str = "agentjet"
-    # Multiaddrs of peers to join; empty = start a new swarm.
+    # Multiaddrs of peers to join (`--join`); empty = start a new swarm.
     initial_peers: list[str] = msgspec.field(default_factory=list)
+    # Where this node's hivemind peer listens (`--listen HOST:PORT` sets port PORT+1) and the
+    # addresses other machines reach it at (`--announce`); empty announce = the listen ones.
     host_maddrs: list[str] = msgspec.field(default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"])
+    announce_maddrs: list[str] = msgspec.field(default_factory=list)
+    # The ZMQ endpoint other machines reach this node's service at (trainer, coordinator),
+    # published in its discovery record (`--announce HOST:PORT`); "" = the bound endpoint.
+    announce_endpoint: str = ""
+    # A file holding this node's peer key (made on first use), so its peer id and multiaddr
+    # survive restarts; "" = a fresh identity each start.
+    identity_path: str = ""
     # hivemind matchmaking window; >= 1 s on loopback, 10-15 s across the internet.
     matchmaking_time_s: PositiveFloat = 1.0
     # Abort an all-reduce after this long (about 2x a real one).
     averaging_timeout_s: PositiveFloat = 30.0
     # Per-request timeout inside hivemind; kept below matchmaking_time_s.
     request_timeout_s: PositiveFloat = 0.5
-    # How long to wait for the DHT to start.
+    # How long to wait for the DHT to start, and how often to try (with backoff).
     startup_timeout_s: PositiveFloat = 60.0
+    startup_attempts: PositiveInt = 3
+    # Samples (counted as the trainer counts them) in one global step across all trainers;
+    # 0 = one trainer's local batch (trainer.groups_per_step groups, or
+    # trainer.informative_samples_per_step).
+    target_batch_size: NonNegInt = 0
+    # Gradients on the wire: "none" (float32) or "fp16" (half the bytes).
+    grad_compression: Literal["none", "fp16"] = "none"
+    # Average parameters and optimizer state across trainers every N global steps: this
+    # re-synchronizes a trainer whose gradient round failed (1 = every step).
+    average_state_every: PositiveInt = 1
+    # Each node refreshes its discovery record this often; records expire after record_ttl_s.
+    heartbeat_s: PositiveFloat = 2.0
+    record_ttl_s: PositiveFloat = 10.0
 
 
 class EnvSchedConfig(_Section):
@@ -219,6 +245,9 @@ class CoordinatorConfig(_Section):
     envsched: EnvSchedConfig = msgspec.field(default_factory=EnvSchedConfig)
     # SQLite history; "" = <run dir>/coordinator.sqlite.
     db_path: str = ""
+    # Publish this coordinator in the swarm's DHT directory (how rollout nodes that --join
+    # find it), through a small DHT peer process beside it. `agentjet local` turns it off.
+    publish: bool = True
 
 
 class NetConfig(_Section):
@@ -402,7 +431,7 @@ def _check(config: Config) -> None:
         ("coordinator.endpoint", config.coordinator.endpoint),
         ("net.trainer_endpoint", config.net.trainer_endpoint),
     ):
-        if not re.fullmatch(r"(tcp://[^:]+:\d+|ipc://.+)", endpoint):
+        if not is_endpoint(endpoint):
             raise ConfigError(
                 f"config error at {key}: {endpoint!r} is not a ZMQ endpoint "
                 "(expected tcp://HOST:PORT or ipc://PATH)"

@@ -118,7 +118,7 @@ def prepare_run(config: Config, run_dir: Path) -> Path:
         config,
         run=msgspec.structs.replace(config.run, dir=str(run_dir)),
         coordinator=msgspec.structs.replace(
-            config.coordinator, endpoint=f"tcp://127.0.0.1:{free_port()}"
+            config.coordinator, endpoint=f"tcp://127.0.0.1:{free_port()}", publish=False
         ),
         net=msgspec.structs.replace(config.net, trainer_endpoint=f"tcp://127.0.0.1:{free_port()}"),
         swarm=msgspec.structs.replace(config.swarm, run_id=f"{config.swarm.run_id}-{os.getpid()}"),

@@ -21,7 +21,8 @@ import msgspec
 import numpy as np
 
 # 2: Task.setup/check (sandboxed environments), Sample.faults and Sample.episode.
-PROTOCOL_VERSION = 2
+# 3: groups are held until trained (GroupStatusQuery); NodeRecord in the swarm's DHT.
+PROTOCOL_VERSION = 3
 
 
 class _Msg(msgspec.Struct, kw_only=True, tag_field="t", forbid_unknown_fields=True):
@@ -63,6 +64,7 @@ class Welcome(_Msg, tag="welcome"):
 
 
 class Error(_Msg, tag="error"):
+    # busy: the trainer's queue is full, offer the group again later.
     code: Literal["decode", "version", "invalid", "unknown", "busy", "gone"]
     message: str
 
@@ -198,10 +200,35 @@ class SubmitGroup(_Msg, tag="submit_group"):
 
 
 class GroupAck(_Msg, tag="group_ack"):
+    """A trainer's answer to SubmitGroup.
+
+    "accepted" (queued) and "duplicate" (already queued or trained here) mean the trainer
+    holds the group: the rollout node keeps its copy until GroupStatus says "trained", so
+    a trainer that dies with groups in its queue loses nothing. "stale" and "rejected"
+    are final.
+    """
+
     group_id: str
     status: Literal["accepted", "duplicate", "stale", "rejected"]
     policy_version: int
     reason: str = ""
+
+
+# Most group ids one GroupStatusQuery may ask about.
+MAX_STATUS_IDS = 4096
+
+
+class GroupStatusQuery(_Msg, tag="group_status_query"):
+    group_ids: list[str]
+
+
+class GroupStatus(_Msg, tag="group_status"):
+    """Per asked id: "trained" (in the swarm's weights), "dropped" (stale or rejected:
+    final), "queued" (held, not yet trained), "unknown" (never seen here, or the trainer
+    restarted: send it again)."""
+
+    statuses: dict[str, Literal["trained", "dropped", "queued", "unknown"]]
+    policy_version: int
 
 
 class PolicyQuery(_Msg, tag="policy_query"):
@@ -228,8 +255,31 @@ class WeightChunk(_Msg, tag="weight_chunk"):
     data: bytes
 
 
-TrainerRequest = Hello | SubmitGroup | PolicyQuery | WeightChunkRequest
-TrainerReply = Welcome | GroupAck | PolicyInfo | WeightChunk | Error
+TrainerRequest = Hello | SubmitGroup | GroupStatusQuery | PolicyQuery | WeightChunkRequest
+TrainerReply = Welcome | GroupAck | GroupStatus | PolicyInfo | WeightChunk | Error
+
+
+# ── discovery (values in the swarm's DHT, not on a socket) ────────────────────────
+
+
+class NodeRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """What a node says about itself in the swarm's DHT, refreshed every heartbeat.
+
+    `endpoint` is the ZMQ endpoint others connect to (coordinator, trainer; "" for a
+    rollout node). `queue` is a trainer's queued groups or a rollout node's unacknowledged
+    ones; `capacity` the most it holds (trainer.max_queued_groups, rollout.max_unacked_groups).
+    """
+
+    node_id: str
+    role: Literal["coordinator", "trainer", "rollout"]
+    endpoint: str = ""
+    maddrs: list[str] = msgspec.field(default_factory=list)
+    policy_version: int = 0
+    queue: int = 0
+    capacity: int = 0
+    samples_per_s: float = 0.0
+    time: float = 0.0  # wall clock of the heartbeat, seconds since the epoch
+    protocol_version: int = PROTOCOL_VERSION
 
 
 # ── codecs ────────────────────────────────────────────────────────────────────────
@@ -245,6 +295,7 @@ coordinator_request_decoder = msgspec.msgpack.Decoder(CoordinatorRequest)
 coordinator_reply_decoder = msgspec.msgpack.Decoder(CoordinatorReply)
 trainer_request_decoder = msgspec.msgpack.Decoder(TrainerRequest)
 trainer_reply_decoder = msgspec.msgpack.Decoder(TrainerReply)
+node_record_decoder = msgspec.msgpack.Decoder(NodeRecord)
 
 
 def pack_ids(ids: list[int] | np.ndarray) -> bytes:

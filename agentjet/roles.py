@@ -60,6 +60,16 @@ def run_role(role: Role, name: str) -> int:
     return 0
 
 
+def print_join_command(maddrs: list[str]) -> None:
+    """The first node of a swarm prints the command other machines run to join it."""
+    reachable = [m for m in maddrs if "/127.0.0.1/" not in m] or maddrs
+    joins = " ".join(f"--join {m}" for m in reachable)
+    print(
+        f"swarm started; add nodes with:\n  agentjet node --role trainer|rollout {joins}",
+        flush=True,
+    )
+
+
 async def supervise(stop: asyncio.Event, loops: dict[str, Coroutine[Any, Any, None]]) -> None:
     """Run a role's named background loops until `stop` is set or one of them ends.
 

@@ -26,6 +26,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
+import socket
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -50,7 +52,7 @@ from agentjet.protocol import (
     WorkGrants,
     WorkRequest,
 )
-from agentjet.roles import run_role, supervise
+from agentjet.roles import print_join_command, run_role, supervise
 from agentjet.transport import Server
 from coordinator.envsched import status_table
 from coordinator.scheduler import Scheduler, draw_rng, make_scheduler, sweep_interval_s
@@ -161,6 +163,24 @@ class Coordinator:
         self.metrics = MetricsWriter(self.config.run.dir, "coordinator")
         cleanup.callback(self.metrics.close)
         log.info("coordinator serving on %s, history in %s", self.server.endpoint, self.db_path)
+        if self.config.coordinator.publish:
+            self._publish(cleanup)
+
+    def _publish(self, cleanup: ExitStack) -> None:
+        """Put this coordinator in the swarm's directory, where rollout nodes look for it."""
+        from coordinator.beacon import Beacon
+
+        swarm = self.config.swarm
+        record = protocol.NodeRecord(
+            node_id=f"coordinator-{socket.gethostname()}-{os.getpid()}",
+            role="coordinator",
+            endpoint=swarm.announce_endpoint or self.server.endpoint,
+        )
+        beacon = Beacon(swarm, record)
+        cleanup.callback(beacon.close)
+        log.info("coordinator is in the swarm's directory: %s", " ".join(beacon.maddrs))
+        if not swarm.initial_peers:
+            print_join_command(beacon.maddrs)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Serve until `stop` is set; a background loop that fails ends the run with its error."""

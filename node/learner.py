@@ -22,7 +22,7 @@ from transformers import DynamicCache
 from agentjet import rl
 from agentjet.config import TrainerConfig
 from agentjet.protocol import TrajectoryGroup, unpack_floats, unpack_ids, unpack_mask
-from node.swarm import SwarmOptimizer
+from node.swarm import StepOutcome, SwarmOptimizer
 
 
 @dataclass
@@ -50,7 +50,7 @@ class Learner:
         self.temperature = temperature
         self.pad_token_id = pad_token_id
 
-    def train_step(self, groups: list[TrajectoryGroup]) -> dict[str, float]:
+    def train_step(self, groups: list[TrajectoryGroup]) -> dict[str, Any]:
         """Accumulate gradients over `groups`, step the swarm optimizer, return metrics."""
         start = time.perf_counter()
         rows, num_samples = self._rows(groups)
@@ -71,14 +71,17 @@ class Learner:
             params = [p for p in self.model.parameters() if p.grad is not None]
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm))
         self.model.eval()
-        if self.config.informative_samples_per_step:
+        if self.config.informative_samples_per_step and not rows:
             # Counted in samples with gradient; a batch without any adds nothing.
-            version = self.swarm.step(batch_size=len(rows)) if rows else self.swarm.epoch
+            outcome = StepOutcome(self.swarm.epoch, applied=False, discarded=False)
         else:
-            version = self.swarm.step(batch_size=num_samples)
+            counted = len(rows) if self.config.informative_samples_per_step else num_samples
+            outcome = self.swarm.step_outcome(batch_size=counted)
         rewards = [s.reward for g in groups for s in g.samples]
         return {
-            "policy_version": version,
+            "policy_version": outcome.epoch,
+            "optimizer_stepped": outcome.applied,
+            "optimizer_discarded": outcome.discarded,
             "losses/policy": loss_sum,
             "losses/grad_norm": grad_norm,
             **{f"losses/{k}": v / max(micro, 1) for k, v in stats_sum.items()},

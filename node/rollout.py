@@ -1,16 +1,19 @@
-"""The rollout role: ask for work, play whole episode groups, ship them until acknowledged.
+"""The rollout role: ask for work, play whole episode groups, hold them until trained.
 
     coordinator ──WorkGrants──▶ produce: env.run_group(engine, tasks, n)  (worker thread)
                                    │   └─▶ GroupReport ──▶ coordinator   (report task)
                                    ▼
-                             unacked groups ──SubmitGroup──▶ trainer ──GroupAck──▶ forget
-                                   ▲          (deliver task: re-sent until acked)
-    trainer ──PolicyInfo / WeightChunks──▶ sync task: assemble, verify sha256 ──▶ loaded
-                                           between batches, never mid-episode
+                             Ledger ──SubmitGroup──▶ least backlogged trainer ──GroupAck──▶ held
+                                   ◀──GroupStatus: trained──  (deliver task, node/delivery.py)
+    newest trainer ──PolicyInfo / WeightChunks──▶ sync task: assemble, verify sha256 ──▶ loaded
+                                                  between batches, never mid-episode
+    swarm directory (DHT) ◀──▶ discover task: own record out; trainers and coordinator in
 
-Run with `agentjet node --role rollout --config FILE`. Every completion carries the
-policy version that sampled it. When `rollout.max_unacked_groups` groups wait for
-acknowledgement, the node stops asking for work (backpressure) instead of growing memory.
+Run with `agentjet node --role rollout [--join MULTIADDR]`. With `--join`, the node finds
+trainers and the coordinator in the swarm's DHT directory; without, it uses the endpoints
+in its config (one trainer; `agentjet local`). Every completion carries the policy version
+that sampled it. When `rollout.max_unacked_groups` groups wait for a trainer to accept
+them, the node stops asking for work (backpressure) instead of growing memory.
 """
 
 from __future__ import annotations
@@ -25,13 +28,12 @@ import time
 import uuid
 from collections import Counter, defaultdict
 from contextlib import ExitStack
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from agentjet import protocol, rl
-from agentjet.config import AGENT_ENVS, SANDBOXED_ENVS, Config
+from agentjet.config import AGENT_ENVS, SANDBOXED_ENVS, Config, is_endpoint
 from agentjet.episode import Episode, SamplingParams
 from agentjet.metrics import MetricsWriter
 from agentjet.roles import run_role, supervise
@@ -39,7 +41,9 @@ from agentjet.tasks import TaskSource, draw_tasks
 from agentjet.timeline import Sequence
 from agentjet.transport import Client, PeerUnavailable
 from node.agents import make_agent_env
+from node.delivery import Ledger, Pending, TrainerPeer
 from node.model import resolve_model
+from node.swarm import Directory, start_dht, visible_maddrs
 from node.torch_engine import TorchEngine
 from node.weights import WeightAssembly
 from sandboxes.envs import Environment, make_env
@@ -50,22 +54,17 @@ log = logging.getLogger(__name__)
 
 # How often the node asks the trainer for a newer policy version (acks also announce one).
 POLICY_POLL_S = 1.0
-# Back-off bounds when the coordinator or a trainer does not answer.
+# How often the node asks trainers which of the groups they hold are trained.
+STATUS_POLL_S = 1.0
+# Back-off bounds when the coordinator does not answer.
 RETRY_MIN_S, RETRY_MAX_S = 0.5, 10.0
-# When a trainer's queue is full, offer groups again after this long.
-BUSY_RETRY_S = 1.0
+# The trainer of a config without --join (there is no directory to name it).
+STATIC_TRAINER = "trainer"
 # While the coordinator is away, each batch first asks it for this long, then goes local.
 FALLBACK_PROBE_S = 1.0
 LOCAL_GRANT_PREFIX = "local-"
 # Shortest sleep of the delivery loop (timer granularity; avoids spinning).
 MIN_WAIT_S = 0.05
-
-
-@dataclass
-class _Pending:
-    group: protocol.TrajectoryGroup
-    due_at: float = 0.0  # monotonic time of the next (re-)send
-    awaiting_ack: bool = False  # sent, and neither acknowledged nor refused as busy
 
 
 def _model_tokens(episode: Episode) -> int:
@@ -118,7 +117,12 @@ class Rollout:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.node_id = f"rollout-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        self.unacked: dict[str, _Pending] = {}
+        self.ledger = Ledger(rng=random.Random(config.run.seed))
+        self.trainers: dict[str, TrainerPeer] = {}
+        self.clients: dict[str, Client] = {}
+        self.coordinator: Client | None = None
+        self.missing_since: dict[str, float] = {}  # trainer id -> when its record vanished
+        self.samples_per_s = 0.0
         self.reports: asyncio.Queue[protocol.GroupReport] = asyncio.Queue()
         # A complete, verified policy version waiting to be loaded between batches.
         self.ready_weights: tuple[int, str, dict[str, torch.Tensor]] | None = None
@@ -149,31 +153,52 @@ class Rollout:
         self.params = SamplingParams(
             temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_new_tokens
         )
-        hello = protocol.Hello(node_id=self.node_id, role="rollout")
-        self.coordinator = Client(
-            cfg.coordinator.endpoint,
-            protocol.coordinator_reply_decoder,
-            hello,
-            cfg.net.max_message_bytes,
-            cfg.net.request_timeout_s,
-        )
-        cleanup.callback(self.coordinator.close)
-        self.trainer = Client(
-            cfg.net.trainer_endpoint,
-            protocol.trainer_reply_decoder,
-            hello,
-            cfg.net.max_message_bytes,
-            cfg.net.request_timeout_s,
-        )
-        cleanup.callback(self.trainer.close)
+        self.hello = protocol.Hello(node_id=self.node_id, role="rollout")
+        cleanup.callback(self._close_clients)
+        self.directory: Directory | None = None
+        if cfg.swarm.initial_peers:
+            dht = start_dht(cfg.swarm)
+            cleanup.callback(dht.shutdown)
+            self.directory = Directory(dht, cfg.swarm)
+            cleanup.callback(self.directory.withdraw, self.node_id)
+            self.maddrs = visible_maddrs(dht)
+            self._discover_once()
+        else:
+            self._connect_coordinator(cfg.coordinator.endpoint)
+            self._add_trainer(TrainerPeer(STATIC_TRAINER, cfg.net.trainer_endpoint))
         self.metrics = MetricsWriter(Path(cfg.run.dir), "rollout")
         cleanup.callback(self.metrics.close)
         self.room = asyncio.Event()  # set while unacked groups are below the bound
         self.room.set()
         self.unsent = asyncio.Event()
         self.newer_policy = asyncio.Event()  # a trainer reported a version newer than ours
-        self.busy_until = 0.0  # monotonic time before which the trainer said it is full
         log.info("rollout node %s ready (envs: %s)", self.node_id, ", ".join(self.envs))
+
+    def _connect_coordinator(self, endpoint: str) -> None:
+        if self.coordinator is not None:
+            self.coordinator.close()
+        self.coordinator = Client(
+            endpoint,
+            protocol.coordinator_reply_decoder,
+            self.hello,
+            self.config.net.max_message_bytes,
+            self.config.net.request_timeout_s,
+        )
+
+    def _add_trainer(self, trainer: TrainerPeer) -> None:
+        self.trainers[trainer.node_id] = trainer
+        self.clients[trainer.node_id] = Client(
+            trainer.endpoint,
+            protocol.trainer_reply_decoder,
+            self.hello,
+            self.config.net.max_message_bytes,
+            self.config.net.request_timeout_s,
+        )
+
+    def _close_clients(self) -> None:
+        for client in [*self.clients.values(), self.coordinator]:
+            if client is not None:
+                client.close()
 
     async def run(self, stop: asyncio.Event) -> None:
         try:
@@ -185,11 +210,12 @@ class Rollout:
                     "rollout-report": self._report(),
                     "rollout-weights": self._sync_weights(),
                     "rollout-heartbeat": self._heartbeat(),
+                    **({"rollout-discover": self._discover()} if self.directory else {}),
                 },
             )
         finally:
             self.metrics.write(
-                {"event": "stopped", "unacked_group_ids": list(self.unacked), **self.counts}
+                {"event": "stopped", "unacked_group_ids": list(self.ledger.pending), **self.counts}
             )
 
     # ── producing groups ─────────────────────────────────────────────────────────
@@ -221,12 +247,13 @@ class Rollout:
                         self._queue_report(grant, [], wall_s / len(env_grants), "no episodes")
                         continue
                     group = build_group(grant, eps, self.node_id, wall_s / len(env_grants))
-                    self.unacked[group.group_id] = _Pending(group)
+                    self.ledger.add(group)
                     created.append(group.group_id)
                     self._queue_report(grant, eps, wall_s / len(env_grants), "")
                 self.counts["groups_created"] += len(created)
                 self.counts["groups_failed"] += len(env_grants) - len(created)
                 rewards = [e.reward for eps in episodes for e in eps] or [0.0]
+                self.samples_per_s = len(rewards) / wall_s
                 faults = Counter(f for eps in episodes for e in eps for f in e.faults)
                 for fault, count in faults.items():
                     self.counts[f"sandbox_{fault}"] += count
@@ -240,14 +267,15 @@ class Rollout:
                         "perf/gen_tokens_per_s": tokens / wall_s,
                         "perf/samples_per_s": len(rewards) / wall_s,
                         "perf/batch_s": wall_s,
-                        "unacked": len(self.unacked),
+                        "unacked": len(self.ledger),
+                        "unplaced": self.ledger.unplaced(),
                         "sandbox/faults": dict(faults),
                         **self._pool_metrics(),
                         **self.counts,
                     }
                 )
                 self.unsent.set()
-            if len(self.unacked) >= cfg.rollout.max_unacked_groups:
+            if self.ledger.unplaced() >= cfg.rollout.max_unacked_groups:
                 self.room.clear()
 
     def _pool_metrics(self) -> dict[str, float]:
@@ -272,6 +300,8 @@ class Rollout:
         delay = RETRY_MIN_S
         while True:
             try:
+                if self.coordinator is None:
+                    raise PeerUnavailable("no coordinator in the swarm's directory")
                 reply = await self.coordinator.request(request, self._coordinator_timeout())
             except PeerUnavailable as e:
                 if not self.coordinator_away:
@@ -331,61 +361,174 @@ class Rollout:
             )
         )
 
-    # ── delivery to the trainer ──────────────────────────────────────────────────
+    # ── delivery to trainers ─────────────────────────────────────────────────────
 
     async def _deliver(self) -> None:
-        delay = RETRY_MIN_S
+        """Offer groups to trainers, and ask the trainers holding groups which are trained."""
+        last_poll = 0.0
         while True:
-            now = time.monotonic()
-            due = [p for p in self.unacked.values() if max(p.due_at, self.busy_until) <= now]
-            if not due:
-                self.unsent.clear()
-                next_due = min((p.due_at for p in self.unacked.values()), default=None)
-                timeout = None
-                if next_due is not None:
-                    timeout = max(max(next_due, self.busy_until) - now, MIN_WAIT_S)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.unsent.wait(), timeout)
-                continue
-            for pending in due:
-                if pending.awaiting_ack:
-                    self.counts["groups_resent"] += 1
-                pending.awaiting_ack = True
-                pending.due_at = time.monotonic() + self.config.rollout.resend_after_s
-                try:
-                    reply = await self.trainer.request(protocol.SubmitGroup(group=pending.group))
-                except PeerUnavailable as e:
-                    log.warning("%s; %d groups wait for a trainer", e, len(self.unacked))
-                    await asyncio.sleep(delay)
-                    delay = min(2 * delay, RETRY_MAX_S)
-                    break
-                delay = RETRY_MIN_S
-                if isinstance(reply, protocol.Error) and reply.code == "busy":
-                    # The trainer's queue is full: keep every group, offer them again shortly.
-                    pending.awaiting_ack = False
-                    pending.due_at = time.monotonic()
-                    self.busy_until = time.monotonic() + BUSY_RETRY_S
-                    self.counts["trainer_busy"] += 1
-                    break
-                self._on_ack(pending.group.group_id, reply)
+            self.unsent.clear()
+            for pending in self.ledger.to_offer():
+                trainer = self.ledger.pick(pending, self.trainers, time.monotonic())
+                if trainer is not None:
+                    await self._offer(pending, trainer)
+            if time.monotonic() - last_poll >= STATUS_POLL_S:
+                await self._poll_statuses()
+                last_poll = time.monotonic()
+            if self.ledger.unplaced() < self.config.rollout.max_unacked_groups:
+                self.room.set()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.unsent.wait(), STATUS_POLL_S)
 
-    def _on_ack(self, group_id: str, reply: protocol.TrainerReply) -> None:
+    async def _offer(self, pending: Pending, trainer: TrainerPeer) -> None:
+        group_id = pending.group.group_id
+        if pending.state == "unsure":
+            self.counts["groups_resent"] += 1
+        try:
+            reply = await self.clients[trainer.node_id].request(
+                protocol.SubmitGroup(group=pending.group)
+            )
+        except PeerUnavailable as e:
+            self.ledger.unanswered(pending, trainer, time.monotonic())
+            log.warning("%s; %d groups wait for a trainer", e, self.ledger.unplaced())
+            return
+        outcome = self.ledger.offered(pending, trainer, reply, time.monotonic())
+        self.counts[f"groups_{outcome}"] += 1
         match reply:
-            case protocol.GroupAck(status=status, reason=reason, policy_version=version):
-                self.counts[f"groups_{status}"] += 1
-                if version > self.engine.policy_version:
-                    self.newer_policy.set()
-                if status == "rejected":
-                    log.error("trainer rejected group %s: %s", group_id, reason)
+            case protocol.GroupAck(policy_version=version):
+                self._saw_version(trainer, version)
+                if reply.status == "rejected":
+                    log.error("trainer rejected group %s: %s", group_id, reply.reason)
+            case protocol.Error(code="busy"):
+                pass
             case protocol.Error(message=message):
-                self.counts["groups_rejected"] += 1
                 log.error("trainer refused group %s: %s", group_id, message)
             case _:
                 log.error("unexpected reply to SubmitGroup: %s", type(reply).__name__)
-                return
-        self.unacked.pop(group_id, None)
-        if len(self.unacked) < self.config.rollout.max_unacked_groups:
-            self.room.set()
+
+    async def _poll_statuses(self) -> None:
+        for trainer_id, trainer in list(self.trainers.items()):
+            held = [p.group.group_id for p in self.ledger.held_by(trainer_id) if p.state == "held"]
+            if not held or trainer.blocked_until > time.monotonic():
+                continue
+            try:
+                reply = await self.clients[trainer_id].request(
+                    protocol.GroupStatusQuery(group_ids=held[: protocol.MAX_STATUS_IDS])
+                )
+            except PeerUnavailable:
+                trainer.block(time.monotonic(), backoff=True)
+                continue
+            if not isinstance(reply, protocol.GroupStatus):
+                log.warning("trainer %s answered GroupStatusQuery with %s", trainer_id, reply)
+                continue
+            self._saw_version(trainer, reply.policy_version)
+            for what, count in self.ledger.statuses(trainer_id, reply.statuses).items():
+                self.counts[f"groups_{what}"] += count
+
+    def _saw_version(self, trainer: TrainerPeer, version: int) -> None:
+        trainer.policy_version = max(trainer.policy_version, version)
+        if version > self.engine.policy_version:
+            self.newer_policy.set()
+
+    # ── the swarm's directory ────────────────────────────────────────────────────
+
+    async def _discover(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.swarm.heartbeat_s)
+            records = await asyncio.to_thread(self._publish_and_read)
+            await self._apply_records(records)
+
+    def _publish_and_read(self) -> list[protocol.NodeRecord]:
+        assert self.directory is not None
+        self.directory.publish(
+            protocol.NodeRecord(
+                node_id=self.node_id,
+                role="rollout",
+                maddrs=self.maddrs,
+                policy_version=self.engine.policy_version,
+                queue=len(self.ledger),
+                capacity=self.config.rollout.max_unacked_groups,
+                samples_per_s=self.samples_per_s,
+                time=time.time(),
+            )
+        )
+        return self.directory.records()
+
+    def _discover_once(self) -> None:
+        """At start: wait briefly for the directory to name a trainer and a coordinator."""
+        deadline = time.monotonic() + 3 * self.config.swarm.heartbeat_s
+        while True:
+            records = self._publish_and_read()
+            self._apply_trainers(records, now=time.monotonic())
+            self._apply_coordinator(records)
+            if (self.trainers and self.coordinator) or time.monotonic() > deadline:
+                break
+            time.sleep(self.config.swarm.heartbeat_s / 4)
+        log.info(
+            "swarm directory: %d trainers, coordinator %s",
+            len(self.trainers),
+            "found" if self.coordinator else "not found (drawing tasks locally)",
+        )
+
+    async def _apply_records(self, records: list[protocol.NodeRecord]) -> None:
+        if not any(r.node_id == self.node_id for r in records):
+            return  # our own record is missing: this read is not to be trusted
+        for trainer_id in self._apply_trainers(records, now=time.monotonic()):
+            ids = [p.group.group_id for p in self.ledger.held_by(trainer_id)]
+            assert self.directory is not None
+            trained = await asyncio.to_thread(self.directory.trained, ids) if ids else set()
+            counts = self.ledger.trainer_gone(trainer_id, trained)
+            self.counts["groups_trained"] += counts["trained"]
+            self.counts["groups_resent_elsewhere"] += counts["resent"]
+            log.warning(
+                "trainer %s is gone: %d of its groups were trained, %d go to other trainers",
+                trainer_id,
+                counts["trained"],
+                counts["resent"],
+            )
+            self.unsent.set()
+        self._apply_coordinator(records)
+
+    def _apply_trainers(self, records: list[protocol.NodeRecord], now: float) -> list[str]:
+        """Add and update trainers from their records; returns the ids of those gone."""
+        seen = set()
+        for r in records:
+            if r.role != "trainer" or r.protocol_version != protocol.PROTOCOL_VERSION:
+                continue
+            if not is_endpoint(r.endpoint):
+                continue
+            seen.add(r.node_id)
+            trainer = self.trainers.get(r.node_id)
+            if trainer is None or trainer.endpoint != r.endpoint:
+                if trainer is not None:
+                    self.clients.pop(r.node_id).close()
+                log.info("trainer %s at %s joined", r.node_id, r.endpoint)
+                trainer = TrainerPeer(r.node_id, r.endpoint)
+                self._add_trainer(trainer)
+            trainer.queue, trainer.capacity = max(r.queue, 0), max(r.capacity, 1)
+            self._saw_version(trainer, r.policy_version)
+        gone = []
+        for trainer_id in list(self.trainers):
+            if trainer_id in seen:
+                self.missing_since.pop(trainer_id, None)
+            elif (
+                now - self.missing_since.setdefault(trainer_id, now)
+                >= self.config.swarm.heartbeat_s
+            ):
+                # Missing from two reads in a row: its record expired (record_ttl_s silent).
+                del self.trainers[trainer_id], self.missing_since[trainer_id]
+                self.clients.pop(trainer_id).close()
+                gone.append(trainer_id)
+        return gone
+
+    def _apply_coordinator(self, records: list[protocol.NodeRecord]) -> None:
+        coordinators = [r for r in records if r.role == "coordinator" and is_endpoint(r.endpoint)]
+        if not coordinators:
+            return
+        newest = max(coordinators, key=lambda r: r.time)
+        if self.coordinator is None or self.coordinator.endpoint != newest.endpoint:
+            log.info("coordinator at %s", newest.endpoint)
+            self._connect_coordinator(newest.endpoint)
 
     async def _report(self) -> None:
         while True:
@@ -393,6 +536,8 @@ class Rollout:
             delay = RETRY_MIN_S
             while True:
                 try:
+                    if self.coordinator is None:
+                        raise PeerUnavailable("no coordinator yet")
                     reply = await self.coordinator.request(report, self._coordinator_timeout())
                     break
                 except PeerUnavailable:
@@ -407,6 +552,8 @@ class Rollout:
         while True:
             await asyncio.sleep(interval_s)
             beat.policy_version = self.engine.policy_version
+            if self.coordinator is None:
+                continue
             try:
                 await self.coordinator.request(beat, self._coordinator_timeout())
             except PeerUnavailable:
@@ -419,8 +566,13 @@ class Rollout:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.newer_policy.wait(), POLICY_POLL_S)
             self.newer_policy.clear()
+            if not self.trainers:
+                continue
+            # The newest version, from the least loaded trainer that has it.
+            source = max(self.trainers.values(), key=lambda t: (t.policy_version, -t.queue))
+            client = self.clients[source.node_id]
             try:
-                info = await self.trainer.request(protocol.PolicyQuery())
+                info = await client.request(protocol.PolicyQuery())
                 if not isinstance(info, protocol.PolicyInfo):
                     continue
                 newest = self.ready_weights[0] if self.ready_weights else self.engine.policy_version
@@ -428,7 +580,7 @@ class Rollout:
                     continue
                 assembly = WeightAssembly(info.version, info.nbytes, info.sha256, info.num_chunks)
                 for index in assembly.missing():
-                    chunk = await self.trainer.request(
+                    chunk = await client.request(
                         protocol.WeightChunkRequest(version=info.version, index=index)
                     )
                     if not isinstance(chunk, protocol.WeightChunk):

@@ -1,37 +1,219 @@
-"""The one module that imports hivemind: a DHT plus `hivemind.Optimizer` for the trainer.
+"""The one module that imports hivemind: the swarm's DHT, its directory of nodes, and
+`hivemind.Optimizer` for the trainers.
 
-    learner ──grads──▶ SwarmOptimizer.step(samples) ──hivemind──▶ averaged with peers ──▶ AdamW
-                                    │
-                                    └── epoch (= policy version) advances when the swarm's
-                                        target batch is reached; a lone peer advances at once.
+    start_dht(config) ──▶ hivemind.DHT (joins `initial_peers`, retried with backoff)
+        ├── Directory: each node's NodeRecord under the swarm's key, refreshed by heartbeat,
+        │              expiring after record_ttl_s; marks of trained group ids
+        └── SwarmOptimizer: learner grads ──step(samples)──▶ averaged with the other
+                            trainers ──▶ AdamW; the epoch (= policy version) advances when
+                            the swarm's target batch is reached; a lone peer advances at once.
 
 Local mode uses this exact path with a single peer, so the swarm code is always exercised.
 Lessons from DESIGN.md §8 live here: request_timeout passed to the gradient averager too,
 explicit ordered shutdown (optimizer, then DHT) so no `p2pd` is orphaned, and hivemind's
-own logging kept quiet.
+own logging kept quiet. Records read from the DHT are input from strangers: each one is
+decoded and checked, and a bad one is skipped and counted.
 """
 
 from __future__ import annotations
 
 import logging
 import signal
+import threading
+import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import hivemind
+import msgspec
 import torch
+from hivemind.compression import Float16Compression, NoCompression
 from hivemind.optim.grad_averager import GradientAverager
 from hivemind.utils.logging import use_hivemind_log_handler
+from hivemind.utils.timed_storage import get_dht_time
 
+from agentjet import protocol
 from agentjet.config import SwarmConfig
+from agentjet.errors import AgentjetError
 
 log = logging.getLogger(__name__)
+
+# A trained group's mark stays in the DHT this long: far longer than any re-send takes.
+TRAINED_MARK_TTL_S = 3600.0
+# A stopping node waits at most this long to withdraw its directory record.
+WITHDRAW_TIMEOUT_S = 3.0
+# Seconds between attempts to start the DHT (doubled each time).
+STARTUP_BACKOFF_S = 2.0
 
 
 def quiet_hivemind() -> None:
     """Route hivemind's logs through ours at WARNING so users see progress, not its noise."""
     use_hivemind_log_handler("nowhere")
     logging.getLogger("hivemind").setLevel(logging.ERROR)
+
+
+def start_dht(config: SwarmConfig, *, client_mode: bool = False) -> hivemind.DHT:
+    """Start this node's DHT peer, joining `config.initial_peers`; retried with backoff.
+
+    hivemind's DHT process and p2pd inherit SIGINT ignored: a Ctrl-C in a terminal (sent
+    to the whole process group) then reaches only this process, which shuts them down in
+    order instead of racing their deaths.
+    """
+    quiet_hivemind()
+    delay = STARTUP_BACKOFF_S
+    for attempt in range(1, config.startup_attempts + 1):
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            return hivemind.DHT(
+                initial_peers=config.initial_peers,
+                host_maddrs=config.host_maddrs,
+                announce_maddrs=config.announce_maddrs or None,
+                identity_path=config.identity_path or None,
+                client_mode=client_mode,
+                start=True,
+                startup_timeout=config.startup_timeout_s,
+            )
+        except Exception as e:  # hivemind raises several types for "could not start or join"
+            where = ", ".join(config.initial_peers) or "a new swarm"
+            if attempt == config.startup_attempts:
+                raise AgentjetError(
+                    f"could not start the swarm's DHT ({where}) after {attempt} attempts: {e}"
+                ) from None
+            log.warning("DHT start (%s) failed: %s; retrying in %.0f s", where, e, delay)
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        time.sleep(delay)
+        delay *= 2
+    raise AssertionError("unreachable")
+
+
+def visible_maddrs(dht: hivemind.DHT) -> list[str]:
+    return [str(m) for m in dht.get_visible_maddrs()]
+
+
+class Directory:
+    """The swarm's phone book: one short-lived NodeRecord per live node, in the DHT."""
+
+    def __init__(self, dht: hivemind.DHT, config: SwarmConfig) -> None:
+        self.dht = dht
+        self.ttl_s = config.record_ttl_s
+        self.key = f"{config.run_id}.agentjet.nodes"
+        self.trained_prefix = f"{config.run_id}.agentjet.trained."
+        self.bad_records = 0
+
+    def publish(self, record: protocol.NodeRecord) -> bool:
+        return bool(
+            self.dht.store(
+                self.key,
+                protocol.encode(record),
+                expiration_time=get_dht_time() + self.ttl_s,
+                subkey=record.node_id,
+            )
+        )
+
+    def withdraw(self, node_id: str) -> None:
+        """Replace this node's record by one that expires at once (a clean goodbye); best
+        effort, bounded: a stopping node must not hang on a broken DHT."""
+        future = self.dht.store(
+            self.key, b"", expiration_time=get_dht_time() + 0.5, subkey=node_id, return_future=True
+        )
+        try:
+            future.result(timeout=WITHDRAW_TIMEOUT_S)
+        except Exception as e:  # the record then expires by itself after record_ttl_s
+            log.info("could not withdraw %s from the directory: %r", node_id, e)
+
+    def records(self) -> list[protocol.NodeRecord]:
+        """Every live node's newest record; malformed ones are skipped and counted."""
+        found = self.dht.get(self.key, latest=True)
+        if found is None or not isinstance(found.value, dict):
+            return []
+        records = []
+        for subkey, item in found.value.items():
+            value = getattr(item, "value", None)
+            if value == b"":
+                continue  # withdrawn
+            try:
+                record = protocol.node_record_decoder.decode(value)  # type: ignore[arg-type]
+            except (msgspec.DecodeError, msgspec.ValidationError, TypeError):
+                self.bad_records += 1
+                continue
+            if record.node_id != subkey:
+                self.bad_records += 1
+                continue
+            records.append(record)
+        return records
+
+    def mark_trained(self, group_ids: Iterable[str], node_id: str) -> None:
+        """Say in the DHT that these groups' gradients are in the swarm's weights."""
+        expires = get_dht_time() + TRAINED_MARK_TTL_S
+        futures = [
+            self.dht.store(
+                self.trained_prefix + g, node_id, expiration_time=expires, return_future=True
+            )
+            for g in group_ids
+        ]
+        for future in futures:
+            future.result()
+
+    def trained(self, group_ids: Iterable[str]) -> set[str]:
+        """The ones among `group_ids` some trainer has marked trained."""
+        ids = list(group_ids)
+        futures = [self.dht.get(self.trained_prefix + g, return_future=True) for g in ids]
+        return {g for g, f in zip(ids, futures, strict=True) if f.result() is not None}
+
+
+def read_directory(config: SwarmConfig) -> list[protocol.NodeRecord]:
+    """Join the swarm as a client for a moment and read every live node's record."""
+    dht = start_dht(config, client_mode=True)
+    try:
+        return Directory(dht, config).records()
+    finally:
+        dht.shutdown()
+
+
+class _Optimizer(hivemind.Optimizer):  # type: ignore[misc]
+    """hivemind.Optimizer that counts its state reloads and serves whole versions.
+
+    A peer that finds itself out of sync inside `step()` loads the swarm's state and
+    throws away the gradients it had accumulated: the samples behind them were not
+    trained, and the caller must know to train them again.
+
+    hivemind serves its state to a joining peer from a background thread, reading the
+    parameters while a step may be changing them in place (on CPU `.cpu()` is not a copy),
+    so the joiner could get weights of no version at all. Here the state is copied under
+    `step_lock`, which `SwarmOptimizer` holds for the whole of each step.
+    """
+
+    reloads = 0
+
+    def __init__(self, *args: Any, step_lock: threading.Lock, **kwargs: Any) -> None:
+        self._step_lock = step_lock
+        super().__init__(*args, **kwargs)
+
+    def _make_state_averager(self, **kwargs: Any) -> Any:
+        averager = super()._make_state_averager(**kwargs)
+        serve = averager.get_current_state
+
+        def whole_version() -> Any:
+            with self._step_lock:
+                metadata, tensors, infos = serve()
+                return metadata, [t.clone() for t in tensors], infos
+
+        averager.get_current_state = whole_version
+        return averager
+
+    def load_state_from_peers(self, **kwargs: Any) -> None:
+        super().load_state_from_peers(**kwargs)
+        self.reloads += 1
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    epoch: int
+    applied: bool  # the accumulated gradients went into an optimizer step
+    discarded: bool  # they were thrown away (this peer reloaded the swarm's state)
 
 
 class SwarmOptimizer:
@@ -43,37 +225,36 @@ class SwarmOptimizer:
         lr: float,
         weight_decay: float,
         target_batch_size: int,
+        dht: hivemind.DHT | None = None,
     ) -> None:
-        quiet_hivemind()
-        # hivemind's DHT, averager processes and p2pd inherit SIGINT ignored: a Ctrl-C in a
-        # terminal (sent to the whole process group) then reaches only this process, which
-        # shuts them down in order instead of racing their deaths mid optimizer step.
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        """Train over `dht` (shared with the node's directory), or a DHT of its own."""
+        self.owns_dht = dht is None
+        self.dht = dht or start_dht(config)
+        self.step_lock = threading.Lock()
+        compression = Float16Compression() if config.grad_compression == "fp16" else NoCompression()
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # see start_dht
         try:
-            self.dht = hivemind.DHT(
-                initial_peers=config.initial_peers,
-                host_maddrs=config.host_maddrs,
-                start=True,
-                startup_timeout=config.startup_timeout_s,
+            self.optimizer = _Optimizer(
+                step_lock=self.step_lock,
+                dht=self.dht,
+                run_id=config.run_id,
+                target_batch_size=target_batch_size,
+                optimizer=partial(torch.optim.AdamW, lr=lr, weight_decay=weight_decay),
+                params=params,
+                matchmaking_time=config.matchmaking_time_s,
+                averaging_timeout=config.averaging_timeout_s,
+                average_state_every=config.average_state_every,
+                grad_compression=compression,
+                averager_opts={"request_timeout": config.request_timeout_s},
+                grad_averager_factory=partial(
+                    GradientAverager, request_timeout=config.request_timeout_s
+                ),
+                verbose=False,
             )
-            try:
-                self.optimizer = hivemind.Optimizer(
-                    dht=self.dht,
-                    run_id=config.run_id,
-                    target_batch_size=target_batch_size,
-                    optimizer=partial(torch.optim.AdamW, lr=lr, weight_decay=weight_decay),
-                    params=params,
-                    matchmaking_time=config.matchmaking_time_s,
-                    averaging_timeout=config.averaging_timeout_s,
-                    averager_opts={"request_timeout": config.request_timeout_s},
-                    grad_averager_factory=partial(
-                        GradientAverager, request_timeout=config.request_timeout_s
-                    ),
-                    verbose=False,
-                )
-            except BaseException:
+        except BaseException:
+            if self.owns_dht:
                 self.dht.shutdown()
-                raise
+            raise
         finally:
             signal.signal(signal.SIGINT, previous)
 
@@ -82,21 +263,30 @@ class SwarmOptimizer:
         """The swarm's optimizer epoch: the policy version of the current weights."""
         return int(self.optimizer.local_epoch)
 
-    def visible_maddrs(self) -> list[str]:
-        return [str(m) for m in self.dht.get_visible_maddrs()]
-
     def step(self, batch_size: int) -> int:
         """Hand the accumulated `.grad`s of `batch_size` samples to the swarm; returns the epoch."""
-        self.optimizer.step(batch_size=batch_size)
-        self.optimizer.zero_grad()
-        return self.epoch
+        return self.step_outcome(batch_size).epoch
+
+    def step_outcome(self, batch_size: int) -> StepOutcome:
+        """Like `step`, and say whether the gradients were applied, kept or thrown away."""
+        with self.step_lock:
+            epoch, reloads = self.epoch, self.optimizer.reloads
+            self.optimizer.step(batch_size=batch_size)
+            self.optimizer.zero_grad()
+        discarded = self.optimizer.reloads > reloads
+        return StepOutcome(
+            self.epoch, applied=not discarded and self.epoch > epoch, discarded=discarded
+        )
 
     def load_state_from_peers(self) -> None:
-        self.optimizer.load_state_from_peers()
+        """Take the swarm's current weights, optimizer state and epoch (a joining trainer)."""
+        with self.step_lock:
+            self.optimizer.load_state_from_peers()
 
     def shutdown(self) -> None:
-        """Optimizer first (says goodbye, stops averagers), then the DHT and its p2pd."""
+        """Optimizer first (says goodbye, stops averagers), then a DHT of its own."""
         try:
             self.optimizer.shutdown()
         finally:
-            self.dht.shutdown()
+            if self.owns_dht:
+                self.dht.shutdown()

@@ -1,22 +1,32 @@
-"""The trainer role: receive trajectory groups, train, publish policy versions.
+"""The trainer role: receive trajectory groups, train with the swarm, publish policy versions.
 
     rollout ──SubmitGroup──▶ Server ──check, dedupe by group id──▶ queue ──GroupAck──▶ rollout
                                                                       │
-    learner task:  groups_per_step fresh groups ──(thread)──▶ Learner.train_step ──▶ version v+1
+    learner task:  groups_per_step fresh groups ──(thread)──▶ Learner.train_step
+                   ──▶ gradients averaged with the other trainers (hivemind) ──▶ version v+1
+                   ──▶ groups marked trained (GroupStatus, and in the DHT)
                    ──▶ PolicySnapshot (served in chunks: PolicyQuery / WeightChunkRequest)
                    ──▶ checkpoint every N versions ──▶ metrics/trainer.jsonl
+    heartbeat:     NodeRecord (endpoint, version, queue) ──▶ the swarm's DHT directory
 
-Run with `agentjet node --role trainer --config FILE`. Groups staler than
-`trainer.max_policy_lag` are dropped (acked "stale", counted) rather than trained.
-Blocking torch work runs in one worker thread (`asyncio.to_thread`); the event loop keeps
-answering peers meanwhile.
+Run with `agentjet node --role trainer [--join MULTIADDR]`. A trainer that joins a running
+swarm loads the swarm's weights, optimizer state and version before its first step.
+A group is "trained" only once its gradients are in an optimizer step: gradients that
+hivemind throws away (this trainer fell out of sync and reloaded the swarm's state) put
+their groups back in the queue. Rollout nodes hold every group until it is trained, so a
+trainer that dies loses nothing. Groups staler than `trainer.max_policy_lag` are dropped
+(acked "stale", counted) rather than trained. Blocking torch and DHT work runs in worker
+threads (`asyncio.to_thread`); the event loop keeps answering peers meanwhile.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import socket
 import time
+import uuid
 from collections import Counter, deque
 from contextlib import ExitStack
 from pathlib import Path
@@ -27,11 +37,11 @@ import torch
 from agentjet import protocol, rl
 from agentjet.config import Config
 from agentjet.metrics import MetricsWriter
-from agentjet.roles import run_role, supervise
+from agentjet.roles import print_join_command, run_role, supervise
 from agentjet.transport import Server
 from node.learner import Learner
 from node.model import load_causal_lm, resolve_model
-from node.swarm import SwarmOptimizer
+from node.swarm import Directory, SwarmOptimizer, start_dht, visible_maddrs
 from node.weights import PolicySnapshot, save_checkpoint, snapshot
 
 log = logging.getLogger(__name__)
@@ -59,8 +69,14 @@ class Trainer:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.run_dir = Path(config.run.dir)
+        self.node_id = f"trainer-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.queue: deque[protocol.TrajectoryGroup] = deque()
-        self.seen: dict[str, None] = {}  # insertion-ordered set of group ids
+        # Groups whose gradients wait in the accumulator for the swarm's next step.
+        self.accumulated: list[protocol.TrajectoryGroup] = []
+        # Every group id seen (insertion-ordered, bounded): "queued" until its gradients
+        # are in an optimizer step, then "trained"; "dropped" when stale or rejected.
+        self.seen: dict[str, str] = {}
+        self.samples_per_s = 0.0
         self.counts: Counter[str] = Counter()
         self.lag_histogram: Counter[int] = Counter()
         self.published: PolicySnapshot | None = None
@@ -77,15 +93,26 @@ class Trainer:
         path = resolve_model(cfg.model.name, cfg.model.cache_dir)
         self.model, self.tokenizer = load_causal_lm(path, cfg.model.dtype)
         self.vocab_size = int(self.model.config.vocab_size)
+        self.dht = start_dht(cfg.swarm)
+        cleanup.callback(self.dht.shutdown)
+        self.directory = Directory(self.dht, cfg.swarm)
+        cleanup.callback(self.directory.withdraw, self.node_id)
+        local_batch = (
+            cfg.trainer.informative_samples_per_step
+            or cfg.trainer.groups_per_step * cfg.rollout.group_size
+        )
         self.swarm = SwarmOptimizer(
             cfg.swarm,
             self.model.parameters(),
             lr=cfg.trainer.lr,
             weight_decay=cfg.trainer.weight_decay,
-            target_batch_size=cfg.trainer.informative_samples_per_step
-            or cfg.trainer.groups_per_step * cfg.rollout.group_size,
+            target_batch_size=cfg.swarm.target_batch_size or local_batch,
+            dht=self.dht,
         )
         cleanup.callback(self.swarm.shutdown)
+        if cfg.swarm.initial_peers:
+            log.info("joined the swarm; loading its state from peers")
+            self.swarm.load_state_from_peers()
         self.version = self.swarm.epoch
         self.learner = Learner(
             self.model,
@@ -105,15 +132,54 @@ class Trainer:
         cleanup.callback(self.metrics.close)
         cleanup.callback(self._final_checkpoint)
         self.batch_ready = asyncio.Event()
-        log.info(
-            "trainer ready: %s, policy version %d, swarm %s",
-            self.server.endpoint,
-            self.version,
-            " ".join(self.swarm.visible_maddrs()),
+        self.endpoint = cfg.swarm.announce_endpoint or self.server.endpoint
+        self.maddrs = visible_maddrs(self.dht)
+        self.metrics.write(
+            {
+                "event": "started",
+                "node_id": self.node_id,
+                "policy_version": self.version,
+                "policy_sha256": self.published.sha256,
+                "joined": bool(cfg.swarm.initial_peers),
+            }
         )
+        log.info(
+            "trainer %s ready: %s, policy version %d, swarm %s",
+            self.node_id,
+            self.endpoint,
+            self.version,
+            " ".join(self.maddrs),
+        )
+        if not cfg.swarm.initial_peers:
+            print_join_command(self.maddrs)
 
     async def run(self, stop: asyncio.Event) -> None:
-        await supervise(stop, {"trainer-serve": self._serve(), "trainer-learn": self._learn(stop)})
+        await supervise(
+            stop,
+            {
+                "trainer-serve": self._serve(),
+                "trainer-learn": self._learn(stop),
+                "trainer-heartbeat": self._heartbeat(),
+            },
+        )
+
+    async def _heartbeat(self) -> None:
+        cfg = self.config
+        while True:
+            record = protocol.NodeRecord(
+                node_id=self.node_id,
+                role="trainer",
+                endpoint=self.endpoint,
+                maddrs=self.maddrs,
+                policy_version=self.version,
+                queue=len(self.queue),
+                capacity=cfg.trainer.max_queued_groups,
+                samples_per_s=self.samples_per_s,
+                time=time.time(),
+            )
+            if not await asyncio.to_thread(self.directory.publish, record):
+                log.warning("could not store this trainer's record in the DHT")
+            await asyncio.sleep(cfg.swarm.heartbeat_s)
 
     def _final_checkpoint(self) -> None:
         if self.version > self.checkpointed_version and self.version > 0:
@@ -122,7 +188,7 @@ class Trainer:
             {
                 "event": "stopped",
                 "policy_version": self.version,
-                "queued_group_ids": [g.group_id for g in self.queue],
+                "queued_group_ids": [g.group_id for g in [*self.accumulated, *self.queue]],
                 "stale_group_ids": self.stale_ids,
                 **self._counts(),
             }
@@ -141,6 +207,15 @@ class Trainer:
                 return protocol.answer_hello(msg, self.config.swarm.run_id, self.version)
             case protocol.SubmitGroup(group=group):
                 return self._receive(group)
+            case protocol.GroupStatusQuery(group_ids=ids):
+                if len(ids) > protocol.MAX_STATUS_IDS:
+                    return protocol.Error(
+                        code="invalid", message=f"over {protocol.MAX_STATUS_IDS} ids"
+                    )
+                return protocol.GroupStatus(
+                    statuses={g: self.seen.get(g, "unknown") for g in ids},  # type: ignore[misc]
+                    policy_version=self.version,
+                )
             case protocol.PolicyQuery():
                 snap = self.published
                 assert snap is not None
@@ -164,6 +239,8 @@ class Trainer:
     def _receive(self, group: protocol.TrajectoryGroup) -> protocol.GroupAck | protocol.Error:
         def ack(status: str, reason: str = "") -> protocol.GroupAck:
             self.counts[f"groups_{status}"] += 1
+            if status == "stale":
+                self._remember(group.group_id, "dropped")
             return protocol.GroupAck(
                 group_id=group.group_id,
                 status=status,  # type: ignore[arg-type]
@@ -180,20 +257,18 @@ class Trainer:
         if problem is not None:
             log.warning("rejected group %s from %s: %s", group.group_id, group.node_id, problem)
             return ack("rejected", problem)
-        self._remember(group.group_id)
         oldest = min(s.policy_version for s in group.samples)
-        if oldest > self.version:
-            return ack("rejected", f"policy version {oldest} is from the future")
         if rl.is_stale(oldest, self.version, self.config.trainer.max_policy_lag):
             self.stale_ids.append(group.group_id)
             return ack("stale")
+        self._remember(group.group_id, "queued")
         self.queue.append(group)
         if len(self.queue) >= self.config.trainer.groups_per_step:
             self.batch_ready.set()
         return ack("accepted")
 
-    def _remember(self, group_id: str) -> None:
-        self.seen[group_id] = None
+    def _remember(self, group_id: str, status: str) -> None:
+        self.seen[group_id] = status
         if len(self.seen) > SEEN_GROUP_IDS:
             del self.seen[next(iter(self.seen))]
 
@@ -207,12 +282,16 @@ class Trainer:
             batch, stale = take_batch(
                 self.queue, cfg.trainer.groups_per_step, self.version, cfg.trainer.max_policy_lag
             )
-            self.counts["groups_dropped_stale"] += len(stale)
-            self.stale_ids += [g.group_id for g in stale]
+            self._drop_stale(stale)
             if len(batch) < cfg.trainer.groups_per_step:
                 self.queue.extendleft(reversed(batch))
                 self.batch_ready.clear()
                 continue
+            newest = max(s.policy_version for g in batch for s in g.samples)
+            if newest > self.version:
+                # Other trainers moved on (or this one just joined): take the swarm's state
+                # first, so the gradients are computed on the weights the swarm holds.
+                await self._catch_up()
             # A stop must not cut a step in two (weights stepped, version or row not
             # recorded): the step runs shielded and `run` waits for it before cleanup.
             self.step_task = asyncio.create_task(self._step(batch, last), name="trainer-step")
@@ -224,42 +303,85 @@ class Trainer:
             if len(self.queue) < cfg.trainer.groups_per_step:
                 self.batch_ready.clear()
 
+    async def _catch_up(self) -> None:
+        await asyncio.to_thread(self.swarm.load_state_from_peers)
+        if self.swarm.epoch != self.version:
+            log.info(
+                "caught up with the swarm: policy version %d -> %d", self.version, self.swarm.epoch
+            )
+            self.counts["catch_ups"] += 1
+            self.version = self.swarm.epoch
+            self.previous = self.published
+            self.published = await asyncio.to_thread(
+                snapshot, self.model, self.version, self.config.net.weight_chunk_bytes
+            )
+            self.metrics.write(
+                {
+                    "event": "caught_up",
+                    "policy_version": self.version,
+                    "policy_sha256": self.published.sha256,
+                }
+            )
+
+    def _drop_stale(self, stale: list[protocol.TrajectoryGroup]) -> None:
+        self.counts["groups_dropped_stale"] += len(stale)
+        self.stale_ids += [g.group_id for g in stale]
+        for group in stale:
+            self._remember(group.group_id, "dropped")
+
     async def _step(self, batch: list[protocol.TrajectoryGroup], last: float) -> float:
-        """Train on `batch`, publish and record the new version; returns the step's end time."""
+        """Train on `batch`, publish and record the new version; returns the step's end time.
+
+        The batch's gradients join those already accumulated. When the swarm steps, every
+        accumulated group is trained; when hivemind discards them (this trainer was out of
+        sync and loaded the swarm's state), the groups go back to the queue front.
+        """
         cfg = self.config
         lags = [rl.policy_lag(s.policy_version, self.version) for g in batch for s in g.samples]
         self.lag_histogram.update(lags)
         row: dict[str, Any] = await asyncio.to_thread(self.learner.train_step, batch)
-        # hivemind occasionally keeps a step's gradients for the next epoch instead of
-        # stepping at once (its progress tracker lags); the weights are then unchanged,
-        # so there is no new version to publish. The groups still count as trained.
-        stepped = int(row["policy_version"]) > self.version
+        self.accumulated += batch
+        trained: list[protocol.TrajectoryGroup] = []
+        if row["optimizer_discarded"]:
+            requeue, self.accumulated = self.accumulated, []
+            self.counts["groups_requeued"] += len(requeue)
+            log.info("out of sync with the swarm: %d groups go back to the queue", len(requeue))
+            self.queue.extendleft(reversed(requeue))
+        elif row["optimizer_stepped"]:
+            trained, self.accumulated = self.accumulated, []
+            for group in trained:
+                self._remember(group.group_id, "trained")
+            ids = [g.group_id for g in trained]
+            await asyncio.to_thread(self.directory.mark_trained, ids, self.node_id)
+        # hivemind may also keep a step's gradients for the next epoch (the swarm's target
+        # batch is not reached yet); those groups stay accumulated.
+        changed = int(row["policy_version"]) != self.version
         self.version = int(row["policy_version"])
-        self.counts["groups_trained"] += len(batch)
-        if stepped:
+        self.counts["groups_trained"] += len(trained)
+        if changed:
             self.previous = self.published
             self.published = await asyncio.to_thread(
                 snapshot, self.model, self.version, cfg.net.weight_chunk_bytes
             )
         now = time.perf_counter()
         assert self.published is not None
+        self.samples_per_s = row["charts/samples"] / (now - last)
         row |= {
             "event": "step",
-            "optimizer_stepped": stepped,
-            "trained_group_ids": [g.group_id for g in batch],
-            "trained_group_versions": [min(s.policy_version for s in g.samples) for g in batch],
+            "trained_group_ids": [g.group_id for g in trained],
+            "trained_group_versions": [min(s.policy_version for s in g.samples) for g in trained],
             "stale_group_ids": self.stale_ids,
             "policy_sha256": self.published.sha256,
             "charts/staleness_mean": sum(lags) / len(lags),
             "charts/staleness_max": max(lags),
             "perf/s_per_version": now - last,
-            "perf/samples_per_s": row["charts/samples"] / (now - last),
+            "perf/samples_per_s": self.samples_per_s,
             "queue": len(self.queue),
             **self._counts(),
         }
         self.stale_ids = []
         self.metrics.write(row)
-        if stepped and self.version % cfg.trainer.checkpoint_every == 0:
+        if changed and self.version % cfg.trainer.checkpoint_every == 0:
             await asyncio.to_thread(self._checkpoint)
         return now
 

@@ -86,7 +86,7 @@ class Coordinators:
             rollout=RolloutConfig(group_size=GROUP_SIZE),
             envs=[EnvConfig(difficulties=list(difficulties))],
             coordinator=CoordinatorConfig(
-                endpoint=self.endpoint, lease_s=lease_s, scheduler=scheduler
+                endpoint=self.endpoint, lease_s=lease_s, scheduler=scheduler, publish=False
             ),
             net=NetConfig(max_message_bytes=MAX_MESSAGE_BYTES, weight_chunk_bytes=1 << 12),
             run=RunConfig(dir=str(self.run_dir), seed=11),

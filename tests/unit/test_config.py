@@ -5,7 +5,7 @@ import tomllib
 import pytest
 
 from agentjet.config import Config, config_from_dict, load_config, to_toml
-from agentjet.errors import ConfigError
+from agentjet.errors import AgentjetError, ConfigError
 
 pytestmark = pytest.mark.unit
 
@@ -101,3 +101,35 @@ def test_the_default_image_is_the_one_build_image_makes():
     from sandboxes.docker_sandbox import DEFAULT_IMAGE
 
     assert SandboxConfig().image == DEFAULT_IMAGE
+
+
+def test_swarm_flags_become_config_overrides() -> None:
+    from agentjet.cli import _resolve, build_parser
+
+    args = build_parser().parse_args(
+        ["node", "--role", "trainer", "--join", "/ip4/10.0.0.1/tcp/7001/p2p/Qm1",
+         "--listen", "0.0.0.0:7000", "--announce", "10.0.0.2:7000", "--identity", "/k/id"]
+    )  # fmt: skip
+    config = _resolve(args)
+    assert config.swarm.initial_peers == ["/ip4/10.0.0.1/tcp/7001/p2p/Qm1"]
+    assert config.net.trainer_endpoint == "tcp://0.0.0.0:7000"
+    assert config.swarm.host_maddrs == ["/ip4/0.0.0.0/tcp/7001"]
+    assert config.swarm.announce_maddrs == ["/ip4/10.0.0.2/tcp/7001"]
+    assert config.swarm.announce_endpoint == "tcp://10.0.0.2:7000"
+    assert config.swarm.identity_path == "/k/id"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--listen", "0.0.0.0:7000"], "give --announce"),
+        (["--listen", "nohost"], "expected HOST:PORT"),
+        (["--listen", "h:99999"], "expected HOST:PORT"),
+    ],
+)
+def test_bad_swarm_flags_are_one_clear_error(argv: list[str], message: str) -> None:
+    from agentjet.cli import _resolve, build_parser
+
+    args = build_parser().parse_args(["coordinator", *argv])
+    with pytest.raises(AgentjetError, match=message):
+        _resolve(args)

@@ -1,0 +1,69 @@
+"""The coordinator's entry in the swarm's directory, kept alive by a child process.
+
+    Coordinator ──spawn──▶ python -m node.beacon  (a DHT peer; it loads hivemind and torch
+                 ──stdin: swarm config + record──▶  so that the coordinator never does)
+                 ◀──stdout: {"maddrs": [...]}──     (ready: the swarm's join address)
+
+The child lives as long as its stdin is open: when the coordinator stops, or dies, the
+pipe closes and the beacon withdraws the record and shuts its DHT down by itself.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import select
+import signal
+import subprocess
+import sys
+
+import msgspec
+
+from agentjet import protocol
+from agentjet.config import SwarmConfig
+from agentjet.errors import AgentjetError
+
+log = logging.getLogger(__name__)
+
+# Python start-up plus importing hivemind and torch, before the DHT's own start-up time.
+IMPORT_S = 60.0
+STOP_GRACE_S = 15.0
+
+
+class Beacon:
+    def __init__(self, swarm: SwarmConfig, record: protocol.NodeRecord) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "node.beacon"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            start_new_session=True,  # a terminal's Ctrl-C reaches only the coordinator
+        )
+        assert self.process.stdin is not None and self.process.stdout is not None
+        request = {"swarm": msgspec.to_builtins(swarm), "record": msgspec.to_builtins(record)}
+        self.process.stdin.write(json.dumps(request).encode() + b"\n")
+        self.process.stdin.flush()
+        timeout_s = IMPORT_S + swarm.startup_timeout_s * swarm.startup_attempts
+        ready, _, _ = select.select([self.process.stdout], [], [], timeout_s)
+        line = self.process.stdout.readline() if ready else b""
+        try:
+            reply = json.loads(line)
+        except ValueError:
+            reply = {"error": f"no answer within {timeout_s:.0f} s" if not ready else "it died"}
+        if "maddrs" not in reply:
+            self.close()
+            raise AgentjetError(f"the coordinator's DHT peer did not start: {reply['error']}")
+        self.maddrs: list[str] = reply["maddrs"]
+
+    def close(self) -> None:
+        """Close the pipe (the beacon then stops by itself), wait, kill if it hangs, reap."""
+        if self.process.stdin is not None and not self.process.stdin.closed:
+            self.process.stdin.close()
+        try:
+            self.process.wait(STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            log.warning("the DHT peer did not stop in %.0f s; killing it", STOP_GRACE_S)
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+        if self.process.stdout is not None:
+            self.process.stdout.close()

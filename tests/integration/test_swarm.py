@@ -1,0 +1,285 @@
+"""A swarm on loopback: a coordinator, two trainers and a rollout node, each started the
+way a user starts them on separate machines (`--listen`, `--join` the printed address).
+
+Checks what a user could: both trainers train, a trainer that catches up holds its peer's
+weights of that version, a trainer that joins mid-run starts from the swarm's weights, a trainer
+killed with SIGKILL does not stop training, and every group the rollout node made is
+trained exactly once, dropped as stale, or still held at the end. Processes are reaped by
+PID (each runs in its own process group with its hivemind daemons).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agentjet.config import load_config, to_toml
+from agentjet.local import descendants, free_port, running
+from agentjet.metrics import read_metrics
+
+# Not yet reliable on a 2-core box (see docs/ARCHITECTURE.md, "Swarm steps"): a trainer
+# was seen hanging in hivemind's DHT at shutdown, and versions can diverge when a gradient
+# round misses a peer. Run with `just test -m swarm`; CI leaves them out until fixed.
+pytestmark = [pytest.mark.integration, pytest.mark.swarm]
+
+# Bound on any wait for the swarm to get somewhere (2 cores, several torch processes).
+WAIT_S = 300.0
+STOP_TIMEOUT_S = 60.0
+POLL_S = 0.5
+DAEMON_EXIT_S = 15.0
+SAMPLES_PER_TRAINER_BATCH = 8  # trainer.groups_per_step=2 x rollout.group_size=4
+
+
+class Swarm:
+    """Starts agentjet processes from one config; stops and reaps them by PID."""
+
+    def __init__(self, tmp_path: Path, tiny_model_dir: Path, settings: tuple[str, ...]) -> None:
+        self.dir = tmp_path
+        config = load_config(
+            None,
+            [
+                f"model.name={json.dumps(str(tiny_model_dir))}",
+                "rollout.group_size=4",
+                "rollout.groups_per_batch=2",
+                "rollout.sampling.max_new_tokens=6",
+                "rollout.max_unacked_groups=4",
+                "trainer.groups_per_step=2",
+                "trainer.max_queued_groups=4",
+                "trainer.max_policy_lag=3",
+                "trainer.lr=1e-3",
+                "trainer.weight_decay=0.1",  # every version differs from the last
+                "envs.0.difficulties=[1]",
+                "swarm.run_id=swarm-test",
+                "swarm.heartbeat_s=0.5",
+                "swarm.record_ttl_s=3",
+                "swarm.averaging_timeout_s=10",
+                "net.request_timeout_s=2",
+                *settings,
+            ],
+        )
+        self.config_path = tmp_path / "config.toml"
+        self.config_path.write_text(to_toml(config))
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.spawned: set[int] = set()
+
+    def start(self, name: str, *args: str) -> subprocess.Popen[bytes]:
+        run_dir = self.dir / name
+        argv = [sys.executable, "-m", "agentjet.cli", *args]
+        argv += ["--config", str(self.config_path), "--run-dir", str(run_dir)]
+        with (
+            open(self.dir / f"{name}.out", "wb") as out,
+            open(self.dir / f"{name}.log", "wb") as log,
+        ):
+            proc = subprocess.Popen(argv, stdout=out, stderr=log, start_new_session=True)
+        self.procs[name] = proc
+        return proc
+
+    def output(self, name: str) -> str:
+        return (self.dir / f"{name}.out").read_text()
+
+    def logs(self) -> str:
+        return "\n".join(
+            f"── {p.name}\n{p.read_text()[-3000:]}" for p in sorted(self.dir.glob("*.log"))
+        )
+
+    def metrics(self, name: str, role: str) -> list[dict[str, Any]]:
+        path = self.dir / name / "metrics" / f"{role}.jsonl"
+        return read_metrics(path) if path.exists() else []
+
+    def steps(self, name: str) -> list[dict[str, Any]]:
+        return [r for r in self.metrics(name, "trainer") if r.get("event") == "step"]
+
+    def version(self, name: str) -> int:
+        return max((r["policy_version"] for r in self.steps(name)), default=0)
+
+    def wait_for(self, what: str, condition: Callable[[], bool]) -> None:
+        deadline = time.monotonic() + WAIT_S
+        while not condition():
+            for name, proc in self.procs.items():
+                self.spawned |= descendants(proc.pid)
+                if proc.poll() not in (None, 0, -signal.SIGKILL):
+                    raise AssertionError(f"{name} exited with {proc.returncode}\n{self.logs()}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out waiting for {what}\n{self.logs()}")
+            time.sleep(POLL_S)  # polling files a user would read, not standing in for sync
+
+    def join_address(self) -> str:
+        found: list[str] = []
+
+        def printed() -> bool:
+            found[:] = re.findall(r"--join (\S+)", self.output("coordinator"))
+            return bool(found)
+
+        self.wait_for("the coordinator's join command", printed)
+        return found[0]
+
+    def kill(self, name: str) -> None:
+        """SIGKILL a node and its hivemind daemons (its process group), like a power cut."""
+        proc = self.procs[name]
+        self.spawned |= descendants(proc.pid)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+    def stop(self) -> dict[str, int]:
+        """SIGTERM every live node (rollout first), wait; returns exit codes."""
+        codes = {}
+        order = sorted(self.procs, key=lambda n: (not n.startswith("rollout"), n))
+        for name in order:
+            proc = self.procs[name]
+            self.spawned |= descendants(proc.pid)
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                codes[name] = proc.wait(timeout=STOP_TIMEOUT_S)
+        return codes
+
+    def reap(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        for pid in self.spawned:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def swarm_factory(tmp_path: Path, tiny_model_dir: Path) -> Iterator[Callable[..., Swarm]]:
+    made: list[Swarm] = []
+
+    def make(*settings: str) -> Swarm:
+        made.append(Swarm(tmp_path, tiny_model_dir, settings))
+        return made[-1]
+
+    yield make
+    for swarm in made:
+        swarm.reap()
+
+
+def start_trainer(swarm: Swarm, name: str, join: str) -> None:
+    listen = f"127.0.0.1:{free_port()}"
+    swarm.start(name, "node", "--role", "trainer", "--join", join, "--listen", listen)
+
+
+def start_swarm(swarm: Swarm, trainers: list[str]) -> str:
+    swarm.start("coordinator", "coordinator", "--listen", f"127.0.0.1:{free_port()}")
+    join = swarm.join_address()
+    for name in trainers:
+        start_trainer(swarm, name, join)
+    swarm.start("rollout", "node", "--role", "rollout", "--join", join)
+    return join
+
+
+def leftovers(swarm: Swarm) -> dict[int, str]:
+    """Processes a stopped swarm left running, with their command lines. torch's
+    shared-memory manager exits on its own once its last client is gone: allow it that."""
+    deadline = time.monotonic() + DAEMON_EXIT_S
+    while any(running(pid) for pid in swarm.spawned) and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+    out = {}
+    for pid in swarm.spawned:
+        if running(pid):
+            with contextlib.suppress(OSError):
+                out[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    return out
+
+
+def check_every_group_accounted_for(swarm: Swarm, trainers: list[str]) -> dict[str, int]:
+    rollout = swarm.metrics("rollout", "rollout")
+    created = [g for r in rollout if r.get("event") == "batch" for g in r["group_ids"]]
+    trained = [g for t in trainers for r in swarm.steps(t) for g in r["trained_group_ids"]]
+    stale = [
+        g
+        for t in trainers
+        for r in swarm.metrics(t, "trainer")
+        for g in r.get("stale_group_ids", [])
+    ]
+    [end] = [r for r in rollout if r.get("event") == "stopped"]
+    held = end["unacked_group_ids"]
+    assert len(trained) == len(set(trained)), "a group was trained twice"
+    assert len(created) == len(set(created))
+    assert set(created) == set(trained) | set(stale) | set(held), "a group was lost"
+    return {
+        "created": len(created),
+        "trained": len(trained),
+        "stale": len(set(stale)),
+        "held": len(held),
+    }
+
+
+def sha_by_version(swarm: Swarm, name: str) -> dict[int, str]:
+    """The weights checksum at each version a trainer reached by a global step or by
+    catching up with the swarm. (Its first state, loaded while a peer may be mid-step, can
+    be torn; hivemind replaces it at the next step, and no gradient is computed on it.)"""
+    rows = swarm.metrics(name, "trainer")
+    return {
+        r["policy_version"]: r["policy_sha256"]
+        for r in rows
+        if r.get("event") == "caught_up" or (r.get("event") == "step" and r["optimizer_stepped"])
+    }
+
+
+def test_two_trainers_share_the_work_and_lose_nothing(swarm_factory: Callable[..., Swarm]):
+    # The global batch needs both trainers' local batches: they step together.
+    swarm = swarm_factory(f"swarm.target_batch_size={2 * SAMPLES_PER_TRAINER_BATCH}")
+    start_swarm(swarm, ["trainer-a", "trainer-b"])
+    swarm.wait_for(
+        "both trainers to train at version 4 or later",
+        lambda: all(
+            any(r["trained_group_ids"] and r["policy_version"] >= 4 for r in swarm.steps(t))
+            for t in ("trainer-a", "trainer-b")
+        ),
+    )
+    codes = swarm.stop()
+    assert set(codes.values()) == {0}, swarm.logs()
+    check_every_group_accounted_for(swarm, ["trainer-a", "trainer-b"])
+    # a trainer that catches up with the swarm holds exactly the weights its peer had at
+    # that version (state is served whole, not read while a step changes it)
+    a, b = sha_by_version(swarm, "trainer-a"), sha_by_version(swarm, "trainer-b")
+    for mine, theirs, name in ((a, b, "trainer-a"), (b, a, "trainer-b")):
+        caught = [r for r in swarm.metrics(name, "trainer") if r.get("event") == "caught_up"]
+        for r in caught:
+            if r["policy_version"] in theirs:
+                assert theirs[r["policy_version"]] == r["policy_sha256"], (mine, theirs)
+    # the rollout node found the coordinator in the swarm's directory
+    assert "coordinator at tcp://127.0.0.1" in (swarm.dir / "rollout.log").read_text()
+    # every process they started (hivemind DHTs, p2pd, the coordinator's beacon) is gone
+    assert leftovers(swarm) == {}
+
+
+def test_a_joining_trainer_catches_up_and_a_killed_one_loses_nothing(
+    swarm_factory: Callable[..., Swarm],
+):
+    swarm = swarm_factory()
+    join = start_swarm(swarm, ["trainer-a"])
+    swarm.wait_for("trainer-a at version 3", lambda: swarm.version("trainer-a") >= 3)
+
+    # a trainer joining mid-run starts from the swarm's weights, not from the base model
+    start_trainer(swarm, "trainer-b", join)
+    swarm.wait_for(
+        "trainer-b to train", lambda: any(r["trained_group_ids"] for r in swarm.steps("trainer-b"))
+    )
+    [started] = [r for r in swarm.metrics("trainer-b", "trainer") if r.get("event") == "started"]
+    assert started["joined"] and started["policy_version"] >= 3
+
+    # SIGKILL it mid-run: trainer-a goes on, and what trainer-b held is trained there
+    swarm.kill("trainer-b")
+    killed_at = swarm.version("trainer-a")
+    swarm.wait_for("trainer-a to go on", lambda: swarm.version("trainer-a") >= killed_at + 3)
+    codes = swarm.stop()
+    assert set(codes.values()) == {0}, swarm.logs()
+    counts = check_every_group_accounted_for(swarm, ["trainer-a", "trainer-b"])
+    assert counts["trained"] > 0
+    assert "is gone" in (swarm.dir / "rollout.log").read_text()
+    assert leftovers(swarm) == {}

@@ -1,0 +1,87 @@
+"""A rollout node's ledger of groups: where each group is until a trainer trained it."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from agentjet import protocol
+from node.delivery import Ledger, TrainerPeer
+from tests.factories import make_group
+
+pytestmark = pytest.mark.unit
+
+
+def ack(group_id: str, status: str) -> protocol.GroupAck:
+    return protocol.GroupAck(group_id=group_id, status=status, policy_version=0)  # type: ignore[arg-type]
+
+
+def ledger_with(*group_ids: str) -> Ledger:
+    ledger = Ledger(rng=random.Random(0))
+    for g in group_ids:
+        ledger.add(make_group(g))
+    return ledger
+
+
+def test_an_accepted_group_is_held_until_the_trainer_says_trained() -> None:
+    ledger = ledger_with("g")
+    a = TrainerPeer("a", "tcp://h:1")
+    [pending] = ledger.to_offer()
+    assert ledger.pick(pending, {"a": a}, now=0.0) is a
+    assert ledger.offered(pending, a, ack("g", "accepted"), now=0.0) == "accepted"
+    assert ledger.to_offer() == [] and len(ledger) == 1 and ledger.unplaced() == 0
+    assert ledger.statuses("a", {"g": "queued"}) == {"trained": 0, "dropped": 0, "resent": 0}
+    assert len(ledger) == 1
+    assert ledger.statuses("a", {"g": "trained"})["trained"] == 1
+    assert len(ledger) == 0
+
+
+def test_a_restarted_trainer_that_forgot_a_group_gets_it_again() -> None:
+    ledger = ledger_with("g")
+    a = TrainerPeer("a", "tcp://h:1")
+    ledger.offered(ledger.to_offer()[0], a, ack("g", "accepted"), now=0.0)
+    assert ledger.statuses("a", {"g": "unknown"})["resent"] == 1
+    assert [p.group.group_id for p in ledger.to_offer()] == ["g"]
+
+
+def test_stale_and_rejected_groups_are_final() -> None:
+    ledger = ledger_with("s", "r")
+    a = TrainerPeer("a", "tcp://h:1")
+    for pending, status in zip(ledger.to_offer(), ("stale", "rejected"), strict=True):
+        assert ledger.offered(pending, a, ack(pending.group.group_id, status), now=0.0) == status
+    assert len(ledger) == 0
+
+
+def test_a_busy_trainer_is_left_alone_and_another_takes_the_group() -> None:
+    ledger = ledger_with("g")
+    a, b = TrainerPeer("a", "tcp://h:1"), TrainerPeer("b", "tcp://h:2", queue=3, capacity=4)
+    trainers = {"a": a, "b": b}
+    [pending] = ledger.to_offer()
+    assert ledger.pick(pending, trainers, now=0.0) is a  # the least backlogged
+    busy = protocol.Error(code="busy", message="full")
+    assert ledger.offered(pending, a, busy, now=0.0) == "busy"
+    assert ledger.pick(pending, trainers, now=0.1) is b
+    assert ledger.pick(pending, trainers, now=10.0) is a  # a's pause is over
+
+
+def test_an_unanswered_group_goes_only_to_the_same_trainer_until_it_is_gone() -> None:
+    """No reply does not mean not received: offering it elsewhere could train it twice."""
+    ledger = ledger_with("g", "h")
+    a, b = TrainerPeer("a", "tcp://h:1"), TrainerPeer("b", "tcp://h:2")
+    g, h = ledger.to_offer()
+    ledger.unanswered(g, a, now=0.0)
+    ledger.offered(h, a, ack("h", "accepted"), now=0.0)
+    assert ledger.pick(g, {"a": a, "b": b}, now=0.1) is None  # a is backing off, b is not asked
+    assert ledger.pick(g, {"a": a, "b": b}, now=5.0) is a
+    # a dies: what the DHT marks trained is done, the rest goes to b
+    assert ledger.trainer_gone("a", trained={"h"}) == {"trained": 1, "resent": 1}
+    assert [p.group.group_id for p in ledger.to_offer()] == ["g"]
+    assert ledger.pick(g, {"b": b}, now=5.0) is b
+
+
+def test_backpressure_counts_only_groups_no_trainer_holds() -> None:
+    ledger = ledger_with("g1", "g2", "g3")
+    a = TrainerPeer("a", "tcp://h:1")
+    ledger.offered(ledger.to_offer()[0], a, ack("g1", "accepted"), now=0.0)
+    assert ledger.unplaced() == 2 and len(ledger) == 3

@@ -120,6 +120,9 @@ class Rollout:
         self.ledger = Ledger(rng=random.Random(config.run.seed))
         self.trainers: dict[str, TrainerPeer] = {}
         self.clients: dict[str, Client] = {}
+        # Clients of trainers gone or moved: a request may still be in flight on them, so
+        # they are closed at shutdown, not when the trainer leaves.
+        self.retired: list[Client] = []
         self.coordinator: Client | None = None
         self.missing_since: dict[str, float] = {}  # trainer id -> when its record vanished
         self.samples_per_s = 0.0
@@ -176,7 +179,7 @@ class Rollout:
 
     def _connect_coordinator(self, endpoint: str) -> None:
         if self.coordinator is not None:
-            self.coordinator.close()
+            self.retired.append(self.coordinator)
         self.coordinator = Client(
             endpoint,
             protocol.coordinator_reply_decoder,
@@ -196,7 +199,7 @@ class Rollout:
         )
 
     def _close_clients(self) -> None:
-        for client in [*self.clients.values(), self.coordinator]:
+        for client in [*self.clients.values(), *self.retired, self.coordinator]:
             if client is not None:
                 client.close()
 
@@ -501,7 +504,7 @@ class Rollout:
             trainer = self.trainers.get(r.node_id)
             if trainer is None or trainer.endpoint != r.endpoint:
                 if trainer is not None:
-                    self.clients.pop(r.node_id).close()
+                    self.retired.append(self.clients.pop(r.node_id))
                 log.info("trainer %s at %s joined", r.node_id, r.endpoint)
                 trainer = TrainerPeer(r.node_id, r.endpoint)
                 self._add_trainer(trainer)
@@ -517,7 +520,7 @@ class Rollout:
             ):
                 # Missing from two reads in a row: its record expired (record_ttl_s silent).
                 del self.trainers[trainer_id], self.missing_since[trainer_id]
-                self.clients.pop(trainer_id).close()
+                self.retired.append(self.clients.pop(trainer_id))
                 gone.append(trainer_id)
         return gone
 

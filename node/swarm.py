@@ -21,7 +21,7 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -31,6 +31,7 @@ import msgspec
 import torch
 from hivemind.compression import Float16Compression, NoCompression
 from hivemind.optim.grad_averager import GradientAverager
+from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.utils.logging import use_hivemind_log_handler
 from hivemind.utils.timed_storage import get_dht_time
 
@@ -173,6 +174,19 @@ def read_directory(config: SwarmConfig) -> list[protocol.NodeRecord]:
         dht.shutdown()
 
 
+class _WholeStateAverager(TrainingStateAverager):  # type: ignore[misc]
+    """Serves this trainer's state copied under the lock each step holds: one version."""
+
+    def __init__(self, *args: Any, step_lock: threading.Lock, **kwargs: Any) -> None:
+        self._step_lock = step_lock
+        super().__init__(*args, **kwargs)
+
+    def get_current_state(self) -> Any:
+        with self._step_lock:
+            metadata, tensors, infos = super().get_current_state()
+            return metadata, [t.clone() for t in tensors], infos
+
+
 class _Optimizer(hivemind.Optimizer):  # type: ignore[misc]
     """hivemind.Optimizer that counts its state reloads and serves whole versions.
 
@@ -187,26 +201,78 @@ class _Optimizer(hivemind.Optimizer):  # type: ignore[misc]
     """
 
     reloads = 0
+    failed_rounds = 0
 
-    def __init__(self, *args: Any, step_lock: threading.Lock, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        step_lock: threading.Lock,
+        other_trainers: Callable[[], int],
+        **kwargs: Any,
+    ) -> None:
         self._step_lock = step_lock
+        self._other_trainers = other_trainers
         super().__init__(*args, **kwargs)
 
-    def _make_state_averager(self, **kwargs: Any) -> Any:
-        averager = super()._make_state_averager(**kwargs)
-        serve = averager.get_current_state
-
-        def whole_version() -> Any:
-            with self._step_lock:
-                metadata, tensors, infos = serve()
-                return metadata, [t.clone() for t in tensors], infos
-
-        averager.get_current_state = whole_version
-        return averager
+    def _make_state_averager(self, **kwargs: Any) -> TrainingStateAverager:
+        # hivemind binds the serving method at construction: the subclass must be built here.
+        return _WholeStateAverager(
+            step_lock=self._step_lock,
+            dht=self.dht,
+            prefix=f"{self.run_id}_state_averager",
+            min_matchmaking_time=self.matchmaking_time,
+            allreduce_timeout=self.allreduce_timeout,
+            shutdown_timeout=self.shutdown_timeout,
+            offload_optimizer=self.offload_optimizer,
+            custom_gradients=self.offload_optimizer,
+            status_loglevel=self.status_loglevel,
+            next_chunk_timeout=self.next_chunk_timeout,
+            client_mode=self.client_mode,
+            auxiliary=self.auxiliary,
+            start=True,
+            **kwargs,
+        )
 
     def load_state_from_peers(self, **kwargs: Any) -> None:
         super().load_state_from_peers(**kwargs)
         self.reloads += 1
+
+    def _begin_averaging_gradients(self, grad_scaler: Any) -> bool:
+        """hivemind's tracker may not know of a peer yet (it refreshes every few seconds)
+        and step alone; the swarm's directory is fresher. With other trainers listed there,
+        a step without a round is a failed round."""
+        began = bool(super()._begin_averaging_gradients(grad_scaler))
+        others = self._other_trainers()
+        if not began and others:
+            self.failed_rounds += 1
+            raise RoundFailed(f"no gradient round formed, but {others} other trainers are live")
+        return began
+
+    def _average_gradients_and_load_into_optimizer(self, control: Any) -> None:
+        """hivemind steps with this peer's own gradients when a round with peers fails;
+        two peers doing so at once make one epoch name two different weight sets. Here a
+        failed round aborts the step instead (RoundFailed): the caller takes the swarm's
+        state, and the gradients' samples are trained again."""
+        if control is not None:
+            try:
+                control.result(self.averaging_timeout)
+            except BaseException as e:
+                self.failed_rounds += 1
+                raise RoundFailed(repr(e)) from None
+        super()._average_gradients_and_load_into_optimizer(control)
+
+    def abandon_round(self) -> None:
+        """After RoundFailed: forget the round's controls and take the swarm's state."""
+        for name in ("scheduled_grads", "scheduled_state"):
+            control = getattr(self, name)
+            if control is not None and not control.done():
+                control.cancel()
+            setattr(self, name, None)
+        self.load_state_from_peers()
+
+
+class RoundFailed(Exception):
+    """A gradient all-reduce with other trainers failed; the step did not happen."""
 
 
 @dataclass(frozen=True)
@@ -226,8 +292,10 @@ class SwarmOptimizer:
         weight_decay: float,
         target_batch_size: int,
         dht: hivemind.DHT | None = None,
+        other_trainers: Callable[[], int] = lambda: 0,
     ) -> None:
-        """Train over `dht` (shared with the node's directory), or a DHT of its own."""
+        """Train over `dht` (shared with the node's directory), or a DHT of its own.
+        `other_trainers()`: how many other live trainers the directory lists now."""
         self.owns_dht = dht is None
         self.dht = dht or start_dht(config)
         self.step_lock = threading.Lock()
@@ -236,6 +304,7 @@ class SwarmOptimizer:
         try:
             self.optimizer = _Optimizer(
                 step_lock=self.step_lock,
+                other_trainers=other_trainers,
                 dht=self.dht,
                 run_id=config.run_id,
                 target_batch_size=target_batch_size,
@@ -246,6 +315,9 @@ class SwarmOptimizer:
                 average_state_every=config.average_state_every,
                 grad_compression=compression,
                 averager_opts={"request_timeout": config.request_timeout_s},
+                # A dead trainer stops counting as a peer within record_ttl_s (hivemind's
+                # default, 60 s, would fail every round with it for a minute).
+                tracker_opts={"metadata_expiration": config.record_ttl_s},
                 grad_averager_factory=partial(
                     GradientAverager, request_timeout=config.request_timeout_s
                 ),
@@ -271,7 +343,11 @@ class SwarmOptimizer:
         """Like `step`, and say whether the gradients were applied, kept or thrown away."""
         with self.step_lock:
             epoch, reloads = self.epoch, self.optimizer.reloads
-            self.optimizer.step(batch_size=batch_size)
+            try:
+                self.optimizer.step(batch_size=batch_size)
+            except RoundFailed as e:
+                log.info("gradient round with peers failed (%s); taking the swarm's state", e)
+                self.optimizer.abandon_round()
             self.optimizer.zero_grad()
         discarded = self.optimizer.reloads > reloads
         return StepOutcome(

@@ -77,6 +77,8 @@ class Trainer:
         # are in an optimizer step, then "trained"; "dropped" when stale or rejected.
         self.seen: dict[str, str] = {}
         self.samples_per_s = 0.0
+        # Other live trainers, from the last read of the swarm's directory.
+        self.other_trainers: set[str] = set()
         self.counts: Counter[str] = Counter()
         self.lag_histogram: Counter[int] = Counter()
         self.published: PolicySnapshot | None = None
@@ -108,10 +110,14 @@ class Trainer:
             weight_decay=cfg.trainer.weight_decay,
             target_batch_size=cfg.swarm.target_batch_size or local_batch,
             dht=self.dht,
+            other_trainers=lambda: len(self.other_trainers),
         )
         cleanup.callback(self.swarm.shutdown)
         if cfg.swarm.initial_peers:
             log.info("joined the swarm; loading its state from peers")
+            self.other_trainers = {
+                r.node_id for r in self.directory.records() if r.role == "trainer"
+            }
             self.swarm.load_state_from_peers()
         self.version = self.swarm.epoch
         self.learner = Learner(
@@ -179,6 +185,11 @@ class Trainer:
             )
             if not await asyncio.to_thread(self.directory.publish, record):
                 log.warning("could not store this trainer's record in the DHT")
+            records = await asyncio.to_thread(self.directory.records)
+            if any(r.node_id == self.node_id for r in records):  # else: a read to distrust
+                self.other_trainers = {
+                    r.node_id for r in records if r.role == "trainer" and r.node_id != self.node_id
+                }
             await asyncio.sleep(cfg.swarm.heartbeat_s)
 
     def _final_checkpoint(self) -> None:

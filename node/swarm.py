@@ -343,6 +343,12 @@ class SwarmOptimizer:
         """Like `step`, and say whether the gradients were applied, kept or thrown away."""
         with self.step_lock:
             epoch, reloads = self.epoch, self.optimizer.reloads
+            if self.optimizer.tracker.global_epoch > epoch:
+                # hivemind would step a peer one epoch behind on its own older weights
+                # (and reconcile later); take the swarm's state first instead.
+                self.optimizer.load_state_from_peers()
+                self.optimizer.zero_grad()
+                return StepOutcome(self.epoch, applied=False, discarded=True)
             try:
                 self.optimizer.step(batch_size=batch_size)
             except RoundFailed as e:

@@ -77,8 +77,8 @@ class Trainer:
         # are in an optimizer step, then "trained"; "dropped" when stale or rejected.
         self.seen: dict[str, str] = {}
         self.samples_per_s = 0.0
-        # Other live trainers, from the last read of the swarm's directory.
-        self.other_trainers: set[str] = set()
+        # Other live trainers and their policy versions, from the last directory read.
+        self.other_trainers: dict[str, int] = {}
         self.counts: Counter[str] = Counter()
         self.lag_histogram: Counter[int] = Counter()
         self.published: PolicySnapshot | None = None
@@ -116,7 +116,7 @@ class Trainer:
         if cfg.swarm.initial_peers:
             log.info("joined the swarm; loading its state from peers")
             self.other_trainers = {
-                r.node_id for r in self.directory.records() if r.role == "trainer"
+                r.node_id: r.policy_version for r in self.directory.records() if r.role == "trainer"
             }
             self.swarm.load_state_from_peers()
         self.version = self.swarm.epoch
@@ -138,6 +138,9 @@ class Trainer:
         cleanup.callback(self.metrics.close)
         cleanup.callback(self._final_checkpoint)
         self.batch_ready = asyncio.Event()
+        self.directory_settled = asyncio.Event()
+        self.connected = asyncio.Event()  # the directory lists some other node
+        self.connected.set()
         self.endpoint = cfg.swarm.announce_endpoint or self.server.endpoint
         self.maddrs = visible_maddrs(self.dht)
         self.metrics.write(
@@ -171,6 +174,7 @@ class Trainer:
 
     async def _heartbeat(self) -> None:
         cfg = self.config
+        reads = 0
         while True:
             record = protocol.NodeRecord(
                 node_id=self.node_id,
@@ -188,8 +192,16 @@ class Trainer:
             records = await asyncio.to_thread(self.directory.records)
             if any(r.node_id == self.node_id for r in records):  # else: a read to distrust
                 self.other_trainers = {
-                    r.node_id for r in records if r.role == "trainer" and r.node_id != self.node_id
+                    r.node_id: r.policy_version
+                    for r in records
+                    if r.role == "trainer" and r.node_id != self.node_id
                 }
+                self._set_connected(any(r.node_id != self.node_id for r in records))
+                reads += 1
+                if reads == 2:
+                    # Our record was up for a heartbeat before this read: every trainer
+                    # that started before us is listed, and has had time to list us.
+                    self.directory_settled.set()
             await asyncio.sleep(cfg.swarm.heartbeat_s)
 
     def _final_checkpoint(self) -> None:
@@ -287,8 +299,14 @@ class Trainer:
 
     async def _learn(self, stop: asyncio.Event) -> None:
         cfg = self.config
+        if cfg.swarm.initial_peers:
+            # Step only once this trainer and the others know of each other: two trainers
+            # that each step alone from one version would make it two weight sets.
+            await self.directory_settled.wait()
         last = time.perf_counter()
         while True:
+            if not self.connected.is_set():
+                await self._sit_out_isolation()
             await self.batch_ready.wait()
             batch, stale = take_batch(
                 self.queue, cfg.trainer.groups_per_step, self.version, cfg.trainer.max_policy_lag
@@ -299,7 +317,7 @@ class Trainer:
                 self.batch_ready.clear()
                 continue
             newest = max(s.policy_version for g in batch for s in g.samples)
-            if newest > self.version:
+            if max([newest, *self.other_trainers.values()]) > self.version:
                 # Other trainers moved on (or this one just joined): take the swarm's state
                 # first, so the gradients are computed on the weights the swarm holds.
                 await self._catch_up()
@@ -313,6 +331,29 @@ class Trainer:
                 return
             if len(self.queue) < cfg.trainer.groups_per_step:
                 self.batch_ready.clear()
+
+    def _set_connected(self, connected: bool) -> None:
+        if not self.config.swarm.initial_peers or connected == self.connected.is_set():
+            return
+        if connected:
+            log.info("the swarm is reachable again")
+            self.connected.set()
+        else:
+            log.warning("cut off from the swarm (no other node's record): pausing training")
+            self.connected.clear()
+
+    async def _sit_out_isolation(self) -> None:
+        """Train nothing while cut off: alone, this trainer would make its own versions.
+        Back in touch, it drops what it held (rollout nodes have sent those groups to the
+        trainers they could still reach, when its record expired) and catches up."""
+        await self.connected.wait()
+        dropped = [*self.accumulated, *self.queue]
+        self.accumulated, self.queue = [], deque()
+        for group in dropped:
+            self.seen.pop(group.group_id, None)  # "unknown" to a rollout node that asks
+        self.counts["groups_dropped_isolated"] += len(dropped)
+        log.info("dropped %d groups held while cut off; catching up", len(dropped))
+        await self._catch_up()
 
     async def _catch_up(self) -> None:
         await asyncio.to_thread(self.swarm.load_state_from_peers)

@@ -31,7 +31,7 @@ local *ARGS: ensure
 
 # All tests that run without an accelerator
 test *ARGS: ensure
-    {{bin}}/pytest -m "not gpu and not swarm" {{ARGS}}
+    {{bin}}/pytest -m "not gpu" {{ARGS}}
 
 # Lint, format check, types, then the tests
 check: ensure

@@ -313,6 +313,13 @@ class SwarmOptimizer:
                 matchmaking_time=config.matchmaking_time_s,
                 averaging_timeout=config.averaging_timeout_s,
                 average_state_every=config.average_state_every,
+                # Average parameters inside the step, not in the background after it: the
+                # version a step makes is then the averaged one. The peers' parameters are
+                # close, so each peer's `local + (mean - local)` is exactly the mean, and all
+                # hold the same bits (gradients, averaged as deltas of far-apart values,
+                # agree only to float rounding). Adam's moments are averaged too.
+                delay_state_averaging=False,
+                average_opt_statistics=("exp_avg", "exp_avg_sq"),
                 grad_compression=compression,
                 averager_opts={"request_timeout": config.request_timeout_s},
                 # A dead trainer stops counting as a peer within record_ttl_s (hivemind's

@@ -74,7 +74,7 @@ class Trainer:
         # Groups whose gradients wait in the accumulator for the swarm's next step.
         self.accumulated: list[protocol.TrajectoryGroup] = []
         # Every group id seen (insertion-ordered, bounded): "queued" until its gradients
-        # are in an optimizer step, then "trained"; "dropped" when stale or rejected.
+        # are in an optimizer step, then "trained"; "dropped" when stale.
         self.seen: dict[str, str] = {}
         self.samples_per_s = 0.0
         # Other live trainers and their policy versions, from the last directory read.

@@ -36,6 +36,7 @@ pytestmark = pytest.mark.integration
 # Bound on any wait for the swarm to get somewhere (2 cores, several torch processes).
 WAIT_S = 300.0
 STOP_TIMEOUT_S = 60.0
+STATUS_TIMEOUT_S = 120.0
 POLL_S = 0.5
 DAEMON_EXIT_S = 15.0
 SAMPLES_PER_TRAINER_BATCH = 8
@@ -248,7 +249,7 @@ def max_difference(a: Path, b: Path) -> float:
 def test_two_trainers_hold_identical_weights_and_lose_nothing(swarm_factory: Callable[..., Swarm]):
     # The global batch needs both trainers' local batches: they step together.
     swarm = swarm_factory(f"swarm.target_batch_size={2 * SAMPLES_PER_TRAINER_BATCH}")
-    start_swarm(swarm, ["trainer-a", "trainer-b"])
+    join = start_swarm(swarm, ["trainer-a", "trainer-b"])
 
     def both_trained_three_common_versions() -> bool:
         common = set(checkpoints(swarm, "trainer-a")) & set(checkpoints(swarm, "trainer-b"))
@@ -258,6 +259,18 @@ def test_two_trainers_hold_identical_weights_and_lose_nothing(swarm_factory: Cal
         return len(common) >= 3 and all(trained)
 
     swarm.wait_for("three versions reached by both trainers", both_trained_three_common_versions)
+    # `agentjet status --join` lists the whole swarm from the directory
+    status = subprocess.run(
+        [sys.executable, "-m", "agentjet.cli", "status", "--join", join, "--run-id", "swarm-test"],
+        capture_output=True,
+        text=True,
+        timeout=STATUS_TIMEOUT_S,
+    )
+    assert status.returncode == 0, status.stderr
+    assert "swarm: 1 coordinator, 2 trainer, 1 rollout" in status.stdout, status.stdout
+    for name in ("trainer-a", "trainer-b"):
+        endpoint = re.search(r"tcp://127\.0\.0\.1:\d+", (swarm.dir / f"{name}.log").read_text())
+        assert endpoint and endpoint.group(0) in status.stdout
     codes = swarm.stop()
     assert set(codes.values()) == {0}, swarm.logs()
     check_every_group_accounted_for(swarm, ["trainer-a", "trainer-b"])

@@ -48,6 +48,14 @@ class ModelConfig(_Section):
     cache_dir: str = "~/.cache/agentjet/models"
     # Weights dtype for the engine and the learner. float32 is the safe default on CPU.
     dtype: Literal["float32", "bfloat16"] = "float32"
+    # LoRA (peft): rank of the adapters trained instead of the full weights; 0 = train all
+    # weights. With LoRA only adapter tensors are averaged between trainers and sent to
+    # rollout nodes, which add (lora_alpha / lora_rank) * B @ A to their base weights.
+    lora_rank: NonNegInt = 0
+    lora_alpha: PositiveInt = 16
+    lora_targets: list[str] = msgspec.field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"]
+    )
 
 
 class SamplingConfig(_Section):

@@ -42,6 +42,7 @@ from agentjet.timeline import Sequence
 from agentjet.transport import Client, PeerUnavailable
 from node.agents import make_agent_env
 from node.delivery import Ledger, Pending, TrainerPeer
+from node.lora import AdapterMerger
 from node.model import resolve_model
 from node.swarm import Directory, start_dht, visible_maddrs
 from node.torch_engine import TorchEngine
@@ -136,6 +137,9 @@ class Rollout:
         torch.set_num_threads(cfg.rollout.torch_threads)
         path = resolve_model(cfg.model.name, cfg.model.cache_dir)
         self.engine = TorchEngine(path, dtype=cfg.model.dtype, seed=cfg.run.seed)
+        self.merger: AdapterMerger | None = None
+        if cfg.model.lora_rank:
+            self.merger = AdapterMerger(self.engine.state_dict(), cfg.model)
         self.pool: SandboxPool | None = None
         if any(env.name in SANDBOXED_ENVS for env in cfg.envs):
             self.pool = open_pool(cfg.sandbox, self.node_id)
@@ -590,6 +594,10 @@ class Rollout:
                         raise ValueError(f"chunk {index}: {chunk}")
                     assembly.add(index, chunk.data)
                 state = await asyncio.to_thread(assembly.finish)
+                if self.merger is not None:  # LoRA: adapters arrive, the engine takes weights
+                    state = await asyncio.to_thread(
+                        self.merger.merge, state, self.engine.state_dict()
+                    )
             except (PeerUnavailable, ValueError) as e:
                 log.info("policy fetch interrupted (%s); will retry", e)
                 continue

@@ -40,6 +40,7 @@ from agentjet.metrics import MetricsWriter
 from agentjet.roles import print_join_command, run_role, supervise
 from agentjet.transport import Server
 from node.learner import Learner
+from node.lora import add_adapters, merged_weights
 from node.model import load_causal_lm, resolve_model
 from node.swarm import Directory, SwarmOptimizer, start_dht, visible_maddrs
 from node.weights import PolicySnapshot, save_checkpoint, snapshot
@@ -93,8 +94,11 @@ class Trainer:
         torch.set_num_threads(cfg.trainer.torch_threads)
         torch.manual_seed(cfg.run.seed)
         path = resolve_model(cfg.model.name, cfg.model.cache_dir)
-        self.model, self.tokenizer = load_causal_lm(path, cfg.model.dtype)
-        self.vocab_size = int(self.model.config.vocab_size)
+        model, self.tokenizer = load_causal_lm(path, cfg.model.dtype)
+        self.model: Any = model
+        self.vocab_size = int(model.config.vocab_size)
+        if cfg.model.lora_rank:
+            self.model = add_adapters(self.model, cfg.model)
         self.dht = start_dht(cfg.swarm)
         cleanup.callback(self.dht.shutdown)
         self.directory = Directory(self.dht, cfg.swarm)
@@ -105,7 +109,7 @@ class Trainer:
         )
         self.swarm = SwarmOptimizer(
             cfg.swarm,
-            self.model.parameters(),
+            [p for p in self.model.parameters() if p.requires_grad],
             lr=cfg.trainer.lr,
             weight_decay=cfg.trainer.weight_decay,
             target_batch_size=cfg.swarm.target_batch_size or local_batch,
@@ -439,12 +443,14 @@ class Trainer:
 
     def _checkpoint(self) -> None:
         directory = self.run_dir / "checkpoints" / f"v{self.version:06d}"
+        lora = self.config.model.lora_rank > 0
         save_checkpoint(
-            self.model,
+            self.model.get_base_model() if lora else self.model,
             self.tokenizer,
             directory,
             self.version,
             {"model": self.config.model.name, "time": time.time()},
+            state_dict=merged_weights(self.model, self.config.model) if lora else None,
         )
         (self.run_dir / "checkpoints" / "latest").write_text(directory.name + "\n")
         self.checkpointed_version = self.version

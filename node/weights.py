@@ -41,7 +41,8 @@ class PolicySnapshot:
 
 
 def snapshot(model: torch.nn.Module, version: int, chunk_bytes: int) -> PolicySnapshot:
-    tensors = {name: p.detach().contiguous() for name, p in model.named_parameters()}
+    """The parameters that train (with LoRA: the adapters only) as one checksummed blob."""
+    tensors = {n: p.detach().contiguous() for n, p in model.named_parameters() if p.requires_grad}
     blob = save_safetensors(tensors, metadata={"policy_version": str(version)})
     return PolicySnapshot(version, blob, hashlib.sha256(blob).hexdigest(), chunk_bytes)
 
@@ -75,13 +76,19 @@ class WeightAssembly:
 
 
 def save_checkpoint(
-    model: Any, tokenizer: Any, directory: Path, version: int, extra: dict[str, Any]
+    model: Any,
+    tokenizer: Any,
+    directory: Path,
+    version: int,
+    extra: dict[str, Any],
+    state_dict: dict[str, torch.Tensor] | None = None,
 ) -> Path:
-    """An HF folder (safetensors) that transformers and `agentjet eval` load; atomic rename."""
+    """An HF folder (safetensors) that transformers and `agentjet eval` load; atomic rename.
+    `state_dict`: the weights to save in place of the model's own (LoRA merged in)."""
     directory = Path(directory)
     tmp = directory.with_name(directory.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
+    model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
     tokenizer.save_pretrained(tmp)
     (tmp / CHECKPOINT_META).write_text(json.dumps({"policy_version": version, **extra}))
     shutil.rmtree(directory, ignore_errors=True)

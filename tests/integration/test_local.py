@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from agentjet.local import descendants, running
 from agentjet.metrics import read_metrics
@@ -219,4 +220,35 @@ def test_an_agent_environment_trains_through_the_openai_endpoint(
     pending = trainer_end["queued_group_ids"] + rollout_end["unacked_group_ids"]
     assert len(trained) == len(set(trained))
     assert set(created) == set(trained) | set(stale) | set(pending)
+    assert [pid for pid in spawned if running(pid)] == []
+
+
+def test_a_lora_run_ships_adapters_and_checkpoints_merged_weights(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """model.lora_rank: the trainer trains adapters, the rollout node merges each
+    version's adapters into its base weights, checkpoints load without peft."""
+    run_dir = tmp_path / "run"
+    settings = (
+        "model.lora_rank=4",
+        "trainer.lr=1e-2",
+        # rewards the random tiny model earns half the time: the adapters get gradients
+        'envs.0.name="agent"',
+        'envs.0.agent="tests.agents:even_length"',
+    )
+    code, output, spawned = run_local(tiny_model_dir, run_dir, max_steps=4, settings=settings)
+    logs = "\n".join(p.read_text() for p in (run_dir / "logs").glob("*.log"))
+    assert code == 0, output + logs
+    rollout = read_metrics(run_dir / "metrics" / "rollout.jsonl")
+    loaded = [r for r in rollout if r.get("event") == "weights_loaded"]
+    assert loaded, "the rollout node never loaded a version"
+    from transformers import AutoModelForCausalLM
+
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    model = AutoModelForCausalLM.from_pretrained(run_dir / "checkpoints" / latest)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    names = [n for n, _ in base.named_parameters()]
+    own = dict(model.named_parameters())
+    changed = [n for n, t in base.named_parameters() if not torch.equal(own[n], t)]
+    assert changed and set(changed) < set(names)  # adapted layers moved, the rest did not
     assert [pid for pid in spawned if running(pid)] == []

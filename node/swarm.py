@@ -18,6 +18,7 @@ decoded and checked, and a bad one is skipped and counted.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import time
@@ -26,7 +27,12 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-import hivemind
+# hivemind shares tensors between its processes through files in /dev/shm by default;
+# a process killed with SIGKILL leaves them there, in memory, until reboot. File
+# descriptors die with the process. (Read by hivemind when it is first imported.)
+os.environ.setdefault("HIVEMIND_MEMORY_SHARING_STRATEGY", "file_descriptor")
+
+import hivemind  # noqa: E402
 import msgspec
 import torch
 from hivemind.compression import Float16Compression, NoCompression
@@ -315,11 +321,11 @@ class SwarmOptimizer:
                 average_state_every=config.average_state_every,
                 # Average parameters inside the step, not in the background after it: the
                 # version a step makes is then the averaged one. The peers' parameters are
-                # close, so each peer's `local + (mean - local)` is exactly the mean, and all
-                # hold the same bits (gradients, averaged as deltas of far-apart values,
-                # agree only to float rounding). Adam's moments are averaged too.
+                # close, so each peer's `local + (mean - local)` is nearly always exactly the
+                # mean (gradients, averaged as deltas of far-apart values, agree only to
+                # float rounding). Adam's moments are not averaged: fed the same averaged
+                # gradients they stay as close, and averaging them would triple the bytes.
                 delay_state_averaging=False,
-                average_opt_statistics=("exp_avg", "exp_avg_sq"),
                 grad_compression=compression,
                 averager_opts={"request_timeout": config.request_timeout_s},
                 # A dead trainer stops counting as a peer within record_ttl_s (hivemind's

@@ -73,3 +73,7 @@ bench-merge *ARGS: ensure
 # Scheduling simulation: EnvSched vs uniform vs oracle on synthetic drifting tasks (seconds)
 bench-sched-sim *ARGS: ensure
     {{bin}}/python bench/sched_sim.py {{ARGS}}
+
+# Swarm benchmark: steps/s with 1 vs 2 trainers, bytes per global step (netns, root), weight delivery (writes bench/results/swarm.json)
+bench-swarm *ARGS: ensure
+    {{bin}}/python bench/swarm.py {{ARGS}}

@@ -459,7 +459,10 @@ class Rollout:
                 time=time.time(),
             )
         )
-        return self.directory.records()
+        records = self.directory.records()
+        if not any(r.node_id != self.node_id for r in records):  # alone: a cut link?
+            self.directory.rejoin(self.config.swarm.initial_peers)
+        return records
 
     def _discover_once(self) -> None:
         """At start: wait briefly for the directory to name a trainer and a coordinator."""

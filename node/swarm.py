@@ -152,6 +152,17 @@ class Directory:
             records.append(record)
         return records
 
+    def rejoin(self, initial_peers: list[str]) -> int:
+        """Ping the swarm's initial peers again; returns how many answered. After a cut
+        link the DHT does not look for them by itself, and a node would stay alone."""
+        if not initial_peers:
+            return 0
+        try:
+            return int(self.dht.run_coroutine(partial(_ping_peers, maddrs=list(initial_peers))))
+        except Exception as e:  # best effort: the next heartbeat tries again
+            log.info("could not ping the swarm's initial peers: %r", e)
+            return 0
+
     def mark_trained(self, group_ids: Iterable[str], node_id: str) -> None:
         """Say in the DHT that these groups' gradients are in the swarm's weights."""
         expires = get_dht_time() + TRAINED_MARK_TTL_S
@@ -169,6 +180,21 @@ class Directory:
         ids = list(group_ids)
         futures = [self.dht.get(self.trained_prefix + g, return_future=True) for g in ids]
         return {g for g, f in zip(ids, futures, strict=True) if f.result() is not None}
+
+
+async def _ping_peers(dht: hivemind.DHT, node: Any, maddrs: list[str]) -> int:
+    """Runs inside the DHT's process: ping each peer (which puts it back in the routing
+    table when it answers)."""
+    import asyncio
+
+    from hivemind.p2p import PeerID
+    from hivemind.utils.multiaddr import Multiaddr
+
+    peers = [PeerID.from_base58(Multiaddr(m)["p2p"]) for m in maddrs]
+    answers = await asyncio.gather(
+        *(node.protocol.call_ping(p) for p in peers), return_exceptions=True
+    )
+    return sum(1 for a in answers if a is not None and not isinstance(a, BaseException))
 
 
 def read_directory(config: SwarmConfig) -> list[protocol.NodeRecord]:

@@ -42,8 +42,8 @@ POLL_S = 0.5
 DAEMON_EXIT_S = 15.0
 SAMPLES_PER_TRAINER_BATCH = 8
 # Two trainers' weights at one version differ by at most this (float rounding; see below).
-# A gradient round that one trainer missed shows as ~1e-3, float rounding as ~3e-11.
-SAME_WEIGHTS_TOLERANCE = 1e-9  # trainer.groups_per_step=2 x rollout.group_size=4
+# A gradient round that one trainer missed shows as ~1e-3; float rounding as 3e-11-3e-8.
+SAME_WEIGHTS_TOLERANCE = 1e-5  # trainer.groups_per_step=2 x rollout.group_size=4
 
 
 def free_listen() -> str:
@@ -294,7 +294,7 @@ def test_two_trainers_hold_identical_weights_and_lose_nothing(swarm_factory: Cal
     assert set(codes.values()) == {0}, swarm.logs()
     check_every_group_accounted_for(swarm, ["trainer-a", "trainer-b"])
     # same version, same weights on both trainers: bit for bit at most versions (same
-    # checksum), at some a few parameters near zero one float32 ulp apart (3e-11)
+    # checksum), at some a few parameters one float32 ulp apart (seen: 3e-11 to 3e-8)
     # (docs/ARCHITECTURE.md, "Swarm steps").
     a, b = checkpoints(swarm, "trainer-a"), checkpoints(swarm, "trainer-b")
     common = sorted(set(a) & set(b))

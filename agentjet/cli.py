@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
-from agentjet.config import ENV_NAMES, Config, load_config, to_toml
+from agentjet.config import ENV_NAMES, Config, is_endpoint, load_config, to_toml
 from agentjet.errors import AgentjetError
 
 if TYPE_CHECKING:
@@ -397,7 +396,7 @@ async def _fetch_status(endpoint: str, timeout_s: float) -> CoordinatorStatus:
     from agentjet.config import NetConfig
     from agentjet.transport import Client, PeerUnavailable
 
-    if not re.fullmatch(r"(tcp://[^:]+:\d+|ipc://.+)", endpoint):
+    if not is_endpoint(endpoint):
         raise AgentjetError(f"--coordinator {endpoint!r}: expected tcp://HOST:PORT or ipc://PATH")
     if timeout_s <= 0:
         raise AgentjetError(f"--timeout-s must be > 0, got {timeout_s}")

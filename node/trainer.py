@@ -119,9 +119,7 @@ class Trainer:
         cleanup.callback(self.swarm.shutdown)
         if cfg.swarm.initial_peers:
             log.info("joined the swarm; loading its state from peers")
-            self.other_trainers = {
-                r.node_id: r.policy_version for r in self.directory.records() if r.role == "trainer"
-            }
+            self.other_trainers = self._other_trainers_in(self.directory.records())
             self.swarm.load_state_from_peers()
         self.version = self.swarm.epoch
         self.learner = Learner(
@@ -197,11 +195,7 @@ class Trainer:
                 await asyncio.to_thread(self.directory.rejoin, cfg.swarm.initial_peers)
             records = await asyncio.to_thread(self.directory.records)
             if any(r.node_id == self.node_id for r in records):  # else: a read to distrust
-                self.other_trainers = {
-                    r.node_id: r.policy_version
-                    for r in records
-                    if r.role == "trainer" and r.node_id != self.node_id
-                }
+                self.other_trainers = self._other_trainers_in(records)
                 self._set_connected(any(r.node_id != self.node_id for r in records))
                 reads += 1
                 if reads == 2:
@@ -337,6 +331,14 @@ class Trainer:
                 return
             if len(self.queue) < cfg.trainer.groups_per_step:
                 self.batch_ready.clear()
+
+    def _other_trainers_in(self, records: list[protocol.NodeRecord]) -> dict[str, int]:
+        """Other trainers' policy versions, by node id."""
+        return {
+            r.node_id: r.policy_version
+            for r in records
+            if r.role == "trainer" and r.node_id != self.node_id
+        }
 
     def _set_connected(self, connected: bool) -> None:
         if not self.config.swarm.initial_peers or connected == self.connected.is_set():

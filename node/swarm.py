@@ -207,11 +207,34 @@ def read_directory(config: SwarmConfig) -> list[protocol.NodeRecord]:
 
 
 class _WholeStateAverager(TrainingStateAverager):  # type: ignore[misc]
-    """Serves this trainer's state copied under the lock each step holds: one version."""
+    """Serves this trainer's state copied under the lock each step holds: one version.
 
-    def __init__(self, *args: Any, step_lock: threading.Lock, **kwargs: Any) -> None:
+    A peer therefore answers a state download only between its steps, and a step lasts
+    up to one averaging timeout. hivemind gives each chunk of a download `next_chunk_timeout`
+    (one matchmaking time, also its all-reduce patience): a joiner asking a busy trainer
+    would nearly always time out. Downloads wait `state_chunk_timeout_s` instead.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        step_lock: threading.Lock,
+        state_chunk_timeout_s: float,
+        **kwargs: Any,
+    ) -> None:
         self._step_lock = step_lock
+        self._state_chunk_timeout_s = state_chunk_timeout_s
         super().__init__(*args, **kwargs)
+
+    async def _load_state_from_peers(self, future: Any, timeout: float | None = None) -> None:
+        # Runs in the averager's process, never during its own all-reduce (a download runs
+        # under the step lock, and so does every round), so the swap is seen by this alone.
+        all_reduce_timeout: Any = self.next_chunk_timeout  # type: ignore[has-type]
+        self.next_chunk_timeout = self._state_chunk_timeout_s
+        try:
+            await super()._load_state_from_peers(future, timeout)
+        finally:
+            self.next_chunk_timeout = all_reduce_timeout
 
     def get_current_state(self) -> Any:
         with self._step_lock:
@@ -220,11 +243,12 @@ class _WholeStateAverager(TrainingStateAverager):  # type: ignore[misc]
 
 
 class _Optimizer(hivemind.Optimizer):  # type: ignore[misc]
-    """hivemind.Optimizer that counts its state reloads and serves whole versions.
+    """hivemind.Optimizer that counts discarded gradients and serves whole versions.
 
     A peer that finds itself out of sync inside `step()` loads the swarm's state and
-    throws away the gradients it had accumulated: the samples behind them were not
-    trained, and the caller must know to train them again.
+    throws away the gradients it had accumulated; so does a step whose gradient round
+    failed. The samples behind them were not trained, and the caller must know to train
+    them again: `discards` counts both.
 
     hivemind serves its state to a joining peer from a background thread, reading the
     parameters while a step may be changing them in place (on CPU `.cpu()` is not a copy),
@@ -232,7 +256,8 @@ class _Optimizer(hivemind.Optimizer):  # type: ignore[misc]
     `step_lock`, which `SwarmOptimizer` holds for the whole of each step.
     """
 
-    reloads = 0
+    discards = 0
+    reloads = 0  # state downloads: the part of `discards` that cost the whole state in bytes
     failed_rounds = 0
 
     def __init__(
@@ -240,16 +265,19 @@ class _Optimizer(hivemind.Optimizer):  # type: ignore[misc]
         *args: Any,
         step_lock: threading.Lock,
         other_trainers: Callable[[], int],
+        state_chunk_timeout_s: float,
         **kwargs: Any,
     ) -> None:
         self._step_lock = step_lock
         self._other_trainers = other_trainers
+        self._state_chunk_timeout_s = state_chunk_timeout_s
         super().__init__(*args, **kwargs)
 
     def _make_state_averager(self, **kwargs: Any) -> TrainingStateAverager:
         # hivemind binds the serving method at construction: the subclass must be built here.
         return _WholeStateAverager(
             step_lock=self._step_lock,
+            state_chunk_timeout_s=self._state_chunk_timeout_s,
             dht=self.dht,
             prefix=f"{self.run_id}_state_averager",
             min_matchmaking_time=self.matchmaking_time,
@@ -268,6 +296,7 @@ class _Optimizer(hivemind.Optimizer):  # type: ignore[misc]
     def load_state_from_peers(self, **kwargs: Any) -> None:
         super().load_state_from_peers(**kwargs)
         self.reloads += 1
+        self.discards += 1
 
     def _begin_averaging_gradients(self, grad_scaler: Any) -> bool:
         """hivemind's tracker may not know of a peer yet (it refreshes every few seconds)
@@ -283,8 +312,8 @@ class _Optimizer(hivemind.Optimizer):  # type: ignore[misc]
     def _average_gradients_and_load_into_optimizer(self, control: Any) -> None:
         """hivemind steps with this peer's own gradients when a round with peers fails;
         two peers doing so at once make one epoch name two different weight sets. Here a
-        failed round aborts the step instead (RoundFailed): the caller takes the swarm's
-        state, and the gradients' samples are trained again."""
+        failed round aborts the step instead (RoundFailed): the caller drops the gradients
+        (`discard_round`), and their samples are trained again."""
         if control is not None:
             try:
                 control.result(self.averaging_timeout)
@@ -293,14 +322,33 @@ class _Optimizer(hivemind.Optimizer):  # type: ignore[misc]
                 raise RoundFailed(repr(e)) from None
         super()._average_gradients_and_load_into_optimizer(control)
 
-    def abandon_round(self) -> None:
-        """After RoundFailed: forget the round's controls and take the swarm's state."""
+    def discard_round(self) -> None:
+        """After RoundFailed: forget the round and the gradients; the weights are untouched.
+
+        No state is loaded here. A trainer whose round failed because the other is busy
+        loading *its* state would otherwise load in turn, both holding their step locks
+        while asking each other for state: neither answers, and it repeats every step
+        (seen in CI after a cut link healed). A trainer behind the swarm finds out from
+        hivemind's tracker or the directory and catches up at its next step."""
         for name in ("scheduled_grads", "scheduled_state"):
             control = getattr(self, name)
             if control is not None and not control.done():
                 control.cancel()
             setattr(self, name, None)
-        self.load_state_from_peers()
+        self.grad_averager.reset_accumulated_grads_()
+        self.tracker.report_local_progress(self.local_epoch, samples_accumulated=0)
+        self.discards += 1
+        self._refresh_progress(timeout=self.matchmaking_time)
+
+    def _refresh_progress(self, timeout: float) -> None:
+        """Have hivemind's tracker read the swarm's progress now and wait for it. It reads
+        every few seconds; a trainer retrying at once, as a failed round makes it do,
+        would find the same stale view (one peer: no round) every time."""
+        tracker = self.tracker
+        tracker.fetched_global_progress_this_epoch.clear()
+        tracker.global_progress.next_fetch_time = 0.0  # wakes the fetcher to read at once
+        tracker.global_state_updated.set()
+        tracker.fetched_global_progress_this_epoch.wait(timeout)
 
 
 class RoundFailed(Exception):
@@ -311,7 +359,7 @@ class RoundFailed(Exception):
 class StepOutcome:
     epoch: int
     applied: bool  # the accumulated gradients went into an optimizer step
-    discarded: bool  # they were thrown away (this peer reloaded the swarm's state)
+    discarded: bool  # they were thrown away (a failed round, or this peer was out of sync)
 
 
 class SwarmOptimizer:
@@ -337,6 +385,9 @@ class SwarmOptimizer:
             self.optimizer = _Optimizer(
                 step_lock=self.step_lock,
                 other_trainers=other_trainers,
+                # A peer answers a state download between steps; a step takes up to a
+                # matchmaking time and an averaging timeout for each of its two rounds.
+                state_chunk_timeout_s=2 * (config.matchmaking_time_s + config.averaging_timeout_s),
                 dht=self.dht,
                 run_id=config.run_id,
                 target_batch_size=target_batch_size,
@@ -381,7 +432,7 @@ class SwarmOptimizer:
     def step_outcome(self, batch_size: int) -> StepOutcome:
         """Like `step`, and say whether the gradients were applied, kept or thrown away."""
         with self.step_lock:
-            epoch, reloads = self.epoch, self.optimizer.reloads
+            epoch, discards = self.epoch, self.optimizer.discards
             if self.optimizer.tracker.global_epoch > epoch:
                 # hivemind would step a peer one epoch behind on its own older weights
                 # (and reconcile later); take the swarm's state first instead.
@@ -391,10 +442,10 @@ class SwarmOptimizer:
             try:
                 self.optimizer.step(batch_size=batch_size)
             except RoundFailed as e:
-                log.info("gradient round with peers failed (%s); taking the swarm's state", e)
-                self.optimizer.abandon_round()
+                log.info("gradient round with peers failed (%s); its gradients are dropped", e)
+                self.optimizer.discard_round()
             self.optimizer.zero_grad()
-        discarded = self.optimizer.reloads > reloads
+        discarded = self.optimizer.discards > discards
         return StepOutcome(
             self.epoch, applied=not discarded and self.epoch > epoch, discarded=discarded
         )

@@ -12,8 +12,8 @@
 Run with `agentjet node --role trainer [--join MULTIADDR]`. A trainer that joins a running
 swarm loads the swarm's weights, optimizer state and version before its first step.
 A group is "trained" only once its gradients are in an optimizer step: gradients that
-hivemind throws away (this trainer fell out of sync and reloaded the swarm's state) put
-their groups back in the queue. Rollout nodes hold every group until it is trained, so a
+are thrown away (a failed round with peers, or this trainer fell out of sync) put their
+groups back in the queue. Rollout nodes hold every group until it is trained, so a
 trainer that dies loses nothing. Groups staler than `trainer.max_policy_lag` are dropped
 (acked "stale", counted) rather than trained. Blocking torch and DHT work runs in worker
 threads (`asyncio.to_thread`); the event loop keeps answering peers meanwhile.
@@ -394,7 +394,7 @@ class Trainer:
 
         The batch's gradients join those already accumulated. When the swarm steps, every
         accumulated group is trained; when hivemind discards them (this trainer was out of
-        sync and loaded the swarm's state), the groups go back to the queue front.
+        sync, or the round with peers failed), the groups go back to the queue front.
         """
         cfg = self.config
         lags = [rl.policy_lag(s.policy_version, self.version) for g in batch for s in g.samples]
@@ -405,7 +405,7 @@ class Trainer:
         if row["optimizer_discarded"]:
             requeue, self.accumulated = self.accumulated, []
             self.counts["groups_requeued"] += len(requeue)
-            log.info("out of sync with the swarm: %d groups go back to the queue", len(requeue))
+            log.info("step not taken: %d groups go back to the queue", len(requeue))
             self.queue.extendleft(reversed(requeue))
         elif row["optimizer_stepped"]:
             trained, self.accumulated = self.accumulated, []

@@ -1,0 +1,89 @@
+"""Two in-process hivemind peers (`SwarmOptimizer`s on their own DHTs, loopback): how a
+trainer behind the swarm takes the state of one that keeps stepping.
+
+CI once livelocked here after a cut link healed: the trainer ahead held its step lock
+through a failed round and then loaded state from the one behind, which was itself
+waiting for the first one's state; both timed out, every step, for minutes.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import msgspec
+import pytest
+import torch
+
+from agentjet.config import SwarmConfig
+from node.swarm import StepOutcome, SwarmOptimizer, visible_maddrs
+
+
+def _weights(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _fake_gradients(model: torch.nn.Module, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=generator) * 0.1
+
+
+@pytest.mark.timeout(180)
+def test_a_trainer_behind_takes_the_state_of_one_that_keeps_stepping() -> None:
+    run = SwarmConfig(
+        run_id=f"test-state-{time.monotonic_ns()}", averaging_timeout_s=5.0, request_timeout_s=0.5
+    )
+    torch.manual_seed(0)
+    model_a, model_b = torch.nn.Linear(64, 32), torch.nn.Linear(64, 32)
+    others_of_a = [0]
+    a = SwarmOptimizer(
+        run, model_a.parameters(), lr=1e-2, weight_decay=0.0, target_batch_size=1,
+        other_trainers=lambda: others_of_a[0],
+    )  # fmt: skip
+    b: SwarmOptimizer | None = None
+    stop, stepping = threading.Event(), threading.Event()
+    outcomes: list[StepOutcome] = []
+
+    def keep_stepping() -> None:
+        seed = 100
+        while not stop.is_set():
+            _fake_gradients(model_a, seed)
+            outcomes.append(a.step_outcome(batch_size=1))
+            stepping.set()
+            seed += 1
+
+    thread = threading.Thread(target=keep_stepping, name="trainer-a")
+    try:
+        for seed in (1, 2):  # alone in the swarm: two versions
+            _fake_gradients(model_a, seed)
+            assert a.step_outcome(batch_size=1).applied
+        assert a.epoch == 2
+        ahead = _weights(model_a)
+
+        joined = msgspec.structs.replace(run, initial_peers=visible_maddrs(a.dht))
+        b = SwarmOptimizer(
+            joined, model_b.parameters(), lr=1e-2, weight_decay=0.0, target_batch_size=1,
+            other_trainers=lambda: 1,
+        )  # fmt: skip
+        # From now on A's directory lists B, which does not step: every round of A fails.
+        others_of_a[0] = 1
+        thread.start()
+        assert stepping.wait(60), "trainer A made no step"
+
+        b.load_state_from_peers()
+
+        assert b.epoch == 2, "B did not get A's state while A kept stepping"
+        for got, want in zip(_weights(model_b), ahead, strict=True):
+            assert torch.equal(got, want)
+    finally:
+        stop.set()
+        if thread.is_alive():
+            thread.join(60)
+        a.shutdown()
+        if b is not None:
+            b.shutdown()
+    # A's failed rounds dropped their gradients and changed nothing: no step alone.
+    assert outcomes and all(o.discarded and not o.applied and o.epoch == 2 for o in outcomes)
+    for got, want in zip(_weights(model_a), ahead, strict=True):
+        assert torch.equal(got, want)

@@ -316,10 +316,12 @@ class Trainer:
                 self.queue.extendleft(reversed(batch))
                 self.batch_ready.clear()
                 continue
-            newest = max(s.policy_version for g in batch for s in g.samples)
-            if max([newest, *self.other_trainers.values()]) > self.version:
-                # Other trainers moved on (or this one just joined): take the swarm's state
-                # first, so the gradients are computed on the weights the swarm holds.
+            if max(self.other_trainers.values(), default=-1) > self.version:
+                # Other trainers moved on: take the swarm's state first, so the gradients
+                # are computed on the weights the swarm holds. A group's own version is no
+                # reason: a forged one would make this trainer download the whole state at
+                # every step (if the directory lags a real step, the round at the old
+                # version fails and hivemind's tracker says the swarm moved on).
                 await self._catch_up()
             # A stop must not cut a step in two (weights stepped, version or row not
             # recorded): the step runs shielded and `run` waits for it before cleanup.

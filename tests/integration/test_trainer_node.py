@@ -119,7 +119,8 @@ def test_trainer_acks_dedupes_rejects_and_serves_weights(trainer: str):
         again = await client.request(protocol.SubmitGroup(group=make_group("a")))
         assert again.status == "duplicate"
 
-        # a group newer than this trainer (others moved on): queued; the trainer catches up
+        # a group newer than this trainer: queued (only other trainers' directory records,
+        # never a group's claim, make a trainer download the swarm's state)
         future = await client.request(protocol.SubmitGroup(group=make_group("f", version=5)))
         assert future.status == "accepted"
         bad = make_group("bad")

@@ -35,6 +35,7 @@ os.environ.setdefault("HIVEMIND_MEMORY_SHARING_STRATEGY", "file_descriptor")
 import hivemind  # noqa: E402
 import msgspec
 import torch
+from hivemind.averaging import DecentralizedAverager
 from hivemind.compression import Float16Compression, NoCompression
 from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.state_averager import TrainingStateAverager
@@ -206,23 +207,52 @@ def read_directory(config: SwarmConfig) -> list[protocol.NodeRecord]:
         dht.shutdown()
 
 
-class _WholeStateAverager(TrainingStateAverager):  # type: ignore[misc]
+class _AveragerWatch(DecentralizedAverager):  # type: ignore[misc]
+    """Records what hivemind's TrainingStateAverager only logs: the controls of the
+    averaging rounds it begins (`rounds`; a failed parameter round leaves this peer with
+    its own parameters) and whether its last state download got any state (`downloaded`).
+
+    It sits between TrainingStateAverager and DecentralizedAverager in the bases of
+    `_WholeStateAverager`, so TrainingStateAverager's calls to its base pass through here.
+    """
+
+    rounds: list[Any]
+    downloaded = False
+
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        control = super().step(*args, **kwargs)
+        if not kwargs.get("wait", True):
+            self.rounds = [*getattr(self, "rounds", [])[-3:], control]
+        return control
+
+    def load_state_from_peers(self, *args: Any, **kwargs: Any) -> Any:
+        state = super().load_state_from_peers(*args, **kwargs)
+        self.downloaded = state is not None
+        return state
+
+
+class _WholeStateAverager(TrainingStateAverager, _AveragerWatch):  # type: ignore[misc]
     """Serves this trainer's state copied under the lock each step holds: one version.
 
     A peer therefore answers a state download only between its steps, and a step lasts
     up to one averaging timeout. hivemind gives each chunk of a download `next_chunk_timeout`
     (one matchmaking time, also its all-reduce patience): a joiner asking a busy trainer
     would nearly always time out. Downloads wait `state_chunk_timeout_s` instead.
+
+    While this trainer is itself downloading state it refuses to serve (two trainers
+    downloading from each other would each wait for the other's lock).
     """
 
     def __init__(
         self,
         *args: Any,
         step_lock: threading.Lock,
+        loading: threading.Event,
         state_chunk_timeout_s: float,
         **kwargs: Any,
     ) -> None:
         self._step_lock = step_lock
+        self._loading = loading
         self._state_chunk_timeout_s = state_chunk_timeout_s
         super().__init__(*args, **kwargs)
 
@@ -237,6 +267,8 @@ class _WholeStateAverager(TrainingStateAverager):  # type: ignore[misc]
             self.next_chunk_timeout = all_reduce_timeout
 
     def get_current_state(self) -> Any:
+        if self._loading.is_set():
+            raise RuntimeError("this trainer is loading the swarm's state itself")
         with self._step_lock:
             metadata, tensors, infos = super().get_current_state()
             return metadata, [t.clone() for t in tensors], infos
@@ -264,11 +296,13 @@ class _Optimizer(hivemind.Optimizer):  # type: ignore[misc]
         self,
         *args: Any,
         step_lock: threading.Lock,
+        loading: threading.Event,
         other_trainers: Callable[[], int],
         state_chunk_timeout_s: float,
         **kwargs: Any,
     ) -> None:
         self._step_lock = step_lock
+        self._loading = loading
         self._other_trainers = other_trainers
         self._state_chunk_timeout_s = state_chunk_timeout_s
         super().__init__(*args, **kwargs)
@@ -277,6 +311,7 @@ class _Optimizer(hivemind.Optimizer):  # type: ignore[misc]
         # hivemind binds the serving method at construction: the subclass must be built here.
         return _WholeStateAverager(
             step_lock=self._step_lock,
+            loading=self._loading,
             state_chunk_timeout_s=self._state_chunk_timeout_s,
             dht=self.dht,
             prefix=f"{self.run_id}_state_averager",
@@ -294,9 +329,30 @@ class _Optimizer(hivemind.Optimizer):  # type: ignore[misc]
         )
 
     def load_state_from_peers(self, **kwargs: Any) -> None:
-        super().load_state_from_peers(**kwargs)
-        self.reloads += 1
+        """hivemind calls this inside `step()` when out of sync: the gradients are lost."""
+        self.take_swarm_state(**kwargs)
         self.discards += 1
+
+    def take_swarm_state(self, **kwargs: Any) -> None:
+        """Download the state of the newest peer, serving none meanwhile."""
+        epoch = self.local_epoch
+        self.state_averager.downloaded = False
+        self._loading.set()
+        try:
+            super().load_state_from_peers(**kwargs)
+        finally:
+            self._loading.clear()
+        self.reloads += 1
+        if not self.state_averager.downloaded and self.local_epoch != epoch:
+            # hivemind moves a peer one epoch behind to the swarm's epoch even when no
+            # peer sent its state: its old weights would be named the new version (seen:
+            # 7e-4 apart from the other trainer's at that version). Stay behind instead;
+            # the next step tries again.
+            log.info("no peer sent its state; staying at version %d", epoch)
+            self.state_averager.local_epoch = epoch
+            self.state_averager.state_sharing_priority = epoch
+            self.grad_averager.state_sharing_priority = epoch
+            self.tracker.report_local_progress(epoch, samples_accumulated=0)
 
     def _begin_averaging_gradients(self, grad_scaler: Any) -> bool:
         """hivemind's tracker may not know of a peer yet (it refreshes every few seconds)
@@ -351,6 +407,16 @@ class _Optimizer(hivemind.Optimizer):  # type: ignore[misc]
         tracker.fetched_global_progress_this_epoch.wait(timeout)
 
 
+def _failed(control: Any) -> bool:
+    """Whether a hivemind averaging round (StepControl) ended in an error."""
+    return bool(
+        control is not None
+        and control.done()
+        and not control.cancelled()
+        and control.exception() is not None
+    )
+
+
 class RoundFailed(Exception):
     """A gradient all-reduce with other trainers failed; the step did not happen."""
 
@@ -379,11 +445,15 @@ class SwarmOptimizer:
         self.owns_dht = dht is None
         self.dht = dht or start_dht(config)
         self.step_lock = threading.Lock()
+        self.loading = threading.Event()  # set while this trainer downloads the swarm's state
+        # Versions re-taken from a peer after this trainer's parameter round failed.
+        self.repairs = 0
         compression = Float16Compression() if config.grad_compression == "fp16" else NoCompression()
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # see start_dht
         try:
             self.optimizer = _Optimizer(
                 step_lock=self.step_lock,
+                loading=self.loading,
                 other_trainers=other_trainers,
                 # A peer answers a state download between steps; a step takes up to a
                 # matchmaking time and an averaging timeout for each of its two rounds.
@@ -439,12 +509,26 @@ class SwarmOptimizer:
                 self.optimizer.load_state_from_peers()
                 self.optimizer.zero_grad()
                 return StepOutcome(self.epoch, applied=False, discarded=True)
+            averager = self.optimizer.state_averager
+            rounds = [self.optimizer.scheduled_state]
+            averager.rounds = []
             try:
                 self.optimizer.step(batch_size=batch_size)
             except RoundFailed as e:
                 log.info("gradient round with peers failed (%s); its gradients are dropped", e)
                 self.optimizer.discard_round()
             self.optimizer.zero_grad()
+            rounds += averager.rounds
+            if self.epoch > epoch and any(_failed(r) for r in rounds):
+                # The gradients were averaged, but the parameters were not: hivemind keeps
+                # this trainer's own result, which can differ from the others' at this
+                # version (by 1e-3 when measured). A peer whose round succeeded has the
+                # version's averaged state: take it (the step still counts).
+                log.info(
+                    "parameter averaging failed at version %d; taking a peer's state", self.epoch
+                )
+                self.repairs += 1
+                self.optimizer.take_swarm_state()
         discarded = self.optimizer.discards > discards
         return StepOutcome(
             self.epoch, applied=not discarded and self.epoch > epoch, discarded=discarded

@@ -77,3 +77,7 @@ bench-sched-sim *ARGS: ensure
 # Swarm benchmark: steps/s with 1 vs 2 trainers, bytes per global step (netns, root), weight delivery (writes bench/results/swarm.json)
 bench-swarm *ARGS: ensure
     {{bin}}/python bench/swarm.py {{ARGS}}
+
+# Two trainers, weights compared bit for bit at every policy version (writes bench/results/identity.json)
+bench-identity *ARGS: ensure
+    {{bin}}/python bench/identity.py {{ARGS}} | tee bench/results/identity.json

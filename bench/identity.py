@@ -1,0 +1,148 @@
+"""Do two trainers hold the same bits at every policy version?
+
+Two processes, each a `SwarmOptimizer` (hivemind, loopback) over the same small model
+with different random gradients, step together for `--epochs` global steps (target
+batch = one sample from each). Each saves its parameters at every version it reaches;
+the parent compares them version by version.
+
+    .venv/bin/python bench/identity.py [--epochs 40] [--runs 3]
+
+Prints one JSON object: per run, versions compared, versions bit-identical, the largest
+difference seen, and each trainer's counters (failed rounds, state downloads, repairs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+STEP_PAUSE_S = 0.05  # stands in for a forward/backward pass
+RUN_TIMEOUT_S = 240.0
+
+
+def trainer(role: str, workdir: Path, epochs: int) -> None:
+    import msgspec
+    import torch
+
+    from agentjet.config import SwarmConfig
+    from node.swarm import SwarmOptimizer, visible_maddrs
+
+    config = SwarmConfig(run_id=f"identity-{workdir.name}", averaging_timeout_s=10.0)
+    torch.manual_seed(0)  # same initial weights in both processes
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 128))
+    maddrs = workdir / "maddrs.json"
+    if role == "a":
+        swarm = SwarmOptimizer(
+            config, model.parameters(), lr=1e-3, weight_decay=0.0, target_batch_size=2,
+            other_trainers=lambda: 1,
+        )  # fmt: skip
+        maddrs.write_text(json.dumps(visible_maddrs(swarm.dht)))
+    else:
+        while not maddrs.exists():
+            time.sleep(0.1)
+        joined = msgspec.structs.replace(config, initial_peers=json.loads(maddrs.read_text()))
+        swarm = SwarmOptimizer(
+            joined, model.parameters(), lr=1e-3, weight_decay=0.0, target_batch_size=2,
+            other_trainers=lambda: 1,
+        )  # fmt: skip
+    generator = torch.Generator().manual_seed(1 if role == "a" else 2)
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    published = 0
+    try:
+        while swarm.epoch < epochs and time.monotonic() < deadline:
+            for p in model.parameters():
+                p.grad = torch.randn(p.shape, generator=generator) * 0.01
+            time.sleep(STEP_PAUSE_S)
+            outcome = swarm.step_outcome(batch_size=1)
+            if outcome.epoch != published:  # a new version, as a trainer would publish it
+                published = outcome.epoch
+                torch.save(
+                    [p.detach().clone() for p in model.parameters()],
+                    workdir / f"{role}-{outcome.epoch}.pt",
+                )
+        counters = {
+            "failed_rounds": swarm.optimizer.failed_rounds,
+            "state_downloads": swarm.optimizer.reloads,
+            "repairs": swarm.repairs,
+        }
+        (workdir / f"{role}.json").write_text(json.dumps(counters))
+    finally:
+        swarm.shutdown()
+
+
+def compare(workdir: Path) -> dict[str, object]:
+    import torch
+
+    versions = sorted(
+        {int(p.stem.split("-")[1]) for p in workdir.glob("a-*.pt")}
+        & {int(p.stem.split("-")[1]) for p in workdir.glob("b-*.pt")}
+    )
+    identical, largest = 0, 0.0
+    for version in versions:
+        a = torch.load(workdir / f"a-{version}.pt")
+        b = torch.load(workdir / f"b-{version}.pt")
+        diff = max(float((x - y).abs().max()) for x, y in zip(a, b, strict=True))
+        identical += diff == 0.0
+        largest = max(largest, diff)
+    return {
+        "versions_compared": len(versions),
+        "versions_identical": identical,
+        "max_abs_difference": largest,
+        **{f"trainer_{r}": json.loads((workdir / f"{r}.json").read_text()) for r in "ab"},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--epochs", type=int, default=40)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--role", choices=["a", "b"], help=argparse.SUPPRESS)
+    parser.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.role:
+        trainer(args.role, args.workdir, args.epochs)
+        return
+    results = []
+    for _ in range(args.runs):
+        with tempfile.TemporaryDirectory(prefix="aj-identity-") as tmp:
+            workdir = Path(tmp)
+            children = [
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        __file__,
+                        "--role",
+                        role,
+                        "--workdir",
+                        str(workdir),
+                        "--epochs",
+                        str(args.epochs),
+                    ],
+                    stdout=subprocess.DEVNULL,
+                    stderr=(workdir / f"{role}.log").open("wb"),
+                )  # fmt: skip
+                for role in "ab"
+            ]
+            try:
+                codes = [c.wait(timeout=RUN_TIMEOUT_S + 60) for c in children]
+            finally:
+                for child in children:
+                    if child.poll() is None:
+                        child.kill()
+                        child.wait()
+            if codes != [0, 0]:
+                tail = (workdir / "b.log").read_text()[-2000:]
+                raise SystemExit(f"a trainer failed (exit codes {codes}):\n{tail}")
+            results.append(compare(workdir))
+    print(json.dumps({"epochs": args.epochs, "runs": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
@@ -40,8 +41,14 @@ MAX_MESSAGE_BYTES = 1 << 20
 QUEUE_BOUND = 3
 
 
+@dataclass(frozen=True)
+class Launched:
+    endpoint: str
+    pid: int
+
+
 @pytest.fixture
-def trainer(tiny_model_dir: Path, tmp_path: Path) -> Iterator[str]:
+def trainer(tiny_model_dir: Path, tmp_path: Path) -> Iterator[Launched]:
     socket_dir = Path(tempfile.mkdtemp(prefix="aj-", dir="/tmp"))
     endpoint = f"ipc://{socket_dir}/trainer.ipc"
     config = load_config(
@@ -68,7 +75,7 @@ def trainer(tiny_model_dir: Path, tmp_path: Path) -> Iterator[str]:
         start_new_session=True,
     )
     try:
-        yield endpoint
+        yield Launched(endpoint, proc.pid)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0, (tmp_path / "trainer.log").read_text()[-3000:]
         stopped = [
@@ -111,9 +118,11 @@ def raw_request(endpoint: str, payload: bytes) -> protocol.TrainerReply:
         return protocol.trainer_reply_decoder.decode(sock.recv())
 
 
-def test_trainer_acks_dedupes_rejects_and_serves_weights(trainer: str):
+def test_trainer_acks_dedupes_rejects_and_serves_weights(trainer: Launched):
+    endpoint = trainer.endpoint
+
     async def scenario() -> None:
-        client = await connect(trainer)
+        client = await connect(endpoint)
         ack = await client.request(protocol.SubmitGroup(group=make_group("a")))
         assert ack.status == "accepted" and ack.policy_version == 0
         again = await client.request(protocol.SubmitGroup(group=make_group("a")))
@@ -149,7 +158,7 @@ def test_trainer_acks_dedupes_rejects_and_serves_weights(trainer: str):
             msgspec.msgpack.encode({"t": "weight_chunk_request", "version": "zero"}),
             b"\x01" * (MAX_MESSAGE_BYTES + 10),
         ):
-            reply = raw_request(trainer, payload)
+            reply = raw_request(endpoint, payload)
             assert isinstance(reply, protocol.Error) and reply.code == "decode"
 
         # the base policy (version 0) arrives whole and verified
@@ -168,7 +177,7 @@ def test_trainer_acks_dedupes_rejects_and_serves_weights(trainer: str):
         client.close()
 
         old = Client(
-            trainer,
+            endpoint,
             protocol.trainer_reply_decoder,
             protocol.Hello(node_id="old", role="rollout", protocol_version=0),
             MAX_MESSAGE_BYTES,

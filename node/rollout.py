@@ -459,10 +459,7 @@ class Rollout:
                 time=time.time(),
             )
         )
-        records = self.directory.records()
-        if not any(r.node_id != self.node_id for r in records):  # alone: a cut link?
-            self.directory.rejoin(self.config.swarm.initial_peers)
-        return records
+        return self.directory.records_seen_by(self.node_id)
 
     def _discover_once(self) -> None:
         """At start: wait briefly for the directory to name a trainer and a coordinator."""

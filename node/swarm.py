@@ -106,6 +106,7 @@ class Directory:
 
     def __init__(self, dht: hivemind.DHT, config: SwarmConfig) -> None:
         self.dht = dht
+        self.initial_peers = list(config.initial_peers)
         self.ttl_s = config.record_ttl_s
         self.key = f"{config.run_id}.agentjet.nodes"
         self.trained_prefix = f"{config.run_id}.agentjet.trained."
@@ -153,13 +154,21 @@ class Directory:
             records.append(record)
         return records
 
-    def rejoin(self, initial_peers: list[str]) -> int:
+    def records_seen_by(self, node_id: str) -> list[protocol.NodeRecord]:
+        """`records()`, read by node `node_id`: one that finds no other node listed (a cut
+        link?) pings the swarm's initial peers again first."""
+        records = self.records()
+        if not any(r.node_id != node_id for r in records):
+            self.rejoin()
+        return records
+
+    def rejoin(self) -> int:
         """Ping the swarm's initial peers again; returns how many answered. After a cut
         link the DHT does not look for them by itself, and a node would stay alone."""
-        if not initial_peers:
+        if not self.initial_peers:
             return 0
         try:
-            return int(self.dht.run_coroutine(partial(_ping_peers, maddrs=list(initial_peers))))
+            return int(self.dht.run_coroutine(partial(_ping_peers, maddrs=self.initial_peers)))
         except Exception as e:  # best effort: the next heartbeat tries again
             log.info("could not ping the swarm's initial peers: %r", e)
             return 0
@@ -216,13 +225,13 @@ class _AveragerWatch(DecentralizedAverager):  # type: ignore[misc]
     `_WholeStateAverager`, so TrainingStateAverager's calls to its base pass through here.
     """
 
-    rounds: list[Any]
+    rounds: tuple[Any, ...] = ()
     downloaded = False
 
     def step(self, *args: Any, **kwargs: Any) -> Any:
         control = super().step(*args, **kwargs)
         if not kwargs.get("wait", True):
-            self.rounds = [*getattr(self, "rounds", [])[-3:], control]
+            self.rounds = (*self.rounds[-3:], control)
         return control
 
     def load_state_from_peers(self, *args: Any, **kwargs: Any) -> Any:
@@ -292,27 +301,20 @@ class _Optimizer(hivemind.Optimizer):  # type: ignore[misc]
     reloads = 0  # state downloads: the part of `discards` that cost the whole state in bytes
     failed_rounds = 0
 
-    def __init__(
-        self,
-        *args: Any,
-        step_lock: threading.Lock,
-        loading: threading.Event,
-        other_trainers: Callable[[], int],
-        state_chunk_timeout_s: float,
-        **kwargs: Any,
-    ) -> None:
-        self._step_lock = step_lock
-        self._loading = loading
+    def __init__(self, *args: Any, other_trainers: Callable[[], int], **kwargs: Any) -> None:
+        self.step_lock = threading.Lock()  # held by SwarmOptimizer for each whole step
+        self.loading = threading.Event()  # set while this trainer downloads the swarm's state
         self._other_trainers = other_trainers
-        self._state_chunk_timeout_s = state_chunk_timeout_s
         super().__init__(*args, **kwargs)
 
     def _make_state_averager(self, **kwargs: Any) -> TrainingStateAverager:
         # hivemind binds the serving method at construction: the subclass must be built here.
         return _WholeStateAverager(
-            step_lock=self._step_lock,
-            loading=self._loading,
-            state_chunk_timeout_s=self._state_chunk_timeout_s,
+            step_lock=self.step_lock,
+            loading=self.loading,
+            # A peer answers a state download between steps; a step takes up to a
+            # matchmaking time and an averaging timeout for each of its two rounds.
+            state_chunk_timeout_s=2 * (self.matchmaking_time + self.averaging_timeout),
             dht=self.dht,
             prefix=f"{self.run_id}_state_averager",
             min_matchmaking_time=self.matchmaking_time,
@@ -337,11 +339,11 @@ class _Optimizer(hivemind.Optimizer):  # type: ignore[misc]
         """Download the state of the newest peer, serving none meanwhile."""
         epoch = self.local_epoch
         self.state_averager.downloaded = False
-        self._loading.set()
+        self.loading.set()
         try:
             super().load_state_from_peers(**kwargs)
         finally:
-            self._loading.clear()
+            self.loading.clear()
         self.reloads += 1
         if not self.state_averager.downloaded and self.local_epoch != epoch:
             # hivemind moves a peer one epoch behind to the swarm's epoch even when no
@@ -444,20 +446,13 @@ class SwarmOptimizer:
         `other_trainers()`: how many other live trainers the directory lists now."""
         self.owns_dht = dht is None
         self.dht = dht or start_dht(config)
-        self.step_lock = threading.Lock()
-        self.loading = threading.Event()  # set while this trainer downloads the swarm's state
         # Versions re-taken from a peer after this trainer's parameter round failed.
         self.repairs = 0
         compression = Float16Compression() if config.grad_compression == "fp16" else NoCompression()
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # see start_dht
         try:
             self.optimizer = _Optimizer(
-                step_lock=self.step_lock,
-                loading=self.loading,
                 other_trainers=other_trainers,
-                # A peer answers a state download between steps; a step takes up to a
-                # matchmaking time and an averaging timeout for each of its two rounds.
-                state_chunk_timeout_s=2 * (config.matchmaking_time_s + config.averaging_timeout_s),
                 dht=self.dht,
                 run_id=config.run_id,
                 target_batch_size=target_batch_size,
@@ -501,7 +496,7 @@ class SwarmOptimizer:
 
     def step_outcome(self, batch_size: int) -> StepOutcome:
         """Like `step`, and say whether the gradients were applied, kept or thrown away."""
-        with self.step_lock:
+        with self.optimizer.step_lock:
             epoch, discards = self.epoch, self.optimizer.discards
             if self.optimizer.tracker.global_epoch > epoch:
                 # hivemind would step a peer one epoch behind on its own older weights
@@ -511,7 +506,7 @@ class SwarmOptimizer:
                 return StepOutcome(self.epoch, applied=False, discarded=True)
             averager = self.optimizer.state_averager
             rounds = [self.optimizer.scheduled_state]
-            averager.rounds = []
+            averager.rounds = ()
             try:
                 self.optimizer.step(batch_size=batch_size)
             except RoundFailed as e:
@@ -536,7 +531,7 @@ class SwarmOptimizer:
 
     def load_state_from_peers(self) -> None:
         """Take the swarm's current weights, optimizer state and epoch (a joining trainer)."""
-        with self.step_lock:
+        with self.optimizer.step_lock:
             self.optimizer.load_state_from_peers()
 
     def shutdown(self) -> None:

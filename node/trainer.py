@@ -191,9 +191,7 @@ class Trainer:
             )
             if not await asyncio.to_thread(self.directory.publish, record):
                 log.warning("could not store this trainer's record in the DHT")
-            if not self.connected.is_set():
-                await asyncio.to_thread(self.directory.rejoin, cfg.swarm.initial_peers)
-            records = await asyncio.to_thread(self.directory.records)
+            records = await asyncio.to_thread(self.directory.records_seen_by, self.node_id)
             if any(r.node_id == self.node_id for r in records):  # else: a read to distrust
                 self.other_trainers = self._other_trainers_in(records)
                 self._set_connected(any(r.node_id != self.node_id for r in records))

@@ -76,6 +76,11 @@ class RolloutConfig(_Section):
     # One batch: more only adds staleness, since a trainer that falls behind holds its own
     # queue (trainer.max_queued_groups) and anything beyond max_policy_lag is wasted.
     max_unacked_groups: PositiveInt = 8
+    # Every group is kept on disk until trained, so a restarted node re-offers it: here
+    # ("" = <run dir>/spool; one rollout node per spool). At spool_max_bytes the node stops
+    # generating until trainers take groups (a group of 8 short samples is ~10 KB).
+    spool_dir: str = ""
+    spool_max_bytes: Annotated[int, Meta(ge=1 << 20)] = 1 << 30
     # torch intra-op threads for the engine (2-core boxes share cores with the trainer).
     torch_threads: PositiveInt = 1
     # The OpenAI-compatible endpoint of agent environments: HOST:PORT (port 0 = any free

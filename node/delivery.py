@@ -12,7 +12,9 @@ A group goes to another trainer only when the one that may hold it is gone, so n
 trained twice by two live trainers; a trainer that dies with groups in its queue loses
 none, because the node keeps every group until it is trained. Trainers are picked by
 backlog: queued groups over capacity, the trainer's own report or what this node has
-handed it, whichever is larger. Pure bookkeeping: the rollout role does the talking.
+handed it, whichever is larger. Bookkeeping, plus the on-disk copy (node/spool.py) each
+group has from `add` until it leaves, so a restarted node offers its groups again; the
+rollout role does the talking.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from agentjet import protocol
+from node.spool import Spool
 
 # A trainer that said "busy" or did not answer is left alone this long (doubled
 # per further failure, up to RETRY_MAX_S).
@@ -56,9 +59,20 @@ class Pending:
 class Ledger:
     pending: dict[str, Pending] = field(default_factory=dict)
     rng: random.Random = field(default_factory=random.Random)
+    spool: Spool | None = None
 
-    def add(self, group: protocol.TrajectoryGroup) -> None:
+    def add(self, group: protocol.TrajectoryGroup, write: bool = True) -> None:
+        """Hold `group` until trained, first writing it to the spool unless `write` is false
+        (it came from there); raises SpoolFull, holding nothing, when the spool is at its cap."""
+        if self.spool is not None and write:
+            self.spool.put(group)
         self.pending[group.group_id] = Pending(group)
+
+    def _forget(self, group_id: str) -> None:
+        """The group is done with (trained, dropped or refused for good)."""
+        self.pending.pop(group_id, None)
+        if self.spool is not None:
+            self.spool.remove(group_id)
 
     def __len__(self) -> int:
         return len(self.pending)
@@ -98,7 +112,7 @@ class Ledger:
                 trainer.failures = 0
                 return status
             case protocol.GroupAck(status=status):  # stale or rejected: final
-                self.pending.pop(pending.group.group_id, None)
+                self._forget(pending.group.group_id)
                 return status
             case protocol.Error(code="busy" as code):
                 trainer.block(now, backoff=False)
@@ -106,7 +120,7 @@ class Ledger:
                     pending.trainer = None
                 return code
             case _:  # an error reply to a well-formed group: it will not pass later either
-                self.pending.pop(pending.group.group_id, None)
+                self._forget(pending.group.group_id)
                 return "refused"
 
     def unanswered(self, pending: Pending, trainer: TrainerPeer, now: float) -> None:
@@ -122,7 +136,7 @@ class Ledger:
             if pending is None or pending.trainer != trainer_id:
                 continue
             if status in ("trained", "dropped"):
-                del self.pending[group_id]
+                self._forget(group_id)
                 counts[status] += 1
             elif status == "unknown":
                 pending.state, pending.trainer = "new", None
@@ -134,7 +148,7 @@ class Ledger:
         counts = {"trained": 0, "resent": 0}
         for pending in self.held_by(trainer_id):
             if pending.group.group_id in trained:
-                del self.pending[pending.group.group_id]
+                self._forget(pending.group.group_id)
                 counts["trained"] += 1
             else:
                 pending.state, pending.trainer = "new", None

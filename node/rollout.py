@@ -13,7 +13,9 @@ Run with `agentjet node --role rollout [--join MULTIADDR]`. With `--join`, the n
 trainers and the coordinator in the swarm's DHT directory; without, it uses the endpoints
 in its config (one trainer; `agentjet local`). Every completion carries the policy version
 that sampled it. When `rollout.max_unacked_groups` groups wait for a trainer to accept
-them, the node stops asking for work (backpressure) instead of growing memory.
+them, or its on-disk spool reaches `rollout.spool_max_bytes`, the node stops asking for
+work (backpressure) instead of growing memory or disk. Every group is spooled to disk until
+trained (node/spool.py): a node restarted on the same run dir offers its groups again.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from node.agents import make_agent_env
 from node.delivery import Ledger, Pending, TrainerPeer
 from node.lora import AdapterMerger
 from node.model import resolve_model
+from node.spool import Spool, SpoolFull
 from node.swarm import Directory, start_dht, visible_maddrs
 from node.torch_engine import TorchEngine
 from node.weights import WeightAssembly
@@ -134,6 +137,11 @@ class Rollout:
 
     def setup(self, cleanup: ExitStack) -> None:
         cfg = self.config
+        self.room = asyncio.Event()  # set while unacked groups are below the bound
+        self.room.set()
+        self.unsent = asyncio.Event()
+        # A trainer reported a version newer than ours (the first directory read may).
+        self.newer_policy = asyncio.Event()
         torch.set_num_threads(cfg.rollout.torch_threads)
         path = resolve_model(cfg.model.name, cfg.model.cache_dir)
         self.engine = TorchEngine(path, dtype=cfg.model.dtype, seed=cfg.run.seed)
@@ -175,11 +183,48 @@ class Rollout:
             self._add_trainer(TrainerPeer(STATIC_TRAINER, cfg.net.trainer_endpoint))
         self.metrics = MetricsWriter(Path(cfg.run.dir), "rollout")
         cleanup.callback(self.metrics.close)
-        self.room = asyncio.Event()  # set while unacked groups are below the bound
-        self.room.set()
-        self.unsent = asyncio.Event()
-        self.newer_policy = asyncio.Event()  # a trainer reported a version newer than ours
+        self._restore_spool(cleanup)
         log.info("rollout node %s ready (envs: %s)", self.node_id, ", ".join(self.envs))
+
+    def _restore_spool(self, cleanup: ExitStack) -> None:
+        """Open the spool and hold again every group an earlier run of this node left there
+        (minus those the swarm's directory says are trained)."""
+        cfg = self.config.rollout
+        directory = Path(cfg.spool_dir or Path(self.config.run.dir) / "spool")
+        spool = Spool(directory, cfg.spool_max_bytes)
+        cleanup.callback(spool.close)
+        self.ledger.spool = spool
+        groups = spool.load()
+        trained = set()
+        if groups and self.directory is not None:
+            trained = self.directory.trained([g.group_id for g in groups])
+        for group in groups:
+            if group.group_id in trained:
+                spool.remove(group.group_id)
+            else:
+                self.ledger.add(group, write=False)
+        self.counts["groups_restored"] = len(groups) - len(trained)
+        self.counts["groups_restored_trained"] = len(trained)
+        self.counts["spool_corrupt"] = spool.corrupt
+        if groups or spool.corrupt:
+            log.info(
+                "spool %s: %d groups to offer again, %d already trained, %d corrupt files",
+                spool.directory,
+                len(groups) - len(trained),
+                len(trained),
+                spool.corrupt,
+            )
+        self.metrics.write(
+            {"event": "restored", "group_ids": list(self.ledger.pending), **self.counts}
+        )
+
+    def _has_room(self) -> bool:
+        """Backpressure: room for another batch while few groups wait for a trainer and the
+        spool is under its cap."""
+        spool = self.ledger.spool
+        if spool is not None and spool.full():
+            return False
+        return self.ledger.unplaced() < self.config.rollout.max_unacked_groups
 
     def _connect_coordinator(self, endpoint: str) -> None:
         if self.coordinator is not None:
@@ -228,7 +273,6 @@ class Rollout:
     # ── producing groups ─────────────────────────────────────────────────────────
 
     async def _produce(self) -> None:
-        cfg = self.config
         while True:
             await self.room.wait()
             grants = await self._request_work()
@@ -254,7 +298,12 @@ class Rollout:
                         self._queue_report(grant, [], wall_s / len(env_grants), "no episodes")
                         continue
                     group = build_group(grant, eps, self.node_id, wall_s / len(env_grants))
-                    self.ledger.add(group)
+                    try:
+                        self.ledger.add(group)
+                    except SpoolFull as e:  # the batch ran past the cap: keep it in memory
+                        log.error("%s; group %s is held in memory only", e, group.group_id)
+                        self.ledger.add(group, write=False)
+                        self.counts["groups_unspooled"] += 1
                     created.append(group.group_id)
                     self._queue_report(grant, eps, wall_s / len(env_grants), "")
                 self.counts["groups_created"] += len(created)
@@ -276,14 +325,23 @@ class Rollout:
                         "perf/batch_s": wall_s,
                         "unacked": len(self.ledger),
                         "unplaced": self.ledger.unplaced(),
+                        "spool_bytes": self.ledger.spool.nbytes if self.ledger.spool else 0,
                         "sandbox/faults": dict(faults),
                         **self._pool_metrics(),
                         **self.counts,
                     }
                 )
                 self.unsent.set()
-            if self.ledger.unplaced() >= cfg.rollout.max_unacked_groups:
+            if not self._has_room():
                 self.room.clear()
+                spool = self.ledger.spool
+                if spool is not None and spool.full():
+                    log.warning(
+                        "spool %s is full (%.1f MiB): generating no more until trainers train "
+                        "held groups",
+                        spool.directory,
+                        spool.nbytes / 2**20,
+                    )
 
     def _pool_metrics(self) -> dict[str, float]:
         if self.pool is None:
@@ -382,7 +440,7 @@ class Rollout:
             if time.monotonic() - last_poll >= STATUS_POLL_S:
                 await self._poll_statuses()
                 last_poll = time.monotonic()
-            if self.ledger.unplaced() < self.config.rollout.max_unacked_groups:
+            if self._has_room():
                 self.room.set()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.unsent.wait(), STATUS_POLL_S)

@@ -1,0 +1,113 @@
+"""A rollout node's on-disk copy of every group no trainer has trained yet.
+
+    Ledger.add ──▶ put: <spool>/<sha256(group id)>.group  (written to a temp file, fsynced,
+                        renamed: a crash leaves the old state or the new, never half a file)
+    trained / dropped / final reply ──▶ remove
+    restart ──▶ load: every file back as a "new" group (trainers dedupe by group id)
+
+The spool is capped in bytes (`rollout.spool_max_bytes`): a node whose spool is full stops
+generating until trainers catch up, and says so. A file that does not decode (a damaged
+disk, a hand edit) is renamed to `*.corrupt`, logged and counted, never loaded again and
+never deleted. One node owns a spool at a time: a second one pointed at it refuses to start.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import os
+from pathlib import Path
+
+import msgspec
+
+from agentjet import protocol
+from agentjet.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+_decoder = msgspec.msgpack.Decoder(protocol.TrajectoryGroup)
+
+
+class SpoolFull(Exception):
+    """Writing one more group would take the spool over its byte cap."""
+
+
+class Spool:
+    def __init__(self, directory: Path, max_bytes: int) -> None:
+        self.directory = Path(directory)
+        self.max_bytes = max_bytes
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._lock = open(self.directory / "LOCK", "a+")  # noqa: SIM115 (held for life)
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock.close()
+            raise ConfigError(
+                f"spool {self.directory} is in use by another rollout node: give each rollout "
+                "node its own run dir (run.dir) or rollout.spool_dir"
+            ) from None
+        self.sizes: dict[str, int] = {}  # file name -> bytes, for every spooled group
+        self.corrupt = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.sizes.values())
+
+    def full(self) -> bool:
+        return self.nbytes >= self.max_bytes
+
+    def load(self) -> list[protocol.TrajectoryGroup]:
+        """Every group spooled by an earlier run of this node, oldest first."""
+        groups = []
+        paths = sorted(self.directory.glob("*.group"), key=lambda p: p.stat().st_mtime)
+        for path in paths:
+            data = path.read_bytes()
+            try:
+                group = _decoder.decode(data)
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                self.corrupt += 1
+                path.rename(path.with_suffix(".corrupt"))
+                log.error("spooled file %s does not decode (%s); kept as .corrupt", path, e)
+                continue
+            if path.name != _file_name(group.group_id):
+                self.corrupt += 1
+                path.rename(path.with_suffix(".corrupt"))
+                log.error("spooled file %s holds group %r; kept as .corrupt", path, group.group_id)
+                continue
+            self.sizes[path.name] = len(data)
+            groups.append(group)
+        for stale_tmp in self.directory.glob("*.tmp"):  # a write cut short by a crash
+            stale_tmp.unlink()
+        return groups
+
+    def put(self, group: protocol.TrajectoryGroup) -> None:
+        """Write `group` durably; raises SpoolFull (and writes nothing) past the cap."""
+        data = protocol.encode(group)
+        name = _file_name(group.group_id)
+        if self.nbytes - self.sizes.get(name, 0) + len(data) > self.max_bytes:
+            raise SpoolFull(
+                f"spool {self.directory} is full ({self.nbytes / 2**20:.1f} MiB of "
+                f"{self.max_bytes / 2**20:.1f} MiB): trainers are not taking groups; raise "
+                "rollout.spool_max_bytes or add trainers"
+            )
+        tmp = self.directory / (name + ".tmp")
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.directory / name)
+        self.sizes[name] = len(data)
+
+    def remove(self, group_id: str) -> None:
+        name = _file_name(group_id)
+        if self.sizes.pop(name, None) is not None:
+            (self.directory / name).unlink(missing_ok=True)
+
+    def close(self) -> None:
+        self._lock.close()  # releases the flock
+
+
+def _file_name(group_id: str) -> str:
+    """Group ids come from the coordinator: hashed, they cannot name a path elsewhere."""
+    return hashlib.sha256(group_id.encode()).hexdigest()[:32] + ".group"

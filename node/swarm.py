@@ -17,6 +17,7 @@ decoded and checked, and a bad one is skipped and counted.
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import signal
@@ -351,10 +352,16 @@ class _Optimizer(hivemind.Optimizer):  # type: ignore[misc]
             # 7e-4 apart from the other trainer's at that version). Stay behind instead;
             # the next step tries again.
             log.info("no peer sent its state; staying at version %d", epoch)
-            self.state_averager.local_epoch = epoch
-            self.state_averager.state_sharing_priority = epoch
-            self.grad_averager.state_sharing_priority = epoch
-            self.tracker.report_local_progress(epoch, samples_accumulated=0)
+            self.set_epoch(epoch)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Name this trainer's current state `epoch`, to its averagers and the swarm."""
+        self.state_averager.local_epoch = epoch
+        self.state_averager.state_sharing_priority = epoch
+        self.grad_averager.state_sharing_priority = epoch
+        self.tracker.report_local_progress(epoch, samples_accumulated=0)
+        # Else the tracker keeps its old view for seconds, and steps wait for it.
+        self._refresh_progress(timeout=self.matchmaking_time)
 
     def _begin_averaging_gradients(self, grad_scaler: Any) -> bool:
         """hivemind's tracker may not know of a peer yet (it refreshes every few seconds)
@@ -529,10 +536,24 @@ class SwarmOptimizer:
             self.epoch, applied=not discarded and self.epoch > epoch, discarded=discarded
         )
 
-    def load_state_from_peers(self) -> None:
-        """Take the swarm's current weights, optimizer state and epoch (a joining trainer)."""
+    def load_state_from_peers(self) -> bool:
+        """Take the swarm's current weights, optimizer state and epoch (a joining trainer);
+        False if no peer sent its state."""
         with self.optimizer.step_lock:
             self.optimizer.load_state_from_peers()
+            return bool(self.optimizer.state_averager.downloaded)
+
+    def optimizer_state(self) -> dict[str, Any]:
+        """The optimizer's state (AdamW moments), for a checkpoint to resume from."""
+        with self.optimizer.step_lock:
+            return copy.deepcopy(self.optimizer.state_averager.optimizer.state_dict())
+
+    def restore(self, epoch: int, optimizer_state: dict[str, Any]) -> None:
+        """Resume from a checkpoint: its optimizer state, and its version as the epoch (the
+        parameters were loaded into the model before this optimizer was made)."""
+        with self.optimizer.step_lock:
+            self.optimizer.state_averager.optimizer.load_state_dict(optimizer_state)
+            self.optimizer.set_epoch(epoch)
 
     def shutdown(self) -> None:
         """Optimizer first (says goodbye, stops averagers), then a DHT of its own."""

@@ -10,13 +10,17 @@
     heartbeat:     NodeRecord (endpoint, version, queue) ──▶ the swarm's DHT directory
 
 Run with `agentjet node --role trainer [--join MULTIADDR]`. A trainer that joins a running
-swarm loads the swarm's weights, optimizer state and version before its first step.
+swarm loads the swarm's weights, optimizer state and version before its first step; one
+started on a run dir with checkpoints (and no peer to load from) resumes from the newest.
 A group is "trained" only once its gradients are in an optimizer step: gradients that
 are thrown away (a failed round with peers, or this trainer fell out of sync) put their
 groups back in the queue. Rollout nodes hold every group until it is trained, so a
-trainer that dies loses nothing. Groups staler than `trainer.max_policy_lag` are dropped
-(acked "stale", counted) rather than trained. Blocking torch and DHT work runs in worker
-threads (`asyncio.to_thread`); the event loop keeps answering peers meanwhile.
+trainer that dies loses nothing. Rollout nodes hear "trained" only once a checkpoint holds
+the step (trained_groups.log names each group's version), so a trainer killed and resumed
+from its last checkpoint trains again exactly the groups whose steps it lost. Groups
+staler than `trainer.max_policy_lag` are dropped (acked "stale", counted), not trained.
+Blocking torch and DHT work runs in worker threads (`asyncio.to_thread`); the event loop
+keeps answering peers meanwhile.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import torch
 
 from agentjet import protocol, rl
 from agentjet.config import Config
+from agentjet.errors import ModelError
 from agentjet.metrics import MetricsWriter
 from agentjet.roles import print_join_command, run_role, supervise
 from agentjet.transport import Server
@@ -43,7 +48,13 @@ from node.learner import Learner
 from node.lora import add_adapters, merged_weights
 from node.model import load_causal_lm, resolve_model
 from node.swarm import Directory, SwarmOptimizer, start_dht, visible_maddrs
-from node.weights import PolicySnapshot, save_checkpoint, snapshot
+from node.weights import (
+    RESUME_STATE,
+    PolicySnapshot,
+    read_resume_state,
+    save_checkpoint,
+    snapshot,
+)
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +97,9 @@ class Trainer:
         self.previous: PolicySnapshot | None = None
         self.version = 0
         self.checkpointed_version = -1
+        # Trained groups whose step no checkpoint holds yet, with the version of that step:
+        # rollout nodes are told "queued" for them (a crash would undo the step).
+        self.undurable: dict[str, int] = {}
         self.stale_ids: list[str] = []  # dropped as stale since the last metrics row
         self.step_task: asyncio.Task[float] | None = None
 
@@ -99,6 +113,9 @@ class Trainer:
         self.vocab_size = int(model.config.vocab_size)
         if cfg.model.lora_rank:
             self.model = add_adapters(self.model, cfg.model)
+        resume = read_resume_state(self.run_dir / "checkpoints")
+        if resume is not None:
+            self._load_params(resume["params"])
         self.dht = start_dht(cfg.swarm)
         cleanup.callback(self.dht.shutdown)
         self.directory = Directory(self.dht, cfg.swarm)
@@ -117,11 +134,17 @@ class Trainer:
             other_trainers=lambda: len(self.other_trainers),
         )
         cleanup.callback(self.swarm.shutdown)
+        loaded = False
         if cfg.swarm.initial_peers:
             log.info("joined the swarm; loading its state from peers")
             self.other_trainers = self._other_trainers_in(self.directory.records())
-            self.swarm.load_state_from_peers()
+            loaded = self.swarm.load_state_from_peers()
+        if resume is not None and not loaded:
+            self.swarm.restore(int(resume["policy_version"]), resume["optimizer"])
+            self.checkpointed_version = int(resume["policy_version"])
+            log.info("resumed from checkpoint: policy version %d", self.checkpointed_version)
         self.version = self.swarm.epoch
+        self._open_trained_log(cleanup)
         self.learner = Learner(
             self.model,
             self.swarm,
@@ -234,7 +257,7 @@ class Trainer:
                         code="invalid", message=f"over {protocol.MAX_STATUS_IDS} ids"
                     )
                 return protocol.GroupStatus(
-                    statuses={g: self.seen.get(g, "unknown") for g in ids},  # type: ignore[misc]
+                    statuses={g: self._status(g) for g in ids},  # type: ignore[misc]
                     policy_version=self.version,
                 )
             case protocol.PolicyQuery():
@@ -287,6 +310,13 @@ class Trainer:
         if len(self.queue) >= self.config.trainer.groups_per_step:
             self.batch_ready.set()
         return ack("accepted")
+
+    def _status(self, group_id: str) -> str:
+        """What a rollout node holding `group_id` is told: "trained" only once durable."""
+        status = self.seen.get(group_id, "unknown")
+        if status == "trained" and self.undurable.get(group_id, -1) > self.checkpointed_version:
+            return "queued"
+        return status
 
     def _remember(self, group_id: str, status: str) -> None:
         self.seen[group_id] = status
@@ -409,8 +439,12 @@ class Trainer:
             self.queue.extendleft(reversed(requeue))
         elif row["optimizer_stepped"]:
             trained, self.accumulated = self.accumulated, []
+            version = int(row["policy_version"])
             for group in trained:
                 self._remember(group.group_id, "trained")
+                self.undurable[group.group_id] = version
+                self.trained_log.write(f"{version}\t{group.group_id}\n")
+            self.trained_log.flush()
             ids = [g.group_id for g in trained]
             await asyncio.to_thread(self.directory.mark_trained, ids, self.node_id)
         # hivemind may also keep a step's gradients for the next epoch (the swarm's target
@@ -446,7 +480,10 @@ class Trainer:
         return now
 
     def _checkpoint(self) -> None:
-        directory = self.run_dir / "checkpoints" / f"v{self.version:06d}"
+        """Save the policy (an HF folder) and what resuming needs, then mark its steps'
+        groups durable. Runs between steps (a worker thread, or shutdown)."""
+        root = self.run_dir / "checkpoints"
+        directory = root / f"v{self.version:06d}"
         lora = self.config.model.lora_rank > 0
         save_checkpoint(
             self.model.get_base_model() if lora else self.model,
@@ -455,10 +492,47 @@ class Trainer:
             self.version,
             {"model": self.config.model.name, "time": time.time()},
             state_dict=merged_weights(self.model, self.config.model) if lora else None,
+            resume_state={
+                "params": {
+                    n: p.detach().clone()
+                    for n, p in self.model.named_parameters()
+                    if p.requires_grad
+                },
+                "optimizer": self.swarm.optimizer_state(),
+            },
         )
-        (self.run_dir / "checkpoints" / "latest").write_text(directory.name + "\n")
+        (root / "latest").write_text(directory.name + "\n")
+        for older in root.glob(f"v*/{RESUME_STATE}"):
+            if older.parent != directory:
+                older.unlink()
         self.checkpointed_version = self.version
+        self.undurable = {g: v for g, v in self.undurable.items() if v > self.version}
         log.info("checkpoint %s", directory)
+
+    def _load_params(self, params: dict[str, torch.Tensor]) -> None:
+        """A checkpoint's trainable parameters into the model (before the optimizer exists)."""
+        own = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+        if own.keys() != params.keys() or any(own[n].shape != t.shape for n, t in params.items()):
+            raise ModelError(
+                f"the checkpoint in {self.run_dir / 'checkpoints'} was made with another model "
+                "or LoRA config; use a new run dir, or the config it was made with"
+            )
+        with torch.no_grad():
+            for name, tensor in params.items():
+                own[name].copy_(tensor)
+
+    def _open_trained_log(self, cleanup: ExitStack) -> None:
+        """Append-only: each trained group's id and the version of its step. On start, the
+        groups of steps up to the checkpoint resumed from count as trained again."""
+        path = self.run_dir / "trained_groups.log"
+        if self.checkpointed_version > 0 and path.exists():
+            for line in path.read_text().splitlines():
+                version, _, group_id = line.partition("\t")
+                if version.isdigit() and group_id and int(version) <= self.checkpointed_version:
+                    self._remember(group_id, "trained")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.trained_log = open(path, "a")  # noqa: SIM115 (closed by cleanup)
+        cleanup.callback(self.trained_log.close)
 
     def _counts(self) -> dict[str, int]:
         return {

@@ -22,7 +22,12 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
+from agentjet.errors import ModelError
+
 CHECKPOINT_META = "agentjet.json"
+# In the newest checkpoint only: what a trainer needs to resume (trainable parameters,
+# optimizer state, version). Older checkpoints drop it: it is 3x the trainable weights.
+RESUME_STATE = "trainer_state.pt"
 
 
 @dataclass(frozen=True)
@@ -82,18 +87,46 @@ def save_checkpoint(
     version: int,
     extra: dict[str, Any],
     state_dict: dict[str, torch.Tensor] | None = None,
+    resume_state: dict[str, Any] | None = None,
 ) -> Path:
     """An HF folder (safetensors) that transformers and `agentjet eval` load; atomic rename.
-    `state_dict`: the weights to save in place of the model's own (LoRA merged in)."""
+    `state_dict`: the weights to save in place of the model's own (LoRA merged in).
+    `resume_state`: saved beside them as RESUME_STATE (see `read_resume_state`)."""
     directory = Path(directory)
     tmp = directory.with_name(directory.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
     tokenizer.save_pretrained(tmp)
+    if resume_state is not None:
+        torch.save({"policy_version": version, **resume_state}, tmp / RESUME_STATE)
     (tmp / CHECKPOINT_META).write_text(json.dumps({"policy_version": version, **extra}))
     shutil.rmtree(directory, ignore_errors=True)
     os.replace(tmp, directory)
     return directory
+
+
+def read_resume_state(checkpoints: Path) -> dict[str, Any] | None:
+    """The resume state of the checkpoint `checkpoints/latest` names, or None when there is
+    none; a damaged one is a ModelError naming the file (resuming elsewhere would silently
+    lose the run)."""
+    latest = checkpoints / "latest"
+    if not latest.exists():
+        return None
+    path = checkpoints / latest.read_text().strip() / RESUME_STATE
+    if not path.exists():
+        return None
+    try:
+        state = torch.load(path, weights_only=True)
+        if not isinstance(state, dict) or not {"policy_version", "params", "optimizer"} <= set(
+            state
+        ):
+            raise ValueError("missing policy_version, params or optimizer")
+    except Exception as e:
+        raise ModelError(
+            f"cannot resume from {path}: {e}. Move that checkpoint aside to resume from an "
+            "earlier one, or use a new run dir to start afresh"
+        ) from None
+    return state
 
 
 def read_checkpoint_meta(directory: Path) -> dict[str, Any]:

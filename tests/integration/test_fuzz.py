@@ -24,8 +24,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agentjet import protocol
+from agentjet.local import running
 from node.openai_api import EpisodeHub, OpenAIServer
 from tests.factories import RuleGenerator, make_group
+from tests.fault_results import record_fuzz
 from tests.integration.test_coordinator import Coordinators, coordinators  # noqa: F401
 from tests.integration.test_openai_api import TASK, serve, tokenizer  # noqa: F401
 from tests.integration.test_trainer_node import trainer  # noqa: F401
@@ -124,7 +126,7 @@ class Peer:
         self.ctx.term()
 
 
-def fuzz_socket(peer: Peer, pid: int, inputs: st.SearchStrategy[bytes]) -> None:
+def fuzz_socket(target: str, peer: Peer, pid: int, inputs: st.SearchStrategy[bytes]) -> None:
     before = rss(pid)
 
     @FUZZ
@@ -132,7 +134,10 @@ def fuzz_socket(peer: Peer, pid: int, inputs: st.SearchStrategy[bytes]) -> None:
     def throw(payload: bytes) -> None:
         peer.ask(payload)  # any decodable answer: most are Error, a few inputs are valid
 
-    throw()
+    try:
+        throw()
+    finally:
+        record_fuzz(target, peer.sent, crashed=not running(pid))
     assert peer.sent > EXAMPLES // 2
     assert rss(pid) - before < RSS_GROWTH_LIMIT_BYTES
 
@@ -146,7 +151,7 @@ def test_trainer_socket_answers_junk_and_stays_up(trainer: Any) -> None:  # noqa
         protocol.WeightChunkRequest(version=0, index=1),
     ]
     try:
-        fuzz_socket(peer, trainer.pid, junk(protocol.TrainerRequest, valid))
+        fuzz_socket("trainer", peer, trainer.pid, junk(protocol.TrainerRequest, valid))
         info = peer.ask(protocol.encode(protocol.PolicyQuery()))
         assert isinstance(info, protocol.PolicyInfo) and info.version == 0
     finally:
@@ -163,7 +168,7 @@ def test_coordinator_socket_answers_junk_and_stays_up(coordinators: Coordinators
         protocol.Heartbeat(node_id="fuzzer", role="rollout"),
     ]
     try:
-        fuzz_socket(peer, proc.pid, junk(protocol.CoordinatorRequest, valid))
+        fuzz_socket("coordinator", peer, proc.pid, junk(protocol.CoordinatorRequest, valid))
         status = peer.ask(protocol.encode(protocol.StatusRequest()))
         assert isinstance(status, protocol.CoordinatorStatus)
     finally:
@@ -196,12 +201,17 @@ def test_openai_endpoint_answers_junk_and_stays_up(tokenizer: Any) -> None:  # n
                     statuses.append(reply.status_code)
                     assert reply.status_code < 500, reply.text
 
-                throw()
-                ok = http.post(
-                    "/v1/chat/completions",
-                    json={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
-                )
-                assert ok.status_code == 200, ok.text
+                try:
+                    throw()
+                    ok = http.post(
+                        "/v1/chat/completions",
+                        json={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+                    )
+                    assert ok.status_code == 200, ok.text
+                except BaseException:  # a 5xx or a server that stopped serving
+                    record_fuzz("openai", len(statuses), crashed=True)
+                    raise
+                record_fuzz("openai", len(statuses), crashed=False)
 
         await asyncio.to_thread(throw_all)
         assert len(statuses) > EXAMPLES // 2

@@ -501,7 +501,9 @@ class Trainer:
                 "optimizer": self.swarm.optimizer_state(),
             },
         )
-        (root / "latest").write_text(directory.name + "\n")
+        latest = root / "latest.tmp"  # a crash leaves the old name or the new one
+        latest.write_text(directory.name + "\n")
+        os.replace(latest, root / "latest")
         for older in root.glob(f"v*/{RESUME_STATE}"):
             if older.parent != directory:
                 older.unlink()

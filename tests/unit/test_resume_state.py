@@ -1,0 +1,44 @@
+"""What a trainer resumes from: the newest checkpoint's trainer state, or a clear error."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from agentjet.errors import ModelError
+from node.model import load_causal_lm
+from node.weights import RESUME_STATE, read_resume_state, save_checkpoint
+
+pytestmark = pytest.mark.unit
+
+
+def checkpoint(root: Path, model_dir: Path, version: int) -> Path:
+    model, tokenizer = load_causal_lm(model_dir, "float32")
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    directory = save_checkpoint(
+        model,
+        tokenizer,
+        root / f"v{version:06d}",
+        version,
+        {},
+        resume_state={"params": params, "optimizer": {"state": {}, "param_groups": []}},
+    )
+    (root / "latest").write_text(directory.name + "\n")
+    return directory
+
+
+def test_the_newest_checkpoint_is_resumed_and_a_damaged_one_is_refused(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    root = tmp_path / "checkpoints"
+    assert read_resume_state(root) is None  # a new run
+    directory = checkpoint(root, tiny_model_dir, 4)
+    state = read_resume_state(root)
+    assert state is not None and state["policy_version"] == 4
+    assert all(isinstance(t, torch.Tensor) for t in state["params"].values())
+
+    (directory / RESUME_STATE).write_bytes(b"not a torch file")
+    with pytest.raises(ModelError, match=f"cannot resume from {directory / RESUME_STATE}"):
+        read_resume_state(root)

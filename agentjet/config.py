@@ -173,7 +173,8 @@ class TrainerConfig(_Section):
     max_logprob_gap: NonNegFloat = 0.5
     # Share of the groups of verifiable environments (arithmetic) whose rewards the trainer
     # recomputes from the completion text on arrival; a wrong reward rejects the group.
-    # Picked by a hash of the group id, so the same groups are checked on every trainer.
+    # Picked by a hash of the group id and a secret each trainer draws at start (a sender
+    # cannot choose ids that escape the check). A check costs a tokenizer decode per sample.
     reward_check_fraction: Annotated[float, Meta(ge=0, le=1)] = 1.0
     # A node whose groups failed a check this many times is quarantined: its submissions are
     # refused for as long as this trainer runs, and `agentjet status` lists it.

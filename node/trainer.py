@@ -90,6 +90,7 @@ class Trainer:
         # are in an optimizer step, then "trained"; "dropped" when stale or failing a check.
         self.seen: dict[str, str] = {}
         self.quarantine = Quarantine(config.trainer.quarantine_after)
+        self.reward_check_secret = os.urandom(16)
         # Where this trainer rebuilds tasks to re-check rewards (node/verify.py).
         self.task_sources = [
             TaskSource.from_config(env) for env in config.envs if env.name in REWARD_CHECKS
@@ -323,7 +324,9 @@ class Trainer:
         """Why the group's rewards are wrong, when it is picked for a re-check and its task
         can be rebuilt here; else None."""
         fraction = self.config.trainer.reward_check_fraction
-        if group.env not in REWARD_CHECKS or not picked_for_reward_check(group.group_id, fraction):
+        if group.env not in REWARD_CHECKS or not picked_for_reward_check(
+            group.group_id, fraction, self.reward_check_secret
+        ):
             return None
         task = find_task(group, self.task_sources)
         if task is None:

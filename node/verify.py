@@ -2,7 +2,7 @@
 
     SubmitGroup ──sender quarantined?──▶ GroupAck "rejected", reason "quarantined: ..."
                 ──protocol.check_group (shapes, vocabulary, lengths)
-                ──picked for a reward check? (hash of the group id < trainer.reward_check_fraction)
+                ──picked for a reward check? (a share trainer.reward_check_fraction of group ids)
                       ──task rebuilt from its id, every completion re-scored──▶ wrong: "rejected"
                 ──queued ──▶ learner forward: logprob gap > trainer.max_logprob_gap ──▶ "dropped"
     every failed check ──▶ Quarantine.failed(sender) ──▶ quarantined after trainer.quarantine_after
@@ -40,10 +40,11 @@ REWARD_CHECKS: dict[str, Callable[[Any, Sequence[int], protocol.Task], float]] =
 }
 
 
-def picked_for_reward_check(group_id: str, fraction: float) -> bool:
-    """Whether this group's rewards are re-checked: the same answer on every trainer and
-    every run, for a share `fraction` of group ids."""
-    digest = hashlib.sha256(group_id.encode()).digest()
+def picked_for_reward_check(group_id: str, fraction: float, secret: bytes) -> bool:
+    """Whether this group's rewards are re-checked: true for a share `fraction` of group
+    ids, decided by a hash of the id and `secret` (the trainer's own, drawn at start, so a
+    sender cannot pick ids that escape the check; a test passes a fixed one)."""
+    digest = hashlib.sha256(secret + group_id.encode()).digest()
     return int.from_bytes(digest[:8], "big") < fraction * 2**64
 
 

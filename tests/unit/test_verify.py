@@ -50,13 +50,15 @@ def test_groups_over_the_gap_bound_are_rejected_and_zero_turns_the_check_off():
     assert over_gap(gaps, 0.0) == set()
 
 
-def test_the_reward_check_picks_a_stable_share_of_group_ids():
+def test_the_reward_check_picks_a_share_of_group_ids_a_sender_cannot_predict():
     ids = [f"grant-{i}" for i in range(2000)]
-    picked = [g for g in ids if picked_for_reward_check(g, 0.25)]
+    picked = [g for g in ids if picked_for_reward_check(g, 0.25, b"trainer-1")]
     assert 400 <= len(picked) <= 600
-    assert picked == [g for g in ids if picked_for_reward_check(g, 0.25)]
-    assert all(picked_for_reward_check(g, 1.0) for g in ids)
-    assert not any(picked_for_reward_check(g, 0.0) for g in ids)
+    assert picked == [g for g in ids if picked_for_reward_check(g, 0.25, b"trainer-1")]
+    # another trainer's secret picks other groups
+    assert picked != [g for g in ids if picked_for_reward_check(g, 0.25, b"trainer-2")]
+    assert all(picked_for_reward_check(g, 1.0, b"") for g in ids)
+    assert not any(picked_for_reward_check(g, 0.0, b"") for g in ids)
 
 
 def test_generated_arithmetic_tasks_are_rebuilt_from_their_ids(tmp_path: Path):

@@ -84,6 +84,10 @@ bench-sched-sim *ARGS: ensure
 bench-swarm *ARGS: ensure
     {{bin}}/python bench/swarm.py {{ARGS}}
 
+# Honest vs forged sampler logprobs: the learner's gap by policy lag (writes bench/results/logprob_gap.json)
+bench-logprob-gap *ARGS: ensure
+    {{bin}}/python bench/logprob_gap.py {{ARGS}}
+
 # Two trainers, weights compared bit for bit at every policy version (writes bench/results/identity.json)
 bench-identity *ARGS: ensure
     {{bin}}/python bench/identity.py {{ARGS}} | tee bench/results/identity.json

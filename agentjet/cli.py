@@ -368,7 +368,8 @@ def _swarm_status(args: argparse.Namespace) -> int:
 
 
 def format_swarm(records: list[NodeRecord], now: float) -> str:
-    """The swarm's nodes by role: address, policy version, queue, throughput, last heartbeat."""
+    """The swarm's nodes by role: address, policy version, queue, throughput, last heartbeat;
+    then the nodes each trainer has quarantined."""
     if not records:
         return "no live nodes in the swarm's directory (is --run-id right?)"
     order = {"coordinator": 0, "trainer": 1, "rollout": 2}
@@ -386,7 +387,12 @@ def format_swarm(records: list[NodeRecord], now: float) -> str:
         for r in sorted(records, key=lambda r: (order.get(r.role, 3), r.node_id))
     ]
     counts = ", ".join(f"{sum(r.role == role for r in records)} {role}" for role in order)
-    return "\n".join([f"swarm: {counts}", *_aligned([header, *rows])])
+    quarantines = [
+        f"quarantined by {r.node_id}: {', '.join(r.quarantined)}"
+        for r in sorted(records, key=lambda r: r.node_id)
+        if r.quarantined
+    ]
+    return "\n".join([f"swarm: {counts}", *_aligned([header, *rows]), *quarantines])
 
 
 async def _fetch_status(endpoint: str, timeout_s: float) -> CoordinatorStatus:

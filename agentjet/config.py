@@ -169,6 +169,21 @@ class TrainerConfig(_Section):
     # Save a safetensors checkpoint every N policy versions (and always at the end).
     checkpoint_every: PositiveInt = 10
     torch_threads: PositiveInt = 1
+    # Verified trajectories. A group is rejected (never trained) when one of its samples'
+    # reported sampler logprobs differ from the learner's own by more than this, as a mean
+    # |difference| per trained token in nats: made-up logprobs, altered tokens or another
+    # model's samples. At lr 1e-5 honest samples stay below 0.21 up to lag 4 and forged
+    # ones are above 1.6 (SmolLM2-135M, bench/LOG.md). A larger lr moves the policy further
+    # per version: watch charts/logprob_gap_max in metrics/trainer.jsonl. 0 = no check.
+    max_logprob_gap: NonNegFloat = 0.5
+    # Share of the groups of verifiable environments (arithmetic) whose rewards the trainer
+    # recomputes from the completion text on arrival; a wrong reward rejects the group.
+    # Picked by a hash of the group id and a secret each trainer draws at start (a sender
+    # cannot choose ids that escape the check). A check costs a tokenizer decode per sample.
+    reward_check_fraction: Annotated[float, Meta(ge=0, le=1)] = 1.0
+    # A node whose groups failed a check this many times is quarantined: its submissions are
+    # refused for as long as this trainer runs, and `agentjet status` lists it.
+    quarantine_after: PositiveInt = 3
 
 
 class SwarmConfig(_Section):

@@ -280,6 +280,8 @@ class NodeRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     samples_per_s: float = 0.0
     time: float = 0.0  # wall clock of the heartbeat, seconds since the epoch
     protocol_version: int = PROTOCOL_VERSION
+    # A trainer's quarantined nodes (node/verify.py): their groups kept failing its checks.
+    quarantined: list[str] = msgspec.field(default_factory=list)
 
 
 # ── codecs ────────────────────────────────────────────────────────────────────────
@@ -322,10 +324,16 @@ def unpack_mask(data: bytes) -> np.ndarray:
     return np.frombuffer(data, dtype=np.uint8)
 
 
+# Longest node id a group may name (a hostname is at most 64; trainers list ids in the DHT).
+MAX_NODE_ID_CHARS = 256
+
+
 def check_group(group: TrajectoryGroup, vocab_size: int, max_tokens: int) -> str | None:
     """Why a decoded group cannot be trained, or None when it is well formed."""
     if not group.samples:
         return "group has no samples"
+    if len(group.node_id) > MAX_NODE_ID_CHARS:
+        return f"node id of {len(group.node_id)} characters (at most {MAX_NODE_ID_CHARS})"
     if len(group.samples) > 1024:
         return f"group has {len(group.samples)} samples (at most 1024)"
     for i, s in enumerate(group.samples):

@@ -79,6 +79,21 @@ def policy_loss(
     return loss, stats
 
 
+def logprob_gap(
+    logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """Per sample, the mean |log pi_theta(y_t) - log mu(y_t)| over its trained tokens.
+
+    How far the logprobs a rollout node reports are from the learner's own: near zero for an
+    honest sample of the same weights, growing slowly with policy lag; large when the
+    logprobs were made up, the tokens altered, or another model sampled them.
+    Shapes: [B, T] -> [B]; a sample without trained tokens has gap 0.
+    """
+    mask = mask.to(logprobs.dtype)
+    diff = (logprobs - sampler_logprobs).abs() * mask
+    return diff.sum(-1) / mask.sum(-1).clamp(min=1)
+
+
 def policy_lag(sample_version: int, current_version: int) -> int:
     """How many policy versions behind the learner a sample is."""
     return current_version - sample_version

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -48,15 +49,33 @@ def make_arithmetic_task(rng: random.Random, difficulty: int, op: str, env: str)
     a, b = rng.randint(low, high), rng.randint(low, high)
     if op == "-" and b > a:
         a, b = b, a  # non-negative results keep the three ops comparable in difficulty
-    answer = {"+": a + b, "-": a - b, "*": a * b}[op]
+    return arithmetic_task(a, op, b, difficulty, env)
+
+
+def arithmetic_task(a: int, op: str, b: int, difficulty: int, env: str) -> Task:
+    """The generated task `a op b`; its id, "d{difficulty}:{a}{op}{b}", rebuilds it
+    (`arithmetic_task_from_id`)."""
     return Task(
         id=f"d{difficulty}:{a}{op}{b}",
         env=env,
         prompt=arithmetic_prompt(a, op, b),
-        answer=answer,
+        answer={"+": a + b, "-": a - b, "*": a * b}[op],
         op=op,
         difficulty=difficulty,
     )
+
+
+# Generated arithmetic task ids; operands have at most 3 digits (EnvConfig.difficulties).
+_ARITHMETIC_ID = re.compile(r"d([1-3]):(\d{1,3})([-+*])(\d{1,3})")
+
+
+def arithmetic_task_from_id(task_id: str, env: str) -> Task | None:
+    """The generated arithmetic task with this id, or None when the id is not one."""
+    match = _ARITHMETIC_ID.fullmatch(task_id)
+    if match is None:
+        return None
+    difficulty, a, op, b = match.groups()
+    return arithmetic_task(int(a), op, int(b), int(difficulty), env)
 
 
 class TaskSource:
@@ -73,7 +92,7 @@ class TaskSource:
         self.difficulties = list(difficulties)
         self.ops = list(ops)
         self.rows = load_task_file(task_file, env) if task_file else None
-        self.ids = None if self.rows is None else frozenset(task.id for task in self.rows)
+        self.by_id = None if self.rows is None else {task.id: task for task in self.rows}
 
     @classmethod
     def from_config(cls, env: EnvConfig) -> TaskSource:
@@ -82,11 +101,21 @@ class TaskSource:
 
     def covers(self, task: Task) -> bool:
         """Whether this source could have drawn `task` (for tasks of an older config)."""
-        if self.ids is not None:
-            return task.id in self.ids
+        if self.by_id is not None:
+            return task.id in self.by_id
         if task.difficulty not in self.difficulties:
             return False
         return self.env in TASK_MAKERS or task.op in self.ops
+
+    def find(self, task_id: str) -> Task | None:
+        """The task with this id this source could have drawn, or None; generated tasks of
+        sandboxed environments are not rebuilt from their ids."""
+        if self.by_id is not None:
+            return self.by_id.get(task_id)
+        if self.env in TASK_MAKERS:
+            return None
+        task = arithmetic_task_from_id(task_id, self.env)
+        return task if task is not None and self.covers(task) else None
 
     def sample(self, rng: random.Random) -> Task:
         if self.rows is not None:

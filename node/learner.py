@@ -8,6 +8,14 @@ Samples with zero advantage contribute exactly zero gradient, so they are counte
 never forwarded: on arithmetic, where most groups are all-right or all-wrong, this is
 most of the batch. Advantages are recomputed here from the rewards rather than trusted
 from the wire.
+
+The forward pass also checks the sampler logprobs a rollout node reported (`trainer.
+max_logprob_gap`): a sample whose mean |log pi_theta - log mu| over its trained tokens
+exceeds the bound rejects its whole group (made-up logprobs, altered tokens, another model).
+The check costs nothing extra in the honest case; when a group fails, its gradients are
+already summed into `.grad` with the others', so the pass is thrown away and run again
+without it. Samples with zero advantage are not forwarded, so not checked: they cannot move
+the weights.
 """
 
 from __future__ import annotations
@@ -23,15 +31,27 @@ from agentjet import rl
 from agentjet.config import TrainerConfig
 from agentjet.protocol import TrajectoryGroup, unpack_floats, unpack_ids, unpack_mask
 from node.swarm import StepOutcome, SwarmOptimizer
+from node.verify import over_gap
 
 
 @dataclass
 class _Row:
+    group_id: str
     prompt: torch.Tensor
     completion: torch.Tensor
     sampler_logprobs: torch.Tensor
     mask: torch.Tensor
     advantage: float
+
+
+@dataclass
+class _Pass:
+    """What one forward/backward pass over a batch's rows added up to."""
+
+    loss: float
+    stats: dict[str, float]  # rl.policy_loss's statistics, averaged over micro-batches
+    gaps: list[float]  # per row: rl.logprob_gap
+    num_tokens: int
 
 
 class Learner:
@@ -51,63 +71,100 @@ class Learner:
         self.pad_token_id = pad_token_id
 
     def train_step(self, groups: list[TrajectoryGroup]) -> dict[str, Any]:
-        """Accumulate gradients over `groups`, step the swarm optimizer, return metrics."""
+        """Accumulate gradients over `groups`, less those that fail the logprob check, step
+        the swarm optimizer, return metrics: "logprob_gaps" has each checked group's gap
+        (its largest sample's), "rejected_group_ids" the groups over the bound."""
         start = time.perf_counter()
-        rows, num_samples = self._rows(groups)
-        num_tokens = int(sum(int(r.mask.sum()) for r in rows))
-        self.model.train()
-        loss_sum, micro = 0.0, 0
-        stats_sum = {"ratio_mean": 0.0, "clip_frac": 0.0, "sampler_kl": 0.0}
-        size = self.config.micro_batch_samples
-        for i in range(0, len(rows), size):
-            loss, stats = self._micro_step(rows[i : i + size], num_tokens)
-            loss.backward()
-            loss_sum += float(loss.detach())
-            micro += 1
-            for k, v in stats.items():
-                stats_sum[k] += v
+        rows = self._rows(groups)
+        done = self._accumulate(rows)
+        gap_of = self._group_gaps(rows, done.gaps)
+        rejected = over_gap(gap_of, self.config.max_logprob_gap)
+        if rejected:
+            # Their gradients are in `.grad` with the others': start again without them
+            # (same weights, so the rest passes again).
+            self.model.zero_grad(set_to_none=True)
+            rows = [r for r in rows if r.group_id not in rejected]
+            done = self._accumulate(rows)
+            groups = [g for g in groups if g.group_id not in rejected]
+        num_samples = sum(len(g.samples) for g in groups)
         grad_norm = 0.0
         if rows:
             params = [p for p in self.model.parameters() if p.grad is not None]
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm))
-        self.model.eval()
-        if self.config.informative_samples_per_step and not rows:
-            # Counted in samples with gradient; a batch without any adds nothing.
+        # Counted in samples with gradient (informative_samples_per_step) or in all samples.
+        counted = len(rows) if self.config.informative_samples_per_step else num_samples
+        if counted == 0:
+            # No sample with gradient, or every group rejected: the batch adds nothing.
             outcome = StepOutcome(self.swarm.epoch, applied=False, discarded=False)
         else:
-            counted = len(rows) if self.config.informative_samples_per_step else num_samples
             outcome = self.swarm.step_outcome(batch_size=counted)
         rewards = [s.reward for g in groups for s in g.samples]
+        passed = [gap for g, gap in gap_of.items() if g not in rejected]
         return {
             "policy_version": outcome.epoch,
             "optimizer_stepped": outcome.applied,
             "optimizer_discarded": outcome.discarded,
-            "losses/policy": loss_sum,
+            "rejected_group_ids": sorted(rejected),
+            "logprob_gaps": gap_of,
+            "losses/policy": done.loss,
             "losses/grad_norm": grad_norm,
-            **{f"losses/{k}": v / max(micro, 1) for k, v in stats_sum.items()},
+            **{f"losses/{k}": v for k, v in done.stats.items()},
+            "charts/logprob_gap_max": max(passed, default=0.0),
             "charts/reward_mean": sum(rewards) / max(len(rewards), 1),
             "charts/samples": num_samples,
             "charts/trained_samples": len(rows),
-            "charts/trained_tokens": num_tokens,
+            "charts/trained_tokens": done.num_tokens,
             "charts/zero_variance_groups": sum(
                 1 for g in groups if len({s.reward for s in g.samples}) == 1
             ),
             "perf/step_s": time.perf_counter() - start,
         }
 
-    def _rows(self, groups: list[TrajectoryGroup]) -> tuple[list[_Row], int]:
-        rows, num_samples = [], 0
+    def _accumulate(self, rows: list[_Row]) -> _Pass:
+        """Forward and backward every row, in micro-batches; gradients add up in `.grad`."""
+        num_tokens = int(sum(int(r.mask.sum()) for r in rows))
+        self.model.train()
+        loss_sum, micro = 0.0, 0
+        stats_sum = {"ratio_mean": 0.0, "clip_frac": 0.0, "sampler_kl": 0.0}
+        gaps: list[float] = []
+        size = self.config.micro_batch_samples
+        for i in range(0, len(rows), size):
+            logprobs, old_logprobs, mask, advantages = self._forward(rows[i : i + size])
+            loss, stats = rl.policy_loss(
+                logprobs, old_logprobs, advantages, mask, self.config.clip_eps, num_tokens
+            )
+            loss.backward()
+            gaps += rl.logprob_gap(logprobs.detach(), old_logprobs, mask).tolist()
+            loss_sum += float(loss.detach())
+            micro += 1
+            for k, v in stats.items():
+                stats_sum[k] += v
+        self.model.eval()
+        stats = {k: v / max(micro, 1) for k, v in stats_sum.items()}
+        return _Pass(loss_sum, stats, gaps, num_tokens)
+
+    @staticmethod
+    def _group_gaps(rows: list[_Row], gaps: list[float]) -> dict[str, float]:
+        """Each group's largest sample gap: one bad sample condemns its group."""
+        gap_of: dict[str, float] = {}
+        for row, gap in zip(rows, gaps, strict=True):
+            gap_of[row.group_id] = max(gap_of.get(row.group_id, 0.0), gap)
+        return gap_of
+
+    def _rows(self, groups: list[TrajectoryGroup]) -> list[_Row]:
+        """The samples that carry gradient (non-zero advantage, some trained token)."""
+        rows = []
         for group in groups:
             advantages = rl.sample_advantages(
                 [s.reward for s in group.samples], [s.episode for s in group.samples]
             )
-            num_samples += len(group.samples)
             for sample, advantage in zip(group.samples, advantages, strict=True):
                 mask = torch.from_numpy(unpack_mask(sample.loss_mask).astype("int64"))
                 if advantage == 0.0 or int(mask.sum()) == 0:
                     continue
                 rows.append(
                     _Row(
+                        group_id=group.group_id,
                         prompt=torch.from_numpy(unpack_ids(sample.prompt_ids).astype("int64")),
                         completion=torch.from_numpy(
                             unpack_ids(sample.completion_ids).astype("int64")
@@ -117,12 +174,13 @@ class Learner:
                         advantage=advantage,
                     )
                 )
-        return rows, num_samples
+        return rows
 
-    def _micro_step(
-        self, rows: list[_Row], num_tokens: int
-    ) -> tuple[torch.Tensor, dict[str, float]]:
-        """Forward a micro-batch with each distinct prompt prefilled once.
+    def _forward(
+        self, rows: list[_Row]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A micro-batch's logprobs under the current weights, the sampler's, the loss mask
+        (all [B, T]) and the advantages [B], with each distinct prompt prefilled once.
 
         The n samples of a group share their prompt (44 tokens for SmolLM2's chat template,
         more than the completion), so the prompt runs once with gradient and its KV cache is
@@ -172,9 +230,7 @@ class Learner:
         logprobs = torch.zeros(mask.shape, dtype=picked.dtype).masked_scatter(trained, picked)
         old_logprobs = torch.stack([_right(r.sampler_logprobs, width) for r in rows])
         advantages = torch.tensor([r.advantage for r in rows])
-        return rl.policy_loss(
-            logprobs, old_logprobs, advantages, mask, self.config.clip_eps, num_tokens
-        )
+        return logprobs, old_logprobs, mask, advantages
 
 
 def _pad(seqs: list[list[int]], pad_id: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:

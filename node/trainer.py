@@ -7,7 +7,7 @@
                    ──▶ groups marked trained (GroupStatus, and in the DHT)
                    ──▶ PolicySnapshot (served in chunks: PolicyQuery / WeightChunkRequest)
                    ──▶ checkpoint every N versions ──▶ metrics/trainer.jsonl
-    heartbeat:     NodeRecord (endpoint, version, queue) ──▶ the swarm's DHT directory
+    heartbeat:     NodeRecord (endpoint, version, queue, quarantined nodes) ──▶ the DHT directory
 
 Run with `agentjet node --role trainer [--join MULTIADDR]`. A trainer that joins a running
 swarm loads the swarm's weights, optimizer state and version before its first step; one
@@ -19,8 +19,11 @@ trainer that dies loses nothing. Rollout nodes hear "trained" only once a checkp
 the step (trained_groups.log names each group's version), so a trainer killed and resumed
 from its last checkpoint trains again exactly the groups whose steps it lost. Groups
 staler than `trainer.max_policy_lag` are dropped (acked "stale", counted), not trained.
-Blocking torch and DHT work runs in worker threads (`asyncio.to_thread`); the event loop
-keeps answering peers meanwhile.
+Groups that fail a check of node/verify.py (a wrong reward on arrival, sampler logprobs
+far from the learner's in its forward pass) are never trained: "rejected" or "dropped",
+counted, and held against their sending node, which is quarantined after
+`trainer.quarantine_after` failures. Blocking torch and DHT work runs in worker threads
+(`asyncio.to_thread`); the event loop keeps answering peers meanwhile.
 """
 
 from __future__ import annotations
@@ -43,11 +46,19 @@ from agentjet.config import Config
 from agentjet.errors import ModelError
 from agentjet.metrics import MetricsWriter
 from agentjet.roles import print_join_command, run_role, supervise
+from agentjet.tasks import TaskSource
 from agentjet.transport import Server
 from node.learner import Learner
 from node.lora import add_adapters, merged_weights
 from node.model import load_causal_lm, resolve_model
 from node.swarm import Directory, SwarmOptimizer, start_dht, visible_maddrs
+from node.verify import (
+    REWARD_CHECKS,
+    Quarantine,
+    find_task,
+    picked_for_reward_check,
+    reward_problem,
+)
 from node.weights import (
     RESUME_STATE,
     PolicySnapshot,
@@ -86,8 +97,14 @@ class Trainer:
         # Groups whose gradients wait in the accumulator for the swarm's next step.
         self.accumulated: list[protocol.TrajectoryGroup] = []
         # Every group id seen (insertion-ordered, bounded): "queued" until its gradients
-        # are in an optimizer step, then "trained"; "dropped" when stale.
+        # are in an optimizer step, then "trained"; "dropped" when stale or failing a check.
         self.seen: dict[str, str] = {}
+        self.quarantine = Quarantine(config.trainer.quarantine_after)
+        self.reward_check_secret = os.urandom(16)
+        # Where this trainer rebuilds tasks to re-check rewards (node/verify.py).
+        self.task_sources = [
+            TaskSource.from_config(env) for env in config.envs if env.name in REWARD_CHECKS
+        ]
         self.samples_per_s = 0.0
         # Other live trainers and their policy versions, from the last directory read.
         self.other_trainers: dict[str, int] = {}
@@ -211,6 +228,7 @@ class Trainer:
                 capacity=cfg.trainer.max_queued_groups,
                 samples_per_s=self.samples_per_s,
                 time=time.time(),
+                quarantined=self.quarantine.listed(),
             )
             if not await asyncio.to_thread(self.directory.publish, record):
                 log.warning("could not store this trainer's record in the DHT")
@@ -234,6 +252,7 @@ class Trainer:
                 "policy_version": self.version,
                 "queued_group_ids": [g.group_id for g in [*self.accumulated, *self.queue]],
                 "stale_group_ids": self.stale_ids,
+                "quarantined": list(self.quarantine.reasons),
                 **self._counts(),
             }
         )
@@ -294,6 +313,10 @@ class Trainer:
 
         if group.group_id in self.seen:
             return ack("duplicate")
+        quarantined = self.quarantine.reason(group.node_id)
+        if quarantined is not None:
+            self.counts["groups_refused_quarantined"] += 1
+            return ack("rejected", quarantined)
         if len(self.queue) >= self.config.trainer.max_queued_groups:
             self.counts["busy_replies"] += 1
             return protocol.Error(code="busy", message=f"{len(self.queue)} groups queued")
@@ -301,6 +324,14 @@ class Trainer:
         if problem is not None:
             log.warning("rejected group %s from %s: %s", group.group_id, group.node_id, problem)
             return ack("rejected", problem)
+        problem = self._check_rewards(group)
+        if problem is not None:
+            # Remembered as dropped: a re-send (the ack was lost) is not held against the
+            # node twice.
+            self._remember(group.group_id, "dropped")
+            self.counts["groups_rejected_reward"] += 1
+            self._failed_check(group.node_id, f"wrong reward: {problem}")
+            return ack("rejected", f"wrong reward: {problem}")
         oldest = min(s.policy_version for s in group.samples)
         if rl.is_stale(oldest, self.version, self.config.trainer.max_policy_lag):
             self.stale_ids.append(group.group_id)
@@ -317,6 +348,28 @@ class Trainer:
         if status == "trained" and self.undurable.get(group_id, -1) > self.checkpointed_version:
             return "queued"
         return status
+
+    def _check_rewards(self, group: protocol.TrajectoryGroup) -> str | None:
+        """Why the group's rewards are wrong, when it is picked for a re-check and its task
+        can be rebuilt here; else None."""
+        fraction = self.config.trainer.reward_check_fraction
+        if group.env not in REWARD_CHECKS or not picked_for_reward_check(
+            group.group_id, fraction, self.reward_check_secret
+        ):
+            return None
+        task = find_task(group, self.task_sources)
+        if task is None:
+            self.counts["groups_reward_unchecked"] += 1
+            return None
+        return reward_problem(group, task, self.tokenizer)
+
+    def _failed_check(self, node_id: str, reason: str) -> None:
+        log.warning("a group from %s failed a check: %s", node_id, reason)
+        if self.quarantine.failed(node_id, reason):
+            why = self.quarantine.reason(node_id)
+            log.warning("node %s is quarantined for this trainer's life (%s)", node_id, why)
+            self.counts["nodes_quarantined"] += 1
+            self.metrics.write({"event": "quarantined", "node_id": node_id, "reason": why})
 
     def _remember(self, group_id: str, status: str) -> None:
         self.seen[group_id] = status
@@ -430,7 +483,8 @@ class Trainer:
         lags = [rl.policy_lag(s.policy_version, self.version) for g in batch for s in g.samples]
         self.lag_histogram.update(lags)
         row: dict[str, Any] = await asyncio.to_thread(self.learner.train_step, batch)
-        self.accumulated += batch
+        self._reject_for_logprobs(batch, row)
+        self.accumulated += [g for g in batch if g.group_id not in row["rejected_group_ids"]]
         trained: list[protocol.TrajectoryGroup] = []
         if row["optimizer_discarded"]:
             requeue, self.accumulated = self.accumulated, []
@@ -478,6 +532,21 @@ class Trainer:
         if changed and self.version % cfg.trainer.checkpoint_every == 0:
             await asyncio.to_thread(self._checkpoint)
         return now
+
+    def _reject_for_logprobs(
+        self, batch: list[protocol.TrajectoryGroup], row: dict[str, Any]
+    ) -> None:
+        """The groups the learner left out for their logprob gap: dropped, held against
+        their nodes."""
+        bound = self.config.trainer.max_logprob_gap
+        for group in batch:
+            if group.group_id in row["rejected_group_ids"]:
+                self._remember(group.group_id, "dropped")
+                self.counts["groups_rejected_logprobs"] += 1
+                gap = row["logprob_gaps"][group.group_id]
+                self._failed_check(
+                    group.node_id, f"logprob gap {gap:.3g} over trainer.max_logprob_gap={bound:g}"
+                )
 
     def _checkpoint(self) -> None:
         """Save the policy (an HF folder) and what resuming needs, then mark its steps'

@@ -7,8 +7,19 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
+import numpy as np
+
 from agentjet.episode import Completion, SamplingParams
-from agentjet.protocol import Sample, TrajectoryGroup, pack_floats, pack_ids, pack_mask
+from agentjet.protocol import (
+    Sample,
+    TrajectoryGroup,
+    pack_floats,
+    pack_ids,
+    pack_mask,
+    unpack_floats,
+    unpack_ids,
+)
 
 
 def make_sample(**changes: Any) -> Sample:
@@ -63,3 +74,26 @@ class RuleGenerator:
             ids.append(self.tokenizer.eos_token_id)
             out.append([Completion(ids, [-0.5] * len(ids), "stop") for _ in range(n)])
         return out
+
+
+def forge(
+    group: TrajectoryGroup,
+    group_id: str,
+    *,
+    logprobs: Callable[[np.ndarray], np.ndarray] = lambda lp: lp,
+    tokens: Callable[[np.ndarray], np.ndarray] = lambda ids: ids,
+    node_id: str = "forger",
+) -> TrajectoryGroup:
+    """`group` as a forger would send it: every sample's sampler logprobs and completion ids
+    passed through `logprobs` and `tokens`, under a new id from node `node_id`."""
+    samples = [
+        msgspec.structs.replace(
+            s,
+            logprobs=pack_floats(logprobs(unpack_floats(s.logprobs).copy())),
+            completion_ids=pack_ids(tokens(unpack_ids(s.completion_ids).copy())),
+        )
+        for s in group.samples
+    ]
+    return msgspec.structs.replace(
+        group, group_id=group_id, grant_id=group_id, node_id=node_id, samples=samples
+    )

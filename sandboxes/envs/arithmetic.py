@@ -6,6 +6,9 @@ task prompt ──chat template──▶ prompt ids ──generate(n)──▶ n
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 from agentjet.episode import Episode, Generator, SamplingParams
 from agentjet.protocol import Task
 from sandboxes.envs.chat import chat_prompt_ids
@@ -17,6 +20,12 @@ from sandboxes.envs.parsing import exact_answer_reward
 # "You are a helpful assistant." 40/3/0; "You are a calculator." 40/3/0; "You are a helpful
 # AI assistant named SmolLM." 40/4/0; empty 24/4/0. Saving 6-16 prompt tokens is not worth it.
 ARITHMETIC_SYSTEM_PROMPT: str | None = None
+
+
+def score_completion(tokenizer: Any, token_ids: Sequence[int], task: Task) -> float:
+    """The reward of one completion of `task`; trainers re-check rewards with it too."""
+    text = tokenizer.decode(token_ids, skip_special_tokens=True)
+    return exact_answer_reward(text, task.answer)
 
 
 class ArithmeticEnv:
@@ -42,8 +51,7 @@ class ArithmeticEnv:
             for completion in samples:
                 episode = Episode(prompt_ids=list(prompt), policy_version=version)
                 episode.add_model_turn(completion)
-                text = tokenizer.decode(completion.token_ids, skip_special_tokens=True)
-                episode.reward = exact_answer_reward(text, task.answer)
+                episode.reward = score_completion(tokenizer, completion.token_ids, task)
                 group.append(episode)
             groups.append(group)
         return groups

@@ -49,6 +49,30 @@ class Launched:
 
 @pytest.fixture
 def trainer(tiny_model_dir: Path, tmp_path: Path) -> Iterator[Launched]:
+    overrides = [
+        f"net.max_message_bytes={MAX_MESSAGE_BYTES}",
+        "net.weight_chunk_bytes=65536",
+        "rollout.group_size=2",
+        # groups_per_step above the queue bound: nothing trains, the queue stays put
+        f"trainer.groups_per_step={QUEUE_BOUND + 1}",
+        f"trainer.max_queued_groups={QUEUE_BOUND}",
+    ]
+    with launched_trainer(tiny_model_dir, tmp_path, overrides) as launched:
+        yield launched
+    stopped = [
+        r
+        for r in read_metrics(tmp_path / "run" / "metrics" / "trainer.jsonl")
+        if r.get("event") == "stopped"
+    ]
+    assert stopped and stopped[0]["counts/rejected_messages"] >= 3
+
+
+@contextlib.contextmanager
+def launched_trainer(
+    tiny_model_dir: Path, tmp_path: Path, overrides: list[str]
+) -> Iterator[Launched]:
+    """A trainer process of the tiny model on an ipc endpoint, its run dir tmp_path/run and
+    its log tmp_path/trainer.log; stopped with SIGTERM (it must exit 0), reaped by PID."""
     socket_dir = Path(tempfile.mkdtemp(prefix="aj-", dir="/tmp"))
     endpoint = f"ipc://{socket_dir}/trainer.ipc"
     config = load_config(
@@ -56,13 +80,8 @@ def trainer(tiny_model_dir: Path, tmp_path: Path) -> Iterator[Launched]:
         [
             f'model.name="{tiny_model_dir}"',
             f'net.trainer_endpoint="{endpoint}"',
-            f"net.max_message_bytes={MAX_MESSAGE_BYTES}",
-            "net.weight_chunk_bytes=65536",
-            "rollout.group_size=2",
-            # groups_per_step above the queue bound: nothing trains, the queue stays put
-            f"trainer.groups_per_step={QUEUE_BOUND + 1}",
-            f"trainer.max_queued_groups={QUEUE_BOUND}",
             f'run.dir="{tmp_path / "run"}"',
+            *overrides,
         ],
     )
     path = tmp_path / "trainer.toml"
@@ -78,12 +97,6 @@ def trainer(tiny_model_dir: Path, tmp_path: Path) -> Iterator[Launched]:
         yield Launched(endpoint, proc.pid)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0, (tmp_path / "trainer.log").read_text()[-3000:]
-        stopped = [
-            r
-            for r in read_metrics(tmp_path / "run" / "metrics" / "trainer.jsonl")
-            if r.get("event") == "stopped"
-        ]
-        assert stopped and stopped[0]["counts/rejected_messages"] >= 3
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)

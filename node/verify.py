@@ -1,0 +1,119 @@
+"""Verified trajectories: what a trainer checks before it trusts a group, beyond its shape.
+
+    SubmitGroup ──sender quarantined?──▶ GroupAck "rejected", reason "quarantined: ..."
+                ──protocol.check_group (shapes, vocabulary, lengths)
+                ──picked for a reward check? (a share trainer.reward_check_fraction of group ids)
+                      ──task rebuilt from its id, every completion re-scored──▶ wrong: "rejected"
+                ──queued ──▶ learner forward: logprob gap > trainer.max_logprob_gap ──▶ "dropped"
+    every failed check ──▶ Quarantine.failed(sender) ──▶ quarantined after trainer.quarantine_after
+
+Rewards are re-checked for the environments in REWARD_CHECKS (arithmetic: one turn, scored
+from the completion text alone) when the trainer's own `[[envs]]` can rebuild the task: a
+generated task from its id, a task-file task by its id. Other groups are trained unchecked
+and counted (`groups_reward_unchecked`): multi-turn and sandboxed environments score with
+tools and programs the trainer does not run. The sender is the node id a group names:
+quarantine stops a misbehaving or broken node, not one that forges its name too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from agentjet import protocol
+from agentjet.tasks import TaskSource
+from sandboxes.envs.arithmetic import score_completion
+
+# Sending nodes whose failures are remembered; the oldest is forgotten beyond this (node ids
+# come from the wire: a flood of made-up ones must not grow memory without bound).
+MAX_TRACKED_NODES = 10_000
+# Quarantined nodes a trainer lists in its directory record (the newest): DHT records are small.
+MAX_LISTED_NODES = 32
+
+# Environments whose rewards a trainer can recompute: env name -> score(tokenizer, completion
+# ids, task), the environment's own scoring function.
+REWARD_CHECKS: dict[str, Callable[[Any, Sequence[int], protocol.Task], float]] = {
+    "arithmetic": score_completion,
+}
+
+
+def picked_for_reward_check(group_id: str, fraction: float, secret: bytes) -> bool:
+    """Whether this group's rewards are re-checked: true for a share `fraction` of group
+    ids, decided by a hash of the id and `secret` (the trainer's own, drawn at start, so a
+    sender cannot pick ids that escape the check; a test passes a fixed one)."""
+    digest = hashlib.sha256(secret + group_id.encode()).digest()
+    return int.from_bytes(digest[:8], "big") < fraction * 2**64
+
+
+def find_task(
+    group: protocol.TrajectoryGroup, sources: Sequence[TaskSource]
+) -> protocol.Task | None:
+    """The task `group` says it played, rebuilt from this trainer's task sources, or None."""
+    for source in sources:
+        if source.env == group.env:
+            task = source.find(group.task_id)
+            if task is not None:
+                return task
+    return None
+
+
+def reward_problem(
+    group: protocol.TrajectoryGroup, task: protocol.Task, tokenizer: Any
+) -> str | None:
+    """Why `group`'s rewards are wrong for `task`, or None when every one is right.
+
+    A sample must show the model the task's prompt: a reward is only right for the question
+    that was asked, and a forger could otherwise pair a right answer with another question.
+    """
+    score = REWARD_CHECKS[group.env]
+    for i, sample in enumerate(group.samples):
+        prompt = tokenizer.decode(protocol.unpack_ids(sample.prompt_ids).tolist())
+        if task.prompt not in prompt:
+            return f"sample {i}: the prompt does not ask task {task.id!r}"
+        reward = score(tokenizer, protocol.unpack_ids(sample.completion_ids).tolist(), task)
+        if reward != sample.reward:
+            return f"sample {i}: reward {sample.reward:g} reported, {reward:g} on re-check"
+    return None
+
+
+def over_gap(gaps: Mapping[str, float], max_gap: float) -> set[str]:
+    """The groups whose logprob gap exceeds `max_gap` (0: none, the check is off)."""
+    return {g for g, gap in gaps.items() if max_gap and gap > max_gap}
+
+
+@dataclass
+class Quarantine:
+    """Failed checks per sending node; a node with `after` failures is quarantined for the
+    life of this trainer process (a restart forgives)."""
+
+    after: int
+    failures: Counter[str] = field(default_factory=Counter)
+    reasons: dict[str, str] = field(default_factory=dict)  # quarantined node -> last failure
+
+    def failed(self, node_id: str, reason: str) -> bool:
+        """Count a failed check of `node_id`'s; True when this one quarantines it."""
+        if node_id in self.reasons:
+            return False
+        if node_id not in self.failures and len(self.failures) >= MAX_TRACKED_NODES:
+            oldest = next(iter(self.failures))
+            del self.failures[oldest]
+            self.reasons.pop(oldest, None)
+        self.failures[node_id] += 1
+        if self.failures[node_id] < self.after:
+            return False
+        self.reasons[node_id] = reason
+        return True
+
+    def reason(self, node_id: str) -> str | None:
+        """Why `node_id` is quarantined, or None when it is not."""
+        reason = self.reasons.get(node_id)
+        if reason is None:
+            return None
+        return f"quarantined: {self.failures[node_id]} failed checks, the last: {reason}"
+
+    def listed(self) -> list[str]:
+        """The newest quarantined nodes, for this trainer's directory record."""
+        return list(self.reasons)[-MAX_LISTED_NODES:]

@@ -1,0 +1,173 @@
+"""Verified trajectories against a real trainer process (tiny model, hivemind), over ZMQ.
+
+The honest groups are sampled here by the real TorchEngine from the trainer's own weights
+(version 0 of the same tiny model). Forgeries of them: made-up logprobs, altered tokens
+(logprobs kept), a wrong reward. The forged ones are never trained and are counted; the
+node that keeps sending them is quarantined, its next group refused, and `agentjet status`
+lists it under the trainer. The tiny model never answers arithmetic right, so honest
+arithmetic groups are all reward 0 (nothing to train, only the reward check to pass); the
+honest group that carries gradient, and so meets the logprob check, is played on
+python_tool tasks, whose rewards a trainer does not re-check (rewards 1, 0 as set here).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from agentjet import protocol
+from agentjet.episode import SamplingParams
+from agentjet.metrics import read_metrics
+from agentjet.tasks import generate_tasks
+from node.rollout import build_group
+from node.torch_engine import TorchEngine
+from sandboxes.envs.arithmetic import ArithmeticEnv
+from tests.factories import forge
+from tests.integration.test_trainer_node import Launched, connect, launched_trainer
+
+pytestmark = pytest.mark.integration
+
+GROUP_SIZE = 4
+FINAL_STATUS_TIMEOUT_S = 60.0
+RECORD_TIMEOUT_S = 30.0
+RUN_ID = "verify-test"
+
+
+def honest_groups(
+    tiny_model_dir: Path, env: str, count: int, rewards: list[float] | None
+) -> list[protocol.TrajectoryGroup]:
+    """`count` arithmetic groups sampled by the engine at version 0, named `env`; rewards
+    as scored, or `rewards` (per sample) instead."""
+    engine = TorchEngine(tiny_model_dir, seed=3)
+    tasks = generate_tasks(count, seed=7, difficulties=[1], env="arithmetic")
+    params = SamplingParams(temperature=1.0, max_new_tokens=8)
+    groups = []
+    played = ArithmeticEnv().run_group(engine, tasks, GROUP_SIZE, params)
+    for task, episodes in zip(tasks, played, strict=True):
+        for episode, reward in zip(episodes, rewards or [], strict=False):
+            episode.reward = reward
+        grant = protocol.WorkGrant(
+            grant_id=f"{env}-{task.id}",
+            task=msgspec.structs.replace(task, env=env),
+            group_size=GROUP_SIZE,
+            lease_s=60.0,
+        )
+        groups.append(build_group(grant, episodes, "honest", 0.0))
+    return groups
+
+
+async def final_status(client, group_id: str) -> str:
+    """Poll GroupStatus until the group is trained or dropped."""
+    deadline = time.monotonic() + FINAL_STATUS_TIMEOUT_S
+    while time.monotonic() < deadline:
+        reply = await client.request(protocol.GroupStatusQuery(group_ids=[group_id]))
+        status = reply.statuses[group_id]
+        if status in ("trained", "dropped"):
+            return status
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"group {group_id} neither trained nor dropped in time")
+
+
+def status_output(join: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-m", "agentjet.cli", "status", "--join", join, "--run-id", RUN_ID],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_forged_groups_are_rejected_and_their_node_quarantined(
+    tiny_model_dir: Path, tmp_path: Path
+):
+    mixed = honest_groups(tiny_model_dir, "python_tool", 4, rewards=[1.0, 0.0, 1.0, 0.0])
+    scored = honest_groups(tiny_model_dir, "arithmetic", 2, rewards=None)
+    assert all(s.reward == 0.0 for g in scored for s in g.samples)  # see the module docstring
+    vocab = json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]
+    overrides = [
+        f'swarm.run_id="{RUN_ID}"',
+        f"rollout.group_size={GROUP_SIZE}",
+        "rollout.sampling.temperature=1.0",
+        "trainer.groups_per_step=1",
+        "trainer.max_queued_groups=16",
+        "trainer.reward_check_fraction=1.0",
+        "trainer.quarantine_after=3",
+    ]
+    with launched_trainer(tiny_model_dir, tmp_path, overrides) as trainer:
+        outcomes = asyncio.run(scenario(trainer, mixed, scored, vocab))
+        log = (tmp_path / "trainer.log").read_text()
+        join = re.findall(r"--join (\S+)", log)[0]
+        deadline = time.monotonic() + RECORD_TIMEOUT_S
+        while "quarantined by" not in (shown := status_output(join)):
+            assert time.monotonic() < deadline, shown
+    assert outcomes == {
+        "honest python_tool": "trained",
+        "honest arithmetic": "trained",
+        "zero logprobs": "dropped",
+        "altered tokens": "dropped",
+        "halved logprobs": "dropped",
+        "wrong reward": "rejected",
+    }
+    trainer_id = re.findall(r"trainer (trainer-\S+) ready", log)[0]
+    assert f"quarantined by {trainer_id}: forger" in shown
+    metrics = read_metrics(tmp_path / "run" / "metrics" / "trainer.jsonl")
+    stopped = [r for r in metrics if r.get("event") == "stopped"][0]
+    assert stopped["counts/groups_rejected_logprobs"] == 3
+    assert stopped["counts/groups_rejected_reward"] == 1
+    assert stopped["counts/groups_refused_quarantined"] == 1
+    assert stopped["counts/nodes_quarantined"] == 1
+    assert stopped["quarantined"] == ["forger"]
+    trained = {g for r in metrics if r.get("event") == "step" for g in r["trained_group_ids"]}
+    assert trained == {mixed[0].group_id, scored[0].group_id}
+    quarantined = [r for r in metrics if r.get("event") == "quarantined"]
+    assert [r["node_id"] for r in quarantined] == ["forger"]
+
+
+async def scenario(
+    trainer: Launched,
+    mixed: list[protocol.TrajectoryGroup],
+    scored: list[protocol.TrajectoryGroup],
+    vocab: int,
+) -> dict[str, str]:
+    """Submit each group, one at a time; what became of it."""
+    client = await connect(trainer.endpoint)
+    submissions = {
+        "honest python_tool": mixed[0],
+        "honest arithmetic": scored[0],
+        "zero logprobs": forge(mixed[1], "zero", logprobs=lambda lp: lp * 0),
+        "altered tokens": forge(mixed[2], "altered", tokens=lambda ids: (ids + 1000) % vocab),
+        "halved logprobs": forge(mixed[3], "halved", logprobs=lambda lp: lp / 2),
+        "wrong reward": forge(
+            msgspec.structs.replace(
+                scored[1],
+                samples=[msgspec.structs.replace(scored[1].samples[0], reward=1.0)]
+                + scored[1].samples[1:],
+            ),
+            "liar",
+            node_id="liar",
+        ),
+    }
+    outcomes = {}
+    for name, group in submissions.items():
+        ack = await client.request(protocol.SubmitGroup(group=group))
+        assert isinstance(ack, protocol.GroupAck), ack
+        if ack.status == "accepted":
+            outcomes[name] = await final_status(client, group.group_id)
+        else:
+            outcomes[name] = ack.status
+            assert ack.reason.startswith("wrong reward: sample 0: reward 1 reported"), ack
+    # three failed checks: the forger's next group is refused
+    refused = await client.request(protocol.SubmitGroup(group=forge(mixed[0], "after-quarantine")))
+    assert refused.status == "rejected" and refused.reason.startswith("quarantined: 3 failed")
+    client.close()
+    return outcomes

@@ -35,6 +35,7 @@ import torch
 from agentjet import protocol, rl
 from agentjet.config import AGENT_ENVS, SANDBOXED_ENVS, Config, is_endpoint
 from agentjet.episode import Episode, SamplingParams
+from agentjet.keys import swarm_keys
 from agentjet.metrics import MetricsWriter
 from agentjet.roles import run_role, supervise
 from agentjet.tasks import TaskSource, draw_tasks
@@ -134,6 +135,7 @@ class Rollout:
 
     def setup(self, cleanup: ExitStack) -> None:
         cfg = self.config
+        self.keys = swarm_keys(cfg.net)
         torch.set_num_threads(cfg.rollout.torch_threads)
         path = resolve_model(cfg.model.name, cfg.model.cache_dir)
         self.engine = TorchEngine(path, dtype=cfg.model.dtype, seed=cfg.run.seed)
@@ -190,6 +192,7 @@ class Rollout:
             self.hello,
             self.config.net.max_message_bytes,
             self.config.net.request_timeout_s,
+            self.keys,
         )
 
     def _add_trainer(self, trainer: TrainerPeer) -> None:
@@ -200,6 +203,7 @@ class Rollout:
             self.hello,
             self.config.net.max_message_bytes,
             self.config.net.request_timeout_s,
+            self.keys,
         )
 
     def _close_clients(self) -> None:

@@ -36,6 +36,7 @@ import torch
 
 from agentjet import protocol, rl
 from agentjet.config import Config
+from agentjet.keys import swarm_keys
 from agentjet.metrics import MetricsWriter
 from agentjet.roles import print_join_command, run_role, supervise
 from agentjet.transport import Server
@@ -91,6 +92,7 @@ class Trainer:
 
     def setup(self, cleanup: ExitStack) -> None:
         cfg = self.config
+        keys = swarm_keys(cfg.net)
         torch.set_num_threads(cfg.trainer.torch_threads)
         torch.manual_seed(cfg.run.seed)
         path = resolve_model(cfg.model.name, cfg.model.cache_dir)
@@ -134,6 +136,7 @@ class Trainer:
             cfg.net.trainer_endpoint,
             protocol.trainer_request_decoder,
             cfg.net.max_message_bytes,
+            keys,
         )
         cleanup.callback(self.server.close)
         self.metrics = MetricsWriter(self.run_dir, "trainer")
@@ -464,6 +467,7 @@ class Trainer:
         return {
             **{f"counts/{k}": v for k, v in self.counts.items()},
             "counts/rejected_messages": self.server.rejected,
+            "counts/denied_handshakes": self.server.denied,
         }
 
 

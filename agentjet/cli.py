@@ -179,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true", help="print the raw status as JSON")
     _keys_arg(status)
     status.add_argument(
-        "--insecure", action="store_true", help="talk plaintext to a net.insecure coordinator"
+        "--insecure", action="store_true", help="talk to a swarm that runs with net.insecure"
     )
 
     keys = sub.add_parser("keys", help="the swarm's key material (ZeroMQ CURVE)")
@@ -377,11 +377,11 @@ def _status(args: argparse.Namespace) -> int:
 
     import msgspec
 
-    if args.join:
-        return _swarm_status(args)
     from agentjet.config import NetConfig
 
     keys = swarm_keys(NetConfig(keys=str(args.keys or ""), insecure=args.insecure))
+    if args.join:
+        return _swarm_status(args, keys)
     status = asyncio.run(_fetch_status(args.coordinator, args.timeout_s, keys))
     if args.json:
         print(msgspec.json.format(msgspec.json.encode(status)).decode())
@@ -390,7 +390,7 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
-def _swarm_status(args: argparse.Namespace) -> int:
+def _swarm_status(args: argparse.Namespace, keys: SwarmKeys | None) -> int:
     import msgspec
 
     from agentjet.config import SwarmConfig
@@ -405,7 +405,7 @@ def _swarm_status(args: argparse.Namespace) -> int:
     )
     from node.swarm import read_directory
 
-    records = read_directory(config)
+    records = read_directory(config, keys)
     if args.json:
         print(msgspec.json.format(msgspec.json.encode(records)).decode())
     else:

@@ -179,11 +179,11 @@ class Coordinator:
             role="coordinator",
             endpoint=swarm.announce_endpoint or self.server.endpoint,
         )
-        beacon = Beacon(swarm, record)
+        beacon = Beacon(swarm, record, self.config.net.keys)
         cleanup.callback(beacon.close)
         log.info("coordinator is in the swarm's directory: %s", " ".join(beacon.maddrs))
         if not swarm.initial_peers:
-            print_join_command(beacon.maddrs)
+            print_join_command(beacon.maddrs, self.config.net.keys)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Serve until `stop` is set; a background loop that fails ends the run with its error."""

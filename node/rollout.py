@@ -166,7 +166,7 @@ class Rollout:
         cleanup.callback(self._close_clients)
         self.directory: Directory | None = None
         if cfg.swarm.initial_peers:
-            dht = start_dht(cfg.swarm)
+            dht = start_dht(cfg.swarm, self.keys)
             cleanup.callback(dht.shutdown)
             self.directory = Directory(dht, cfg.swarm)
             cleanup.callback(self.directory.withdraw, self.node_id)

@@ -101,7 +101,7 @@ class Trainer:
         self.vocab_size = int(model.config.vocab_size)
         if cfg.model.lora_rank:
             self.model = add_adapters(self.model, cfg.model)
-        self.dht = start_dht(cfg.swarm)
+        self.dht = start_dht(cfg.swarm, keys)
         cleanup.callback(self.dht.shutdown)
         self.directory = Directory(self.dht, cfg.swarm)
         cleanup.callback(self.directory.withdraw, self.node_id)
@@ -165,7 +165,7 @@ class Trainer:
             " ".join(self.maddrs),
         )
         if not cfg.swarm.initial_peers:
-            print_join_command(self.maddrs)
+            print_join_command(self.maddrs, cfg.net.keys)
 
     async def run(self, stop: asyncio.Event) -> None:
         await supervise(

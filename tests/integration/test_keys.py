@@ -1,21 +1,28 @@
-"""A peer without the swarm's keys is refused by a real trainer and a real coordinator.
+"""A peer without the swarm's keys is refused by a real trainer, a real coordinator and
+the swarm's DHT.
 
 Strangers (no keys at all, or a keypair of their own) send real requests (submit a group,
 ask for the policy and its weight chunks, report, ask for work and status) straight at the
 sockets: none is answered, none has any effect, and each server counts the refused
-handshakes. The same requests from a peer with the swarm's keys are answered.
+handshakes. The same requests from a peer with the swarm's keys are answered. A stranger
+cannot join the swarm's DHT either, so it cannot read the directory of nodes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
+from pathlib import Path
 
 import msgspec
 import pytest
 import zmq
 
 from agentjet import protocol
-from agentjet.keys import SwarmKeys, new_keys
+from agentjet.config import SwarmConfig
+from agentjet.errors import AgentjetError
+from agentjet.keys import SwarmKeys, new_keys, read_keys
+from node.swarm import Directory, read_directory, start_dht, visible_maddrs
 from tests.factories import make_group
 from tests.integration.test_coordinator import (  # noqa: F401
     Coordinators,
@@ -98,3 +105,19 @@ def test_a_coordinator_serves_only_peers_with_the_swarm_keys(coordinators: Coord
     assert status.denied_handshakes >= len(STRANGERS) * len(requests)
     assert status.rejected_messages == 0
     assert proc.poll() is None
+
+
+def test_the_swarm_dht_admits_only_peers_with_the_keys(keys_file: Path) -> None:
+    keys = read_keys(keys_file)
+    config = SwarmConfig(run_id="keys-test", startup_attempts=1, startup_timeout_s=30)
+    first = start_dht(config, keys)
+    try:
+        record = protocol.NodeRecord(node_id="trainer-x", role="trainer", time=time.time())
+        assert Directory(first, config).publish(record)
+        joining = msgspec.structs.replace(config, initial_peers=visible_maddrs(first))
+        for stranger in STRANGERS.values():
+            with pytest.raises(AgentjetError, match="could not start the swarm's DHT"):
+                start_dht(joining, stranger).shutdown()  # shut down only if it wrongly joined
+        assert [r.node_id for r in read_directory(joining, keys)] == ["trainer-x"]
+    finally:
+        first.shutdown()

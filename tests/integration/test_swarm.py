@@ -285,7 +285,18 @@ def test_two_trainers_hold_identical_weights_and_lose_nothing(swarm_factory: Cal
     swarm.wait_for("three versions reached by both trainers", both_trained_three_common_versions)
     # `agentjet status --join` lists the whole swarm from the directory
     status = subprocess.run(
-        [sys.executable, "-m", "agentjet.cli", "status", "--join", join, "--run-id", "swarm-test"],
+        [
+            sys.executable,
+            "-m",
+            "agentjet.cli",
+            "status",
+            "--join",
+            join,
+            "--run-id",
+            "swarm-test",
+            "--keys",
+            str(swarm.keys_file),
+        ],
         capture_output=True,
         text=True,
         timeout=STATUS_TIMEOUT_S,

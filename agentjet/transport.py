@@ -56,7 +56,10 @@ class PeerUnavailable(TimeoutError):
 
 
 class Server:
-    """A bound ROUTER socket that yields decoded requests and sends replies."""
+    """A bound ROUTER socket that yields decoded requests and sends replies.
+
+    With `keys` it is a CURVE server that admits only clients holding the swarm's keys.
+    """
 
     def __init__(
         self,
@@ -183,7 +186,8 @@ class Client:
     """A DEALER socket with one request in flight, a timeout and reconnect on timeout.
 
     The first request on every fresh socket is the `Hello` handshake; a server that speaks
-    another protocol version raises ProtocolError (not retryable).
+    another protocol version raises ProtocolError (not retryable). With `keys` every fresh
+    socket is a CURVE client of a server holding the same keys.
     """
 
     def __init__(

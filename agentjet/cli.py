@@ -6,6 +6,7 @@
     agentjet eval         greedy accuracy of a checkpoint on a task file
     agentjet tasks        write a generated task file
     agentjet status       ask a running coordinator what it hands out and has learned
+    agentjet keys         init: make the swarm's key file (every node needs a copy)
     agentjet sandbox      build-image: the docker sandbox image, offline from Debian packages
     agentjet agent        play a rollout node's agent episodes from another process
 
@@ -24,6 +25,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 from agentjet.config import ENV_NAMES, Config, is_endpoint, load_config, to_toml
 from agentjet.errors import AgentjetError
+from agentjet.keys import DEFAULT_KEYS_FILE, SwarmKeys, swarm_keys, write_keys
 
 if TYPE_CHECKING:
     from agentjet.protocol import CoordinatorStatus, NodeRecord, SchedulerRow
@@ -52,7 +54,17 @@ def _config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dry-run", action="store_true", help="validate, write the config, exit")
 
 
+def _keys_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--keys",
+        type=Path,
+        metavar="FILE",
+        help="the swarm's key file from `agentjet keys init` (sets net.keys)",
+    )
+
+
 def _swarm_args(p: argparse.ArgumentParser) -> None:
+    _keys_arg(p)
     p.add_argument(
         "--join",
         action="append",
@@ -123,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     local = sub.add_parser("local", help="train on one box: all roles on loopback")
     _config_args(local)
+    _keys_arg(local)
     local.add_argument("--max-steps", type=int, help="stop after this many policy versions")
 
     node = sub.add_parser("node", help="run one trainer or rollout node of a swarm")
@@ -164,6 +177,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--timeout-s", type=float, default=STATUS_TIMEOUT_S, help="give up after this long"
     )
     status.add_argument("--json", action="store_true", help="print the raw status as JSON")
+    _keys_arg(status)
+    status.add_argument(
+        "--insecure", action="store_true", help="talk to a swarm that runs with net.insecure"
+    )
+
+    keys = sub.add_parser("keys", help="the swarm's key material (ZeroMQ CURVE)")
+    key_actions = keys.add_subparsers(
+        dest="action", required=True, metavar="ACTION", parser_class=_Parser
+    )
+    init = key_actions.add_parser(
+        "init",
+        help="make a new swarm key file (mode 0600); copy it to every node of the swarm",
+    )
+    init.add_argument("--out", type=Path, default=Path(DEFAULT_KEYS_FILE), help="where to write it")
 
     sandbox = sub.add_parser("sandbox", help="manage the docker sandbox image")
     actions = sandbox.add_subparsers(
@@ -204,6 +231,8 @@ def _resolve(args: argparse.Namespace, default_run_dir: str | None = None) -> Co
         overrides.append(f"run.max_steps={args.max_steps}")
     if getattr(args, "join", None) is not None and args.command in ("node", "coordinator"):
         overrides += swarm_overrides(args)
+    if getattr(args, "keys", None) is not None:
+        overrides.append(f"net.keys={json.dumps(str(args.keys))}")
     run_dir = args.run_dir or default_run_dir
     if run_dir is not None:
         overrides.append(f"run.dir={json.dumps(str(run_dir))}")
@@ -236,6 +265,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _build_image(args)
     if args.command == "agent":
         return _agent(args)
+    if args.command == "keys" and args.action == "init":
+        return _keys_init(args.out)
     if args.command == "local":
         default_dir = None
         if args.run_dir is None and not any(s.startswith("run.dir=") for s in args.set):
@@ -249,6 +280,8 @@ def _dispatch(args: argparse.Namespace) -> int:
     config = _resolve(args)
     if args.dry_run:
         return _dry_run(config)
+    if args.command in ("node", "coordinator") and not config.net.insecure:
+        swarm_keys(config.net)  # fail in one line now, not after loading torch; roles reload
     if args.command == "coordinator":
         from coordinator.service import main as coordinator_main
 
@@ -293,6 +326,16 @@ def _tasks(args: argparse.Namespace) -> int:
     return 0
 
 
+def _keys_init(path: Path) -> int:
+    write_keys(path)
+    print(
+        f"wrote the swarm's keys to {path} (mode 0600)\n"
+        f"copy it to every machine of the swarm and start each node with --keys {path}; "
+        "whoever holds it can join the swarm, so keep it private"
+    )
+    return 0
+
+
 def _agent(args: argparse.Namespace) -> int:
     import asyncio
     import signal
@@ -334,9 +377,12 @@ def _status(args: argparse.Namespace) -> int:
 
     import msgspec
 
+    from agentjet.config import NetConfig
+
+    keys = swarm_keys(NetConfig(keys=str(args.keys or ""), insecure=args.insecure))
     if args.join:
-        return _swarm_status(args)
-    status = asyncio.run(_fetch_status(args.coordinator, args.timeout_s))
+        return _swarm_status(args, keys)
+    status = asyncio.run(_fetch_status(args.coordinator, args.timeout_s, keys))
     if args.json:
         print(msgspec.json.format(msgspec.json.encode(status)).decode())
     else:
@@ -344,7 +390,7 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
-def _swarm_status(args: argparse.Namespace) -> int:
+def _swarm_status(args: argparse.Namespace, keys: SwarmKeys | None) -> int:
     import msgspec
 
     from agentjet.config import SwarmConfig
@@ -359,7 +405,7 @@ def _swarm_status(args: argparse.Namespace) -> int:
     )
     from node.swarm import read_directory
 
-    records = read_directory(config)
+    records = read_directory(config, keys)
     if args.json:
         print(msgspec.json.format(msgspec.json.encode(records)).decode())
     else:
@@ -395,7 +441,9 @@ def format_swarm(records: list[NodeRecord], now: float) -> str:
     return "\n".join([f"swarm: {counts}", *_aligned([header, *rows]), *quarantines])
 
 
-async def _fetch_status(endpoint: str, timeout_s: float) -> CoordinatorStatus:
+async def _fetch_status(
+    endpoint: str, timeout_s: float, keys: SwarmKeys | None
+) -> CoordinatorStatus:
     import os
 
     from agentjet import protocol
@@ -413,12 +461,14 @@ async def _fetch_status(endpoint: str, timeout_s: float) -> CoordinatorStatus:
         hello,
         NetConfig().max_message_bytes,
         timeout_s,
+        keys,
     )
     try:
         reply = await client.request(protocol.StatusRequest())
     except PeerUnavailable:
         raise AgentjetError(
-            f"no answer from {endpoint} within {timeout_s:g} s; is the coordinator running there?"
+            f"no answer from {endpoint} within {timeout_s:g} s; is the coordinator running "
+            "there, and are these its swarm's keys?"
         ) from None
     finally:
         client.close()
@@ -434,7 +484,8 @@ def format_status(status: CoordinatorStatus) -> str:
         f"scheduler {status.scheduler or '?'}: {status.grants_issued} grants issued, "
         f"{status.grants_completed} completed, {status.grants_expired} expired, "
         f"{status.leases_open} leases open, {status.regrants_queued} queued for re-grant, "
-        f"{status.rejected_messages} messages rejected",
+        f"{status.rejected_messages} messages rejected, "
+        f"{status.denied_handshakes} connections without the swarm's keys refused",
         f"nodes: {nodes or 'none'}",
     ]
     share = f"last {status.recent_grants}"

@@ -287,6 +287,11 @@ class NetConfig(_Section):
     weight_chunk_bytes: Annotated[int, Meta(ge=1 << 12)] = 8 << 20
     # Give up on a request after this long and reconnect (lazy-pirate pattern).
     request_timeout_s: PositiveFloat = 30.0
+    # The swarm's key file (`agentjet keys init`; `--keys FILE`): every ZMQ socket is
+    # encrypted and admits only peers holding the same file. Nodes refuse to start without
+    # it unless `insecure` says to run in plaintext, open to anyone who reaches the socket.
+    keys: str = ""
+    insecure: bool = False
 
 
 class RunConfig(_Section):
@@ -467,6 +472,10 @@ def _check(config: Config) -> None:
     if config.net.weight_chunk_bytes + 4096 > config.net.max_message_bytes:
         raise ConfigError(
             "config error at net.weight_chunk_bytes: must be smaller than net.max_message_bytes"
+        )
+    if config.net.keys and config.net.insecure:
+        raise ConfigError(
+            "config error at net.insecure: net.keys is set too; use the keys or run insecure"
         )
 
 

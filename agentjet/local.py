@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from agentjet.config import Config, to_toml
+from agentjet.keys import DEFAULT_KEYS_FILE, write_keys
 
 ROLES = ("coordinator", "trainer", "rollout")
 # How often the launcher reads metrics and checks on its children.
@@ -109,18 +110,28 @@ class Progress:
 
 
 def prepare_run(config: Config, run_dir: Path) -> Path:
-    """Resolve endpoints to free loopback ports and write the config all roles will read."""
+    """Resolve endpoints to free loopback ports and write the config all roles will read.
+
+    Without net.keys (and not net.insecure) the roles use a keypair made in the run dir.
+    """
     import msgspec
 
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "logs").mkdir(exist_ok=True)
+    keys = config.net.keys
+    if not keys and not config.net.insecure:
+        keys = str(run_dir / DEFAULT_KEYS_FILE)
+        if not Path(keys).exists():  # a run dir used again keeps its keys
+            write_keys(keys)
     resolved = msgspec.structs.replace(
         config,
         run=msgspec.structs.replace(config.run, dir=str(run_dir)),
         coordinator=msgspec.structs.replace(
             config.coordinator, endpoint=f"tcp://127.0.0.1:{free_port()}", publish=False
         ),
-        net=msgspec.structs.replace(config.net, trainer_endpoint=f"tcp://127.0.0.1:{free_port()}"),
+        net=msgspec.structs.replace(
+            config.net, trainer_endpoint=f"tcp://127.0.0.1:{free_port()}", keys=keys
+        ),
         swarm=msgspec.structs.replace(config.swarm, run_id=f"{config.swarm.run_id}-{os.getpid()}"),
     )
     path = run_dir / "config.toml"

@@ -148,6 +148,7 @@ class CoordinatorStatus(_Msg, tag="coordinator_status"):
     regrants_queued: int = 0
     recent_grants: int = 0  # how many of the newest grants `grant_share` counts over
     table: list[SchedulerRow] = msgspec.field(default_factory=list)
+    denied_handshakes: int = 0  # connection attempts without the swarm's keys (transport.py)
 
 
 CoordinatorRequest = Hello | WorkRequest | GroupReport | Heartbeat | StatusRequest

@@ -60,12 +60,15 @@ def run_role(role: Role, name: str) -> int:
     return 0
 
 
-def print_join_command(maddrs: list[str]) -> None:
+def print_join_command(maddrs: list[str], keys_path: str) -> None:
     """The first node of a swarm prints the command other machines run to join it."""
     reachable = [m for m in maddrs if "/127.0.0.1/" not in m] or maddrs
     joins = " ".join(f"--join {m}" for m in reachable)
+    access = f"--keys {keys_path}" if keys_path else "--set net.insecure=true"
+    where = f" (copy {keys_path} to each machine first)" if keys_path else ""
     print(
-        f"swarm started; add nodes with:\n  agentjet node --role trainer|rollout {joins}",
+        f"swarm started; add nodes with{where}:\n"
+        f"  agentjet node --role trainer|rollout {access} {joins}",
         flush=True,
     )
 

@@ -18,7 +18,8 @@ policy version costs to deliver to a rollout node.
                 SwarmConfig.average_state_every=1, the default); --grads-only repeats the
                 three with state averaging off, so gradient bytes alone show.
     delivery    a transport.Server serving a PolicySnapshot of the model in chunks, as the
-                trainer does (PolicyQuery, WeightChunkRequest) ──▶ a transport.Client in
+                trainer does (PolicyQuery, WeightChunkRequest; CURVE-encrypted with a
+                fresh swarm keypair, as every node's sockets are) ──▶ a transport.Client in
                 another process fetches every chunk into a WeightAssembly and calls
                 finish() (sha256, safetensors load): median of --fetches ──▶
                 weight_delivery_s; the same byte count streamed over a plain TCP socket
@@ -74,6 +75,7 @@ from agentjet.config import (  # noqa: E402
     SwarmConfig,
     TrainerConfig,
 )
+from agentjet.keys import SwarmKeys, read_keys, write_keys  # noqa: E402
 from agentjet.local import descendants  # noqa: E402
 from agentjet.transport import Client, Server  # noqa: E402
 from node.learner import Learner  # noqa: E402
@@ -300,13 +302,16 @@ def weight_server_child(settings: dict[str, Any], out: TextIO) -> None:
     model, _ = load_causal_lm(settings["model_dir"])
     published = snapshot(model, 1, settings["chunk_bytes"])
     del model
-    uvloop.run(serve_policy(published, out, settings["max_message_bytes"]))
+    keys = read_keys(settings["keys"])
+    uvloop.run(serve_policy(published, out, settings["max_message_bytes"], keys))
 
 
-async def serve_policy(published: PolicySnapshot, out: TextIO, max_message_bytes: int) -> None:
-    """Answer Hello, PolicyQuery and WeightChunkRequest as node/trainer.py does, until stdin
-    says anything (or closes)."""
-    server = Server("tcp://127.0.0.1:0", protocol.trainer_request_decoder, max_message_bytes)
+async def serve_policy(
+    published: PolicySnapshot, out: TextIO, max_message_bytes: int, keys: SwarmKeys
+) -> None:
+    """Answer Hello, PolicyQuery and WeightChunkRequest as node/trainer.py does (CURVE with
+    the swarm's keys), until stdin says anything (or closes)."""
+    server = Server("tcp://127.0.0.1:0", protocol.trainer_request_decoder, max_message_bytes, keys)
     stop = asyncio.Event()
     asyncio.get_running_loop().add_reader(sys.stdin.fileno(), stop.set)
     serving = asyncio.create_task(answer_requests(server, published), name="bench-serve")
@@ -833,14 +838,19 @@ def summarize(
 
 
 async def fetch_and_stream(
-    endpoint: str, port: int, nbytes: int, rounds: int, net: NetConfig
+    endpoint: str, port: int, nbytes: int, rounds: int, net: NetConfig, keys: SwarmKeys
 ) -> tuple[list[dict[str, float]], list[float]]:
     """Interleaved, so machine noise hits both alike: fetch the served policy, then stream
     as many bytes to the TCP sink; `rounds` + 1 times on one connection each (the first
     round connects and warms up; it is left out)."""
     hello = protocol.Hello(node_id="bench-rollout", role="rollout")
     client = Client(
-        endpoint, protocol.trainer_reply_decoder, hello, net.max_message_bytes, SERVICE_TIMEOUT_S
+        endpoint,
+        protocol.trainer_reply_decoder,
+        hello,
+        net.max_message_bytes,
+        SERVICE_TIMEOUT_S,
+        keys,
     )
     payload = memoryview(bytearray(nbytes))
     fetches, streams = [], []
@@ -889,6 +899,9 @@ def measure_delivery(
     args: argparse.Namespace, model_name: str, model_dir: Path, log_dir: Path
 ) -> dict[str, Any]:
     net = NetConfig()
+    keys_path = log_dir / "delivery.keys"  # CURVE, as every node's sockets use
+    keys_path.unlink(missing_ok=True)
+    keys = write_keys(keys_path)
     with ExitStack() as stack:
         children = Children(log_dir)
         stack.callback(children.close)
@@ -896,13 +909,14 @@ def measure_delivery(
             "model_dir": str(model_dir),
             "chunk_bytes": net.weight_chunk_bytes,
             "max_message_bytes": net.max_message_bytes,
+            "keys": str(keys_path),
         }
         server = children.start("weight-server", "weight-server", settings)
         served = children.expect(server, "ready", STARTUP_TIMEOUT_S)
         sink = children.start("tcp-sink", "tcp-sink", {"nbytes": served["nbytes"]})
         port = children.expect(sink, "ready", SERVICE_TIMEOUT_S)["port"]
         fetches, streams = uvloop.run(
-            fetch_and_stream(served["endpoint"], port, served["nbytes"], args.fetches, net)
+            fetch_and_stream(served["endpoint"], port, served["nbytes"], args.fetches, net, keys)
         )
         children.stop(SERVICE_TIMEOUT_S)
     delivery_s = statistics.median(f["total_s"] for f in fetches)

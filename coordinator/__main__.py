@@ -9,7 +9,7 @@ import argparse
 import sys
 
 from agentjet.config import load_config
-from agentjet.errors import ConfigError
+from agentjet.errors import AgentjetError
 
 
 def cli(argv: list[str] | None = None) -> int:
@@ -17,14 +17,13 @@ def cli(argv: list[str] | None = None) -> int:
     parser.add_argument("config", help="TOML config file")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args(argv)
-    try:
-        config = load_config(args.config, args.overrides)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     from coordinator.service import main  # after parsing: --help stays instant
 
-    return main(config)
+    try:
+        return main(load_config(args.config, args.overrides))
+    except AgentjetError as e:  # a bad config or key file, no keys: one line
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

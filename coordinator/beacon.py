@@ -32,7 +32,7 @@ STOP_GRACE_S = 15.0
 
 
 class Beacon:
-    def __init__(self, swarm: SwarmConfig, record: protocol.NodeRecord) -> None:
+    def __init__(self, swarm: SwarmConfig, record: protocol.NodeRecord, keys_path: str) -> None:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "node.beacon"],
             stdin=subprocess.PIPE,
@@ -40,7 +40,11 @@ class Beacon:
             start_new_session=True,  # a terminal's Ctrl-C reaches only the coordinator
         )
         assert self.process.stdin is not None and self.process.stdout is not None
-        request = {"swarm": msgspec.to_builtins(swarm), "record": msgspec.to_builtins(record)}
+        request = {
+            "swarm": msgspec.to_builtins(swarm),
+            "record": msgspec.to_builtins(record),
+            "keys": keys_path,  # "" with net.insecure
+        }
         self.process.stdin.write(json.dumps(request).encode() + b"\n")
         self.process.stdin.flush()
         timeout_s = IMPORT_S + swarm.startup_timeout_s * swarm.startup_attempts

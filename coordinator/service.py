@@ -36,6 +36,7 @@ from typing import Any, assert_never
 
 from agentjet import protocol
 from agentjet.config import Config
+from agentjet.keys import swarm_keys
 from agentjet.metrics import MetricsWriter
 from agentjet.protocol import (
     CoordinatorReply,
@@ -150,6 +151,7 @@ class Coordinator:
         self.reward_window = RewardWindow()
 
     def setup(self, cleanup: ExitStack) -> None:
+        keys = swarm_keys(self.config.net)
         self.started_at = self.clock()
         self.store = Store(self.db_path, lease_s=self.config.coordinator.lease_s)
         cleanup.callback(self.store.close)
@@ -158,6 +160,7 @@ class Coordinator:
             self.config.coordinator.endpoint,
             protocol.coordinator_request_decoder,
             self.config.net.max_message_bytes,
+            keys,
         )
         cleanup.callback(self.server.close)
         self.metrics = MetricsWriter(self.config.run.dir, "coordinator")
@@ -176,11 +179,11 @@ class Coordinator:
             role="coordinator",
             endpoint=swarm.announce_endpoint or self.server.endpoint,
         )
-        beacon = Beacon(swarm, record)
+        beacon = Beacon(swarm, record, self.config.net.keys)
         cleanup.callback(beacon.close)
         log.info("coordinator is in the swarm's directory: %s", " ".join(beacon.maddrs))
         if not swarm.initial_peers:
-            print_join_command(beacon.maddrs)
+            print_join_command(beacon.maddrs, self.config.net.keys)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Serve until `stop` is set; a background loop that fails ends the run with its error."""
@@ -249,6 +252,7 @@ class Coordinator:
             regrants_queued=stats.regrants_queued,
             recent_grants=len(recent),
             table=status_table(self.scheduler.statistics, recent, targets),
+            denied_handshakes=self.server.denied,
         )
 
     def _draw_new(self, count: int, grants_issued: int) -> list[Task]:
@@ -309,6 +313,7 @@ class Coordinator:
             "coordinator/regrants_queued": stats.regrants_queued,
             "coordinator/nodes": len(stats.nodes_last_seen),
             "coordinator/rejected_messages": self.server.rejected + self.invalid_requests,
+            "coordinator/denied_handshakes": self.server.denied,
             "coordinator/reports": self.reward_window.reports,
             "charts/mean_reward": self.reward_window.mean(),
         }

@@ -1,7 +1,8 @@
 """`python -m node.beacon`: a swarm DHT peer that keeps one node's record alive, for a
 process that must not load torch or hivemind itself (the coordinator).
 
-    parent ──stdin: one JSON line {"swarm": SwarmConfig, "record": NodeRecord}──▶ beacon
+    parent ──stdin: one JSON line {"swarm": SwarmConfig, "record": NodeRecord,
+                                   "keys": the swarm's key file or "" (insecure)}──▶ beacon
     beacon ──stdout: one JSON line {"maddrs": [...]} once the DHT is up ──▶ parent
            then publishes the record every swarm.heartbeat_s until its stdin closes (the
            parent stopped or died) or it gets SIGTERM/SIGINT; then withdraws the record
@@ -23,6 +24,7 @@ import msgspec
 from agentjet import protocol
 from agentjet.config import SwarmConfig
 from agentjet.errors import AgentjetError
+from agentjet.keys import read_keys
 from node.swarm import Directory, start_dht, visible_maddrs
 
 log = logging.getLogger("beacon")
@@ -38,11 +40,12 @@ def main() -> int:
     request = json.loads(sys.stdin.readline())
     swarm = msgspec.convert(request["swarm"], SwarmConfig)
     record = msgspec.convert(request["record"], protocol.NodeRecord)
+    keys_path = str(request["keys"])
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())
     try:
-        dht = start_dht(swarm)
+        dht = start_dht(swarm, read_keys(keys_path) if keys_path else None)
     except AgentjetError as e:
         _reply({"error": str(e)})
         return 1

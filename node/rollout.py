@@ -37,6 +37,7 @@ import torch
 from agentjet import protocol, rl
 from agentjet.config import AGENT_ENVS, SANDBOXED_ENVS, Config, is_endpoint
 from agentjet.episode import Episode, SamplingParams
+from agentjet.keys import swarm_keys
 from agentjet.metrics import MetricsWriter
 from agentjet.roles import run_role, supervise
 from agentjet.tasks import TaskSource, draw_tasks
@@ -142,6 +143,7 @@ class Rollout:
         self.unsent = asyncio.Event()
         # A trainer reported a version newer than ours (the first directory read may).
         self.newer_policy = asyncio.Event()
+        self.keys = swarm_keys(cfg.net)
         torch.set_num_threads(cfg.rollout.torch_threads)
         path = resolve_model(cfg.model.name, cfg.model.cache_dir)
         self.engine = TorchEngine(path, dtype=cfg.model.dtype, seed=cfg.run.seed)
@@ -172,7 +174,7 @@ class Rollout:
         cleanup.callback(self._close_clients)
         self.directory: Directory | None = None
         if cfg.swarm.initial_peers:
-            dht = start_dht(cfg.swarm)
+            dht = start_dht(cfg.swarm, self.keys)
             cleanup.callback(dht.shutdown)
             self.directory = Directory(dht, cfg.swarm)
             cleanup.callback(self.directory.withdraw, self.node_id)
@@ -235,6 +237,7 @@ class Rollout:
             self.hello,
             self.config.net.max_message_bytes,
             self.config.net.request_timeout_s,
+            self.keys,
         )
 
     def _add_trainer(self, trainer: TrainerPeer) -> None:
@@ -245,6 +248,7 @@ class Rollout:
             self.hello,
             self.config.net.max_message_bytes,
             self.config.net.request_timeout_s,
+            self.keys,
         )
 
     def _close_clients(self) -> None:

@@ -8,6 +8,11 @@
                             trainers ──▶ AdamW; the epoch (= policy version) advances when
                             the swarm's target batch is reached; a lone peer advances at once.
 
+With the swarm's keys every DHT request and reply is signed and checked (`SwarmAuthorizer`),
+so a peer without the key file cannot join the DHT, read the directory or store in it.
+hivemind's averaging and state-download calls are not covered by its authorizer: see
+"Security" in docs/ARCHITECTURE.md for what that leaves open.
+
 Local mode uses this exact path with a single peer, so the swarm code is always exercised.
 Lessons from DESIGN.md §8 live here: request_timeout passed to the gradient averager too,
 explicit ordered shutdown (optimizer, then DHT) so no `p2pd` is orphaned, and hivemind's
@@ -18,6 +23,8 @@ decoded and checked, and a bad one is skipped and counted.
 from __future__ import annotations
 
 import copy
+import hashlib
+import hmac
 import logging
 import os
 import signal
@@ -25,6 +32,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from functools import partial
 from typing import Any
 
@@ -40,12 +48,15 @@ from hivemind.averaging import DecentralizedAverager
 from hivemind.compression import Float16Compression, NoCompression
 from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.state_averager import TrainingStateAverager
+from hivemind.proto.auth_pb2 import AccessToken
+from hivemind.utils.auth import TokenAuthorizerBase
 from hivemind.utils.logging import use_hivemind_log_handler
 from hivemind.utils.timed_storage import get_dht_time
 
 from agentjet import protocol
 from agentjet.config import SwarmConfig
 from agentjet.errors import AgentjetError
+from agentjet.keys import SwarmKeys
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +66,57 @@ TRAINED_MARK_TTL_S = 3600.0
 WITHDRAW_TIMEOUT_S = 3.0
 # Seconds between attempts to start the DHT (doubled each time).
 STARTUP_BACKOFF_S = 2.0
+# A peer's DHT access token lasts this long and is renewed this long before it expires
+# (a token only binds the peer's signing key to the swarm; it costs nothing to renew).
+TOKEN_LIFETIME = timedelta(hours=24)
+TOKEN_RENEW_BEFORE = timedelta(hours=1)
+
+
+class SwarmAuthorizer(TokenAuthorizerBase):  # type: ignore[misc]
+    """hivemind's DHT authorization, with the swarm's key file as the token issuer.
+
+    hivemind signs each DHT request and reply with the peer's RSA key and sends an access
+    token that vouches for that key; a peer answers (and accepts answers) only when the
+    token is valid. Here every member issues its own token: its RSA public key and expiry,
+    with an HMAC keyed by a digest of the swarm's CURVE secret, so only holders of the
+    key file make valid tokens. hivemind also rejects requests more than a minute old by
+    the wall clock, so the peers' clocks must agree to within a minute.
+    """
+
+    def __init__(self, keys: SwarmKeys) -> None:
+        super().__init__()
+        self._mac_key = hashlib.sha256(b"agentjet dht token\0" + keys.secret).digest()
+
+    def _mac(self, token: AccessToken) -> bytes:
+        signed = token.public_key + b"\0" + token.expiration_time.encode()
+        return hmac.new(self._mac_key, signed, hashlib.sha256).digest()
+
+    async def get_token(self) -> AccessToken:
+        token = AccessToken(
+            username="agentjet",
+            public_key=self.local_public_key.to_bytes(),
+            expiration_time=(datetime.now(UTC) + TOKEN_LIFETIME).isoformat(),
+        )
+        token.signature = self._mac(token)
+        return token
+
+    def is_token_valid(self, access_token: AccessToken) -> bool:
+        if not hmac.compare_digest(access_token.signature, self._mac(access_token)):
+            return False
+        expires = _expiry(access_token)
+        return expires is not None and expires > datetime.now(UTC)
+
+    def does_token_need_refreshing(self, access_token: AccessToken) -> bool:
+        expires = _expiry(access_token)
+        return expires is None or expires < datetime.now(UTC) + TOKEN_RENEW_BEFORE
+
+
+def _expiry(token: AccessToken) -> datetime | None:
+    try:
+        expires = datetime.fromisoformat(token.expiration_time)
+    except ValueError:
+        return None
+    return expires if expires.tzinfo is not None else None
 
 
 def quiet_hivemind() -> None:
@@ -63,8 +125,13 @@ def quiet_hivemind() -> None:
     logging.getLogger("hivemind").setLevel(logging.ERROR)
 
 
-def start_dht(config: SwarmConfig, *, client_mode: bool = False) -> hivemind.DHT:
+def start_dht(
+    config: SwarmConfig, keys: SwarmKeys | None, *, client_mode: bool = False
+) -> hivemind.DHT:
     """Start this node's DHT peer, joining `config.initial_peers`; retried with backoff.
+
+    With `keys` it talks only to peers that hold them (`SwarmAuthorizer`); None only for
+    in-process tests and `net.insecure`.
 
     hivemind's DHT process and p2pd inherit SIGINT ignored: a Ctrl-C in a terminal (sent
     to the whole process group) then reaches only this process, which shuts them down in
@@ -83,6 +150,7 @@ def start_dht(config: SwarmConfig, *, client_mode: bool = False) -> hivemind.DHT
                 client_mode=client_mode,
                 start=True,
                 startup_timeout=config.startup_timeout_s,
+                authorizer=SwarmAuthorizer(keys) if keys is not None else None,
             )
         except Exception as e:  # hivemind raises several types for "could not start or join"
             where = ", ".join(config.initial_peers) or "a new swarm"
@@ -208,9 +276,9 @@ async def _ping_peers(dht: hivemind.DHT, node: Any, maddrs: list[str]) -> int:
     return sum(1 for a in answers if a is not None and not isinstance(a, BaseException))
 
 
-def read_directory(config: SwarmConfig) -> list[protocol.NodeRecord]:
+def read_directory(config: SwarmConfig, keys: SwarmKeys | None) -> list[protocol.NodeRecord]:
     """Join the swarm as a client for a moment and read every live node's record."""
-    dht = start_dht(config, client_mode=True)
+    dht = start_dht(config, keys, client_mode=True)
     try:
         return Directory(dht, config).records()
     finally:
@@ -452,7 +520,7 @@ class SwarmOptimizer:
         """Train over `dht` (shared with the node's directory), or a DHT of its own.
         `other_trainers()`: how many other live trainers the directory lists now."""
         self.owns_dht = dht is None
-        self.dht = dht or start_dht(config)
+        self.dht = dht or start_dht(config, keys=None)  # in-process use (tests, bench)
         # Versions re-taken from a peer after this trainer's parameter round failed.
         self.repairs = 0
         compression = Float16Compression() if config.grad_compression == "fp16" else NoCompression()

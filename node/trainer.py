@@ -44,6 +44,7 @@ import torch
 from agentjet import protocol, rl
 from agentjet.config import Config
 from agentjet.errors import ModelError
+from agentjet.keys import swarm_keys
 from agentjet.metrics import MetricsWriter
 from agentjet.roles import print_join_command, run_role, supervise
 from agentjet.tasks import TaskSource
@@ -122,6 +123,7 @@ class Trainer:
 
     def setup(self, cleanup: ExitStack) -> None:
         cfg = self.config
+        keys = swarm_keys(cfg.net)
         torch.set_num_threads(cfg.trainer.torch_threads)
         torch.manual_seed(cfg.run.seed)
         path = resolve_model(cfg.model.name, cfg.model.cache_dir)
@@ -133,7 +135,7 @@ class Trainer:
         resume = read_resume_state(self.run_dir / "checkpoints")
         if resume is not None:
             self._load_params(resume["params"])
-        self.dht = start_dht(cfg.swarm)
+        self.dht = start_dht(cfg.swarm, keys)
         cleanup.callback(self.dht.shutdown)
         self.directory = Directory(self.dht, cfg.swarm)
         cleanup.callback(self.directory.withdraw, self.node_id)
@@ -174,6 +176,7 @@ class Trainer:
             cfg.net.trainer_endpoint,
             protocol.trainer_request_decoder,
             cfg.net.max_message_bytes,
+            keys,
         )
         cleanup.callback(self.server.close)
         self.metrics = MetricsWriter(self.run_dir, "trainer")
@@ -202,7 +205,7 @@ class Trainer:
             " ".join(self.maddrs),
         )
         if not cfg.swarm.initial_peers:
-            print_join_command(self.maddrs)
+            print_join_command(self.maddrs, cfg.net.keys)
 
     async def run(self, stop: asyncio.Event) -> None:
         await supervise(
@@ -609,6 +612,7 @@ class Trainer:
         return {
             **{f"counts/{k}": v for k, v in self.counts.items()},
             "counts/rejected_messages": self.server.rejected,
+            "counts/denied_handshakes": self.server.denied,
         }
 
 

@@ -5,6 +5,8 @@ session; the SmolLM2 tokenizer is converted from the embedded GGUF once and cach
 Tests that run torch call `one_torch_thread` so parallel test runs on small boxes do not
 fight over cores. Docker-tier tests take `docker_client`: without a reachable engine they
 skip, or fail where AGENTJET_REQUIRE_DOCKER=1 (CI) says the docker tier must run.
+`keys_file` is a fresh swarm key file (as `agentjet keys init` makes) for tests that start
+nodes: they refuse to start without one.
 """
 
 from __future__ import annotations
@@ -19,12 +21,20 @@ import pytest
 import requests.exceptions
 import torch
 
+from agentjet.keys import DEFAULT_KEYS_FILE, write_keys
 from node.model import build_tiny_model
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model"), seed=0)
+
+
+@pytest.fixture
+def keys_file(tmp_path: Path) -> Path:
+    path = tmp_path / DEFAULT_KEYS_FILE
+    write_keys(path)
+    return path
 
 
 @pytest.fixture

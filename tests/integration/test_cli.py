@@ -37,6 +37,8 @@ def agentjet(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess
         ["sandbox"],
         ["sandbox", "build-image"],
         ["agent"],
+        ["keys"],
+        ["keys", "init"],
     ],
 )
 def test_every_subcommand_has_help(command):
@@ -70,6 +72,9 @@ def test_dry_run_writes_resolved_config(tmp_path):
         (["local", "--dry-run", "--set", "envs.0.name=agent"], "needs agent"),
         (["local", "--dry-run", "--set", "rollout.agent_listen=nowhere"], "is not HOST:PORT"),
         (["tasks", "--env", "python_code", "--count", "999", "--out", "x"], "ask for fewer"),
+        (["node", "--role", "trainer"], "run `agentjet keys init` once"),
+        (["coordinator", "--keys", "nope.keys"], "cannot read swarm keys nope.keys"),
+        (["local", "--keys", "k", "--set", "net.insecure=true"], "net.keys is set too"),
     ],
 )
 def test_user_errors_are_one_line(args, message, tmp_path):

@@ -33,6 +33,7 @@ from agentjet.config import (
     to_toml,
 )
 from agentjet.errors import ProtocolError
+from agentjet.keys import read_keys
 from agentjet.metrics import read_metrics
 from agentjet.protocol import (
     PROTOCOL_VERSION,
@@ -67,10 +68,12 @@ GROUP_SIZE = 4
 
 
 class Coordinators:
-    """Starts coordinator processes on one config and history; reaps them by PID."""
+    """Starts coordinator processes on one config, history and swarm keys; reaps them by PID."""
 
-    def __init__(self, workdir: Path, socket_dir: Path) -> None:
+    def __init__(self, workdir: Path, socket_dir: Path, keys_file: Path) -> None:
         self.workdir = workdir
+        self.keys_file = keys_file
+        self.keys = read_keys(keys_file)
         self.endpoint = f"ipc://{socket_dir}/coordinator.ipc"  # short path: ipc has a ~100 B limit
         self.run_dir = workdir / "run"
         self.log_path = workdir / "coordinator.log"
@@ -88,7 +91,11 @@ class Coordinators:
             coordinator=CoordinatorConfig(
                 endpoint=self.endpoint, lease_s=lease_s, scheduler=scheduler, publish=False
             ),
-            net=NetConfig(max_message_bytes=MAX_MESSAGE_BYTES, weight_chunk_bytes=1 << 12),
+            net=NetConfig(
+                max_message_bytes=MAX_MESSAGE_BYTES,
+                weight_chunk_bytes=1 << 12,
+                keys=str(self.keys_file),
+            ),
             run=RunConfig(dir=str(self.run_dir), seed=11),
         )
 
@@ -106,6 +113,18 @@ class Coordinators:
         self.procs.append(proc)
         return proc
 
+    def client(self, node_id: str, version: int = PROTOCOL_VERSION) -> Client:
+        """A client with this swarm's keys, as a rollout node connects."""
+        hello = Hello(node_id=node_id, role="rollout", protocol_version=version)
+        return Client(
+            self.endpoint,
+            protocol.coordinator_reply_decoder,
+            hello,
+            MAX_MESSAGE_BYTES,
+            REPLY_TIMEOUT_S,
+            self.keys,
+        )
+
     def reap(self) -> None:
         for proc in self.procs:
             if proc.poll() is None:
@@ -118,21 +137,14 @@ class Coordinators:
 
 
 @pytest.fixture
-def coordinators(tmp_path: Path) -> Iterator[Coordinators]:
+def coordinators(tmp_path: Path, keys_file: Path) -> Iterator[Coordinators]:
     socket_dir = Path(tempfile.mkdtemp(prefix="aj-", dir="/tmp"))
-    launched = Coordinators(tmp_path, socket_dir)
+    launched = Coordinators(tmp_path, socket_dir, keys_file)
     try:
         yield launched
     finally:
         launched.reap()
         shutil.rmtree(socket_dir, ignore_errors=True)
-
-
-def client(endpoint: str, node_id: str, version: int = PROTOCOL_VERSION) -> Client:
-    hello = Hello(node_id=node_id, role="rollout", protocol_version=version)
-    return Client(
-        endpoint, protocol.coordinator_reply_decoder, hello, MAX_MESSAGE_BYTES, REPLY_TIMEOUT_S
-    )
 
 
 async def wait_until_serving(node: Client, proc: subprocess.Popen[bytes]) -> CoordinatorStatus:
@@ -187,7 +199,7 @@ def test_handshake_work_report_and_status(coordinators: Coordinators) -> None:
     proc = coordinators.start(coordinators.config())
 
     async def scenario() -> None:
-        node = client(coordinators.endpoint, "node-a")
+        node = coordinators.client("node-a")
         try:
             await wait_until_serving(node, proc)
             assert node.welcome is not None and node.welcome.protocol_version == PROTOCOL_VERSION
@@ -218,7 +230,7 @@ def test_bad_messages_are_answered_and_the_coordinator_keeps_serving(
     proc = coordinators.start(coordinators.config())
 
     async def scenario() -> None:
-        node = client(coordinators.endpoint, "node-a")
+        node = coordinators.client("node-a")
         try:
             await wait_until_serving(node, proc)
             for invalid in (
@@ -239,6 +251,7 @@ def test_bad_messages_are_answered_and_the_coordinator_keeps_serving(
 
     raw: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
     raw.setsockopt(zmq.LINGER, 0)
+    coordinators.keys.secure_client(raw)
     raw.connect(coordinators.endpoint)
     try:
         for garbage in (
@@ -264,8 +277,8 @@ def test_a_peer_with_another_protocol_version_is_refused(coordinators: Coordinat
     proc = coordinators.start(coordinators.config())
 
     async def scenario() -> None:
-        node = client(coordinators.endpoint, "node-a")
-        old = client(coordinators.endpoint, "node-old", version=PROTOCOL_VERSION + 1)
+        node = coordinators.client("node-a")
+        old = coordinators.client("node-old", version=PROTOCOL_VERSION + 1)
         try:
             await wait_until_serving(node, proc)
             with pytest.raises(ProtocolError, match="protocol version"):
@@ -286,7 +299,7 @@ def test_a_coordinator_killed_mid_run_resumes_from_its_history(
     first = coordinators.start(config)
 
     async def before_crash() -> list[WorkGrant]:
-        node = client(coordinators.endpoint, "node-a")
+        node = coordinators.client("node-a")
         try:
             await wait_until_serving(node, first)
             grants = await work(node, "node-a", 4)
@@ -302,7 +315,7 @@ def test_a_coordinator_killed_mid_run_resumes_from_its_history(
     second = coordinators.start(config)
 
     async def after_restart() -> None:
-        node = client(coordinators.endpoint, "node-a")
+        node = coordinators.client("node-a")
         try:
             status = await wait_until_serving(node, second)
             assert (status.grants_issued, status.grants_completed) == (4, 2)
@@ -329,8 +342,8 @@ def test_a_silent_nodes_work_is_granted_to_another_node(coordinators: Coordinato
     proc = coordinators.start(coordinators.config(lease_s=1.0))
 
     async def scenario() -> None:
-        silent = client(coordinators.endpoint, "node-silent")
-        alive = client(coordinators.endpoint, "node-alive")
+        silent = coordinators.client("node-silent")
+        alive = coordinators.client("node-alive")
         try:
             await wait_until_serving(alive, proc)
             (lost,) = await work(silent, "node-silent", 1)
@@ -362,7 +375,7 @@ def test_sigterm_stops_cleanly_and_leaves_a_metrics_row(coordinators: Coordinato
     proc = coordinators.start(coordinators.config())
 
     async def scenario() -> None:
-        node = client(coordinators.endpoint, "node-a")
+        node = coordinators.client("node-a")
         try:
             await wait_until_serving(node, proc)
             (g,) = await work(node, "node-a", 1)
@@ -419,7 +432,7 @@ def test_envsched_learns_from_reports_and_keeps_its_statistics_across_a_restart(
     first = coordinators.start(config)
 
     async def teach_then_count() -> tuple[Counter[int], list[SchedulerRow]]:
-        node = client(coordinators.endpoint, "node-a")
+        node = coordinators.client("node-a")
         try:
             await wait_until_serving(node, first)
             for _ in range(TEACHING_ROUNDS):
@@ -450,7 +463,7 @@ def test_envsched_learns_from_reports_and_keeps_its_statistics_across_a_restart(
     second = coordinators.start(config)
 
     async def after_restart() -> list[SchedulerRow]:
-        node = client(coordinators.endpoint, "node-a")
+        node = coordinators.client("node-a")
         try:
             return (await wait_until_serving(node, second)).table
         finally:
@@ -464,7 +477,7 @@ def test_agentjet_status_prints_the_scheduler_table(coordinators: Coordinators) 
     proc = coordinators.start(coordinators.config(scheduler="envsched", difficulties=(1, 2)))
 
     async def one_round() -> None:
-        node = client(coordinators.endpoint, "node-a")
+        node = coordinators.client("node-a")
         try:
             await wait_until_serving(node, proc)
             for g in await work(node, "node-a", 4):
@@ -477,7 +490,8 @@ def test_agentjet_status_prints_the_scheduler_table(coordinators: Coordinators) 
     # Through the real entry point, checking on the way that it never loads torch.
     probe = (
         "import sys; from agentjet.cli import main; "
-        f"code = main(['status', '--coordinator', {coordinators.endpoint!r}]); "
+        f"code = main(['status', '--coordinator', {coordinators.endpoint!r}, "
+        f"'--keys', {str(coordinators.keys_file)!r}]); "
         "print('torch loaded' if 'torch' in sys.modules else 'torch not loaded'); sys.exit(code)"
     )
     result = subprocess.run(
@@ -498,7 +512,8 @@ def test_agentjet_status_prints_the_scheduler_table(coordinators: Coordinators) 
 
     silent = subprocess.run(
         [sys.executable, "-m", "agentjet.cli", "status", "--coordinator",
-         coordinators.endpoint.replace("coordinator.ipc", "nobody.ipc"), "--timeout-s", "0.5"],
+         coordinators.endpoint.replace("coordinator.ipc", "nobody.ipc"), "--timeout-s", "0.5",
+         "--keys", str(coordinators.keys_file)],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=START_TIMEOUT_S,
     )  # fmt: skip
     assert silent.returncode == 2

@@ -10,8 +10,9 @@ and every trajectory group is accounted for from creation to training.
       the rollout node's connection to trainer-b cut, then restored
 
 At the end every group the rollout node made (in any of its lives) must be trained once,
-dropped as stale, or still held by the rollout node; policy versions never go back on any
-node. `just test-faults` runs this and the fuzz test and writes bench/results/faults.json.
+dropped as stale or rejected by a check (counted), or still held by the rollout node;
+policy versions never go back on any node. `just test-faults` runs this and the fuzz test
+and writes bench/results/faults.json.
 """
 
 from __future__ import annotations
@@ -274,9 +275,11 @@ def account(swarm: Swarm) -> dict[str, Any]:
         for r in swarm.metrics(t, "trainer")
         for g in r.get("stale_group_ids", [])
     }
+    # left out by the trainer's logprob check (counted; none expected from honest nodes)
+    rejected = {g for t in trainers for r in swarm.steps(t) for g in r["rejected_group_ids"]}
     ends = [r for r in rollout if r.get("event") == "stopped"]
     held = set(ends[-1]["unacked_group_ids"])
-    lost = created - set(trained) - stale - held
+    lost = created - set(trained) - stale - held - rejected
     for name in trainers:  # versions never go back, across the lives of each trainer
         versions = [r["policy_version"] for r in swarm.steps(name)]
         assert versions == sorted(versions), (name, versions)
@@ -286,6 +289,7 @@ def account(swarm: Swarm) -> dict[str, Any]:
         "groups_created": len(created),
         "groups_trained": len(set(trained)),
         "groups_stale": len(stale),
+        "groups_rejected": len(rejected),
         "groups_held_at_end": len(held - set(trained) - stale),  # untrained, on disk
         "lost": len(lost),
         "duplicated": len(trained) - len(set(trained)),

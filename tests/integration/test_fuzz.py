@@ -24,13 +24,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agentjet import protocol
+from agentjet.keys import SwarmKeys
 from agentjet.local import running
 from node.openai_api import EpisodeHub, OpenAIServer
 from tests.factories import RuleGenerator, make_group
 from tests.fault_results import record_fuzz
 from tests.integration.test_coordinator import Coordinators, coordinators  # noqa: F401
 from tests.integration.test_openai_api import TASK, serve, tokenizer  # noqa: F401
-from tests.integration.test_trainer_node import trainer  # noqa: F401
+from tests.integration.test_trainer_node import Launched, trainer  # noqa: F401
 
 pytestmark = pytest.mark.integration
 
@@ -101,10 +102,13 @@ def rss(pid: int) -> int:
 class Peer:
     """One DEALER that has said Hello; asks and insists on an answer."""
 
-    def __init__(self, endpoint: str, decoder: msgspec.msgpack.Decoder[Any], role: str) -> None:
+    def __init__(
+        self, endpoint: str, decoder: msgspec.msgpack.Decoder[Any], role: str, keys: SwarmKeys
+    ) -> None:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        keys.secure_client(self.sock)
         self.sock.connect(endpoint)
         self.decoder = decoder
         self.sent = 0
@@ -142,8 +146,8 @@ def fuzz_socket(target: str, peer: Peer, pid: int, inputs: st.SearchStrategy[byt
     assert rss(pid) - before < RSS_GROWTH_LIMIT_BYTES
 
 
-def test_trainer_socket_answers_junk_and_stays_up(trainer: Any) -> None:  # noqa: F811
-    peer = Peer(trainer.endpoint, protocol.trainer_reply_decoder, "rollout")
+def test_trainer_socket_answers_junk_and_stays_up(trainer: Launched) -> None:  # noqa: F811
+    peer = Peer(trainer.endpoint, protocol.trainer_reply_decoder, "rollout", trainer.keys)
     valid = [
         protocol.SubmitGroup(group=make_group("fz")),
         protocol.GroupStatusQuery(group_ids=["a", "b"]),
@@ -156,11 +160,14 @@ def test_trainer_socket_answers_junk_and_stays_up(trainer: Any) -> None:  # noqa
         assert isinstance(info, protocol.PolicyInfo) and info.version == 0
     finally:
         peer.close()
+    assert trainer.stop()["counts/rejected_messages"] >= 3
 
 
 def test_coordinator_socket_answers_junk_and_stays_up(coordinators: Coordinators) -> None:  # noqa: F811
     proc = coordinators.start(coordinators.config())
-    peer = Peer(coordinators.endpoint, protocol.coordinator_reply_decoder, "rollout")
+    peer = Peer(
+        coordinators.endpoint, protocol.coordinator_reply_decoder, "rollout", coordinators.keys
+    )
     valid = [
         protocol.WorkRequest(node_id="fuzzer", max_groups=2, policy_version=0),
         protocol.GroupReport(node_id="fuzzer", grant_id="g", rewards=[1.0, 0.0, 0.0, 1.0]),

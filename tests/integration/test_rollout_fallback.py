@@ -29,7 +29,7 @@ MAX_STEPS = 2
 
 
 def test_rollout_trains_on_local_tasks_while_coordinator_is_away(
-    tiny_model_dir: Path, tmp_path: Path
+    tiny_model_dir: Path, tmp_path: Path, keys_file: Path
 ):
     sockets = Path(tempfile.mkdtemp(prefix="aj-", dir="/tmp"))
     config = load_config(
@@ -39,6 +39,7 @@ def test_rollout_trains_on_local_tasks_while_coordinator_is_away(
             f'coordinator.endpoint="ipc://{sockets}/nobody.ipc"',
             f'net.trainer_endpoint="ipc://{sockets}/trainer.ipc"',
             "net.request_timeout_s=1.0",
+            f"net.keys={json.dumps(str(keys_file))}",
             "rollout.group_size=4",
             "rollout.groups_per_batch=2",
             "rollout.sampling.max_new_tokens=4",

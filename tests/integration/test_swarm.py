@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 
 from agentjet.config import load_config, to_toml
+from agentjet.keys import DEFAULT_KEYS_FILE, write_keys
 from agentjet.local import descendants, running
 from agentjet.metrics import read_metrics
 from tests.netns import Node, Swarmnet, require_netns
@@ -62,10 +63,12 @@ def free_listen() -> str:
 
 
 class Swarm:
-    """Starts agentjet processes from one config; stops and reaps them by PID."""
+    """Starts agentjet processes from one config and key file; stops and reaps them by PID."""
 
     def __init__(self, tmp_path: Path, tiny_model_dir: Path, settings: tuple[str, ...]) -> None:
         self.dir = tmp_path
+        self.keys_file = tmp_path / DEFAULT_KEYS_FILE
+        write_keys(self.keys_file)
         config = load_config(
             None,
             [
@@ -106,6 +109,7 @@ class Swarm:
         run_dir = self.dir / name
         argv = [sys.executable, "-m", "agentjet.cli", *args]
         argv += ["--config", str(self.config_path), "--run-dir", str(run_dir)]
+        argv += ["--keys", str(self.keys_file)]
         with (
             open(self.dir / f"{name}.out", "wb") as out,
             open(self.dir / f"{name}.log", "wb") as log,
@@ -285,7 +289,18 @@ def test_two_trainers_hold_identical_weights_and_lose_nothing(swarm_factory: Cal
     swarm.wait_for("three versions reached by both trainers", both_trained_three_common_versions)
     # `agentjet status --join` lists the whole swarm from the directory
     status = subprocess.run(
-        [sys.executable, "-m", "agentjet.cli", "status", "--join", join, "--run-id", "swarm-test"],
+        [
+            sys.executable,
+            "-m",
+            "agentjet.cli",
+            "status",
+            "--join",
+            join,
+            "--run-id",
+            "swarm-test",
+            "--keys",
+            str(swarm.keys_file),
+        ],
         capture_output=True,
         text=True,
         timeout=STATUS_TIMEOUT_S,

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import hashlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -27,6 +29,7 @@ import zmq
 from agentjet import protocol
 from agentjet.config import load_config, to_toml
 from agentjet.errors import ProtocolError
+from agentjet.keys import SwarmKeys, read_keys
 from agentjet.metrics import read_metrics
 from agentjet.protocol import pack_ids
 from agentjet.transport import Client, PeerUnavailable
@@ -41,14 +44,32 @@ MAX_MESSAGE_BYTES = 1 << 20
 QUEUE_BOUND = 3
 
 
-@dataclass(frozen=True)
+@dataclass
 class Launched:
+    """A trainer process serving on `endpoint` with the swarm `keys`."""
+
     endpoint: str
-    pid: int
+    keys: SwarmKeys
+    proc: subprocess.Popen[bytes]
+    run_dir: Path
+    log_path: Path
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def stop(self) -> dict[str, Any]:
+        """SIGTERM, expect a clean exit, and return the trainer's final metrics row."""
+        self.proc.send_signal(signal.SIGTERM)
+        assert self.proc.wait(timeout=60) == 0, self.log_path.read_text()[-3000:]
+        rows = read_metrics(self.run_dir / "metrics" / "trainer.jsonl")
+        stopped = [r for r in rows if r.get("event") == "stopped"]
+        assert stopped, "the trainer wrote no final metrics row"
+        return stopped[0]
 
 
 @pytest.fixture
-def trainer(tiny_model_dir: Path, tmp_path: Path) -> Iterator[Launched]:
+def trainer(tiny_model_dir: Path, tmp_path: Path, keys_file: Path) -> Iterator[Launched]:
     overrides = [
         f"net.max_message_bytes={MAX_MESSAGE_BYTES}",
         "net.weight_chunk_bytes=65536",
@@ -57,22 +78,16 @@ def trainer(tiny_model_dir: Path, tmp_path: Path) -> Iterator[Launched]:
         f"trainer.groups_per_step={QUEUE_BOUND + 1}",
         f"trainer.max_queued_groups={QUEUE_BOUND}",
     ]
-    with launched_trainer(tiny_model_dir, tmp_path, overrides) as launched:
+    with launched_trainer(tiny_model_dir, tmp_path, keys_file, overrides) as launched:
         yield launched
-    stopped = [
-        r
-        for r in read_metrics(tmp_path / "run" / "metrics" / "trainer.jsonl")
-        if r.get("event") == "stopped"
-    ]
-    assert stopped and stopped[0]["counts/rejected_messages"] >= 3
 
 
 @contextlib.contextmanager
 def launched_trainer(
-    tiny_model_dir: Path, tmp_path: Path, overrides: list[str]
+    tiny_model_dir: Path, tmp_path: Path, keys_file: Path, overrides: list[str]
 ) -> Iterator[Launched]:
-    """A trainer process of the tiny model on an ipc endpoint, its run dir tmp_path/run and
-    its log tmp_path/trainer.log; stopped with SIGTERM (it must exit 0), reaped by PID."""
+    """A trainer process of the tiny model with the swarm keys in `keys_file`, on an ipc
+    endpoint, its run dir tmp_path/run and its log tmp_path/trainer.log; reaped by PID."""
     socket_dir = Path(tempfile.mkdtemp(prefix="aj-", dir="/tmp"))
     endpoint = f"ipc://{socket_dir}/trainer.ipc"
     config = load_config(
@@ -80,13 +95,15 @@ def launched_trainer(
         [
             f'model.name="{tiny_model_dir}"',
             f'net.trainer_endpoint="{endpoint}"',
+            f'net.keys="{keys_file}"',
             f'run.dir="{tmp_path / "run"}"',
             *overrides,
         ],
     )
     path = tmp_path / "trainer.toml"
     path.write_text(to_toml(config))
-    log = open(tmp_path / "trainer.log", "wb")  # noqa: SIM115
+    log_path = tmp_path / "trainer.log"
+    log = open(log_path, "wb")  # noqa: SIM115
     proc = subprocess.Popen(
         [sys.executable, "-m", "agentjet.cli", "node", "--role", "trainer", "--config", str(path)],
         stdout=log,
@@ -94,23 +111,28 @@ def launched_trainer(
         start_new_session=True,
     )
     try:
-        yield Launched(endpoint, proc.pid)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0, (tmp_path / "trainer.log").read_text()[-3000:]
+        yield Launched(endpoint, read_keys(keys_file), proc, tmp_path / "run", log_path)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         log.close()
+        shutil.rmtree(socket_dir, ignore_errors=True)
 
 
-async def connect(endpoint: str, protocol_version: int = protocol.PROTOCOL_VERSION) -> Client:
+async def connect(
+    trainer: Launched,
+    protocol_version: int = protocol.PROTOCOL_VERSION,
+    keys: SwarmKeys | None = None,
+) -> Client:
+    """A client with the swarm's keys (or `keys`), once the trainer answers."""
     client = Client(
-        endpoint,
+        trainer.endpoint,
         protocol.trainer_reply_decoder,
         protocol.Hello(node_id="test", role="rollout", protocol_version=protocol_version),
         MAX_MESSAGE_BYTES,
         REPLY_TIMEOUT_S,
+        keys or trainer.keys,
     )
     deadline = time.monotonic() + START_TIMEOUT_S
     while True:
@@ -122,20 +144,20 @@ async def connect(endpoint: str, protocol_version: int = protocol.PROTOCOL_VERSI
                 raise
 
 
-def raw_request(endpoint: str, payload: bytes) -> protocol.TrainerReply:
+def raw_request(trainer: Launched, payload: bytes) -> protocol.TrainerReply:
     with zmq.Context() as ctx, ctx.socket(zmq.DEALER) as sock:
         sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(endpoint)
+        trainer.keys.secure_client(sock)
+        sock.connect(trainer.endpoint)
         sock.send(payload)
         assert sock.poll(int(REPLY_TIMEOUT_S * 1000)), "no reply to a malformed message"
         return protocol.trainer_reply_decoder.decode(sock.recv())
 
 
 def test_trainer_acks_dedupes_rejects_and_serves_weights(trainer: Launched):
-    endpoint = trainer.endpoint
 
     async def scenario() -> None:
-        client = await connect(endpoint)
+        client = await connect(trainer)
         ack = await client.request(protocol.SubmitGroup(group=make_group("a")))
         assert ack.status == "accepted" and ack.policy_version == 0
         again = await client.request(protocol.SubmitGroup(group=make_group("a")))
@@ -171,7 +193,7 @@ def test_trainer_acks_dedupes_rejects_and_serves_weights(trainer: Launched):
             msgspec.msgpack.encode({"t": "weight_chunk_request", "version": "zero"}),
             b"\x01" * (MAX_MESSAGE_BYTES + 10),
         ):
-            reply = raw_request(endpoint, payload)
+            reply = raw_request(trainer, payload)
             assert isinstance(reply, protocol.Error) and reply.code == "decode"
 
         # the base policy (version 0) arrives whole and verified
@@ -190,14 +212,16 @@ def test_trainer_acks_dedupes_rejects_and_serves_weights(trainer: Launched):
         client.close()
 
         old = Client(
-            endpoint,
+            trainer.endpoint,
             protocol.trainer_reply_decoder,
             protocol.Hello(node_id="old", role="rollout", protocol_version=0),
             MAX_MESSAGE_BYTES,
             REPLY_TIMEOUT_S,
+            trainer.keys,
         )
         with pytest.raises(ProtocolError, match="protocol version 0"):
             await old.request(protocol.PolicyQuery())
         old.close()
 
     asyncio.run(scenario())
+    assert trainer.stop()["counts/rejected_messages"] >= 3

@@ -76,9 +76,20 @@ async def final_status(client, group_id: str) -> str:
     raise AssertionError(f"group {group_id} neither trained nor dropped in time")
 
 
-def status_output(join: str) -> str:
+def status_output(join: str, keys_file: Path) -> str:
     done = subprocess.run(
-        [sys.executable, "-m", "agentjet.cli", "status", "--join", join, "--run-id", RUN_ID],
+        [
+            sys.executable,
+            "-m",
+            "agentjet.cli",
+            "status",
+            "--join",
+            join,
+            "--run-id",
+            RUN_ID,
+            "--keys",
+            str(keys_file),
+        ],  # fmt: skip
         capture_output=True,
         text=True,
         timeout=120,
@@ -88,7 +99,7 @@ def status_output(join: str) -> str:
 
 
 def test_forged_groups_are_rejected_and_their_node_quarantined(
-    tiny_model_dir: Path, tmp_path: Path
+    tiny_model_dir: Path, tmp_path: Path, keys_file: Path
 ):
     mixed = honest_groups(tiny_model_dir, "python_tool", 4, rewards=[1.0, 0.0, 1.0, 0.0])
     scored = honest_groups(tiny_model_dir, "arithmetic", 2, rewards=None)
@@ -103,13 +114,14 @@ def test_forged_groups_are_rejected_and_their_node_quarantined(
         "trainer.reward_check_fraction=1.0",
         "trainer.quarantine_after=3",
     ]
-    with launched_trainer(tiny_model_dir, tmp_path, overrides) as trainer:
+    with launched_trainer(tiny_model_dir, tmp_path, keys_file, overrides) as trainer:
         outcomes = asyncio.run(scenario(trainer, mixed, scored, vocab))
         log = (tmp_path / "trainer.log").read_text()
         join = re.findall(r"--join (\S+)", log)[0]
         deadline = time.monotonic() + RECORD_TIMEOUT_S
-        while "quarantined by" not in (shown := status_output(join)):
+        while "quarantined by" not in (shown := status_output(join, keys_file)):
             assert time.monotonic() < deadline, shown
+        trainer.stop()
     assert outcomes == {
         "honest python_tool": "trained",
         "honest arithmetic": "trained",
@@ -140,7 +152,7 @@ async def scenario(
     vocab: int,
 ) -> dict[str, str]:
     """Submit each group, one at a time; what became of it."""
-    client = await connect(trainer.endpoint)
+    client = await connect(trainer)
     submissions = {
         "honest python_tool": mixed[0],
         "honest arithmetic": scored[0],

@@ -133,3 +133,16 @@ def test_bad_swarm_flags_are_one_clear_error(argv: list[str], message: str) -> N
     args = build_parser().parse_args(["coordinator", *argv])
     with pytest.raises(AgentjetError, match=message):
         _resolve(args)
+
+
+@pytest.mark.parametrize("source", [None, "configs/local.toml"])
+def test_nothing_listens_beyond_loopback_unless_configured(source: str | None):
+    config = load_config(source)
+    zmq_hosts = [
+        endpoint.removeprefix("tcp://").rpartition(":")[0]
+        for endpoint in (config.coordinator.endpoint, config.net.trainer_endpoint)
+    ]
+    hivemind_hosts = [maddr.split("/")[2] for maddr in config.swarm.host_maddrs]
+    http_host = config.rollout.agent_listen.rpartition(":")[0]
+    assert hivemind_hosts and all(m.startswith("/ip4/") for m in config.swarm.host_maddrs)
+    assert {*zmq_hosts, *hivemind_hosts, http_host} == {"127.0.0.1"}

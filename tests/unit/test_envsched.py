@@ -499,7 +499,8 @@ def test_agentjet_status_renders_counters_and_aligned_rows() -> None:
     lines = format_status(status).splitlines()
     assert lines[0] == (
         "scheduler envsched: 10 grants issued, 8 completed, 1 expired, 2 leases open, "
-        "0 queued for re-grant, 0 messages rejected"
+        "0 queued for re-grant, 0 messages rejected, "
+        "0 connections without the swarm's keys refused"
     )
     assert lines[1] == "nodes: node-a (1.2 s ago)"
     env_header, env_row = lines[3], lines[4]

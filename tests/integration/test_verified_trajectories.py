@@ -113,6 +113,8 @@ def test_forged_groups_are_rejected_and_their_node_quarantined(
         "trainer.max_queued_groups=16",
         "trainer.reward_check_fraction=1.0",
         "trainer.quarantine_after=3",
+        # a group is reported "trained" once a checkpoint holds its step
+        "trainer.checkpoint_every=1",
     ]
     with launched_trainer(tiny_model_dir, tmp_path, keys_file, overrides) as trainer:
         outcomes = asyncio.run(scenario(trainer, mixed, scored, vocab))

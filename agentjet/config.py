@@ -78,7 +78,8 @@ class RolloutConfig(_Section):
     max_unacked_groups: PositiveInt = 8
     # Every group is kept on disk until trained, so a restarted node re-offers it: here
     # ("" = <run dir>/spool; one rollout node per spool). At spool_max_bytes the node stops
-    # generating until trainers take groups (a group of 8 short samples is ~10 KB).
+    # generating until trainers take groups (a group of 8 short samples is ~10 KB). Keep it
+    # well above 512 groups: trained groups wait on disk for a checkpoint (trainer.py).
     spool_dir: str = ""
     spool_max_bytes: Annotated[int, Meta(ge=1 << 20)] = 1 << 30
     # torch intra-op threads for the engine (2-core boxes share cores with the trainer).
@@ -166,7 +167,9 @@ class TrainerConfig(_Section):
     max_grad_norm: PositiveFloat = 1.0
     # Sequences per forward/backward pass (bounds activation memory).
     micro_batch_samples: PositiveInt = 16
-    # Save a safetensors checkpoint every N policy versions (and always at the end).
+    # Save a safetensors checkpoint every N policy versions (and always at the end; early
+    # once 512 trained groups wait for one). Rollout nodes keep a trained group on disk
+    # until a checkpoint holds its step, so a crash loses no group's training.
     checkpoint_every: PositiveInt = 10
     torch_threads: PositiveInt = 1
     # Verified trajectories. A group is rejected (never trained) when one of its samples'

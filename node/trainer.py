@@ -72,6 +72,9 @@ log = logging.getLogger(__name__)
 
 # Ids of acknowledged groups kept for duplicate detection; a re-send arrives within minutes.
 SEEN_GROUP_IDS = 1_000_000
+# Trained groups rollout nodes must keep (spooled) until a checkpoint holds their steps:
+# past this many the trainer checkpoints early, whatever trainer.checkpoint_every says.
+MAX_UNDURABLE_GROUPS = 512
 # Longest prompt+completion accepted from the wire, in tokens (bounds learner memory).
 MAX_SEQUENCE_TOKENS = 8192
 
@@ -532,7 +535,8 @@ class Trainer:
         }
         self.stale_ids = []
         self.metrics.write(row)
-        if changed and self.version % cfg.trainer.checkpoint_every == 0:
+        due = self.version % cfg.trainer.checkpoint_every == 0
+        if changed and (due or len(self.undurable) >= MAX_UNDURABLE_GROUPS):
             await asyncio.to_thread(self._checkpoint)
         return now
 

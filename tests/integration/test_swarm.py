@@ -339,8 +339,12 @@ def test_a_joining_trainer_catches_up_and_a_killed_one_loses_nothing(
 
     # a trainer joining mid-run starts from the swarm's weights, not from the base model
     start_trainer(swarm, "trainer-b", join)
-    swarm.wait_for(
-        "trainer-b to train", lambda: any(r["trained_group_ids"] for r in swarm.steps("trainer-b"))
+    swarm.wait_for(  # its step's metrics row comes before that version's checkpoint
+        "trainer-b to train and save a version",
+        lambda: (
+            any(r["trained_group_ids"] for r in swarm.steps("trainer-b"))
+            and bool(checkpoints(swarm, "trainer-b"))
+        ),
     )
     [started] = [r for r in swarm.metrics("trainer-b", "trainer") if r.get("event") == "started"]
     assert started["joined"] and started["policy_version"] >= 3

@@ -4,7 +4,8 @@
                                                                       │
     learner task:  groups_per_step fresh groups ──(thread)──▶ Learner.train_step
                    ──▶ gradients averaged with the other trainers (hivemind) ──▶ version v+1
-                   ──▶ groups marked trained (GroupStatus, and in the DHT)
+                   ──▶ groups marked trained (GroupStatus, and in the DHT: their ids and
+                       the round's batch ids, which cover the peers' groups too)
                    ──▶ PolicySnapshot (served in chunks: PolicyQuery / WeightChunkRequest)
                    ──▶ checkpoint every N versions ──▶ metrics/trainer.jsonl
     heartbeat:     NodeRecord (endpoint, version, queue, quarantined nodes) ──▶ the DHT directory
@@ -500,7 +501,9 @@ class Trainer:
                 self.trained_log.write(f"{version}\t{group.group_id}\n")
             self.trained_log.flush()
             ids = [g.group_id for g in trained]
-            await asyncio.to_thread(self.directory.mark_trained, ids, self.node_id)
+            await asyncio.to_thread(
+                self.directory.mark_trained, ids, self.node_id, row["round_batch_ids"]
+            )
         # hivemind may also keep a step's gradients for the next epoch (the swarm's target
         # batch is not reached yet); those groups stay accumulated.
         changed = int(row["policy_version"]) != self.version

@@ -16,7 +16,11 @@ started on a run dir with checkpoints (and no peer to load from) resumes from th
 A group is "trained" only once its gradients are in an optimizer step: gradients that
 are thrown away (a failed round with peers, or this trainer fell out of sync) put their
 groups back in the queue. Rollout nodes hold every group until it is trained, so a
-trainer that dies loses nothing. Rollout nodes hear "trained" only once a checkpoint holds
+trainer that dies loses nothing. Before its gradients enter a round with peers, the
+groups in them are named in the DHT under the round's batch id; after the step the
+trainer marks trained its groups and every batch of the round (its peers' too), so a
+trainer cut off right after a step, whose own marks reach no one, is covered by its
+peers' (node/swarm.py, `Directory.trained`). Rollout nodes hear "trained" only once a checkpoint holds
 the step (trained_groups.log names each group's version), so a trainer killed and resumed
 from its last checkpoint trains again exactly the groups whose steps it lost. Groups
 staler than `trainer.max_policy_lag` are dropped (acked "stale", counted), not trained.

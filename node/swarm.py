@@ -19,6 +19,7 @@ trainer marks trained every batch of the round whose whole contribution reached 
 own and its peers'). A group counts as trained when marked itself or when a batch naming
 it is (`Directory.trained`), so one surviving peer's marks cover a peer whose own marks
 were lost.
+
 Lessons from DESIGN.md §8 live here: request_timeout passed to the gradient averager too,
 explicit ordered shutdown (optimizer, then DHT) so no `p2pd` is orphaned, and hivemind's
 own logging kept quiet. Records read from the DHT are input from strangers: each one is
@@ -522,7 +523,12 @@ class _Optimizer(hivemind.Optimizer):  # type: ignore[misc]
         """Store which groups this trainer's gradients hold under the batch id of the round
         they are about to enter; a store that fails aborts the step (RoundFailed): a peer
         could not vouch for these groups. hivemind begins a round with peers here
-        (`scheduled_grads`, or one it would schedule without a batch id: scheduled here)."""
+        (`scheduled_grads`, or one it would schedule without a batch id: scheduled here).
+
+        Only here, where the gradients enter with their weight: hivemind also joins rounds
+        with weight zero (tagging along, e.g. when it loads state inside a step), and the
+        peers of such a round would vouch for a batch that holds nothing. The stores delay
+        this peer's part of the all-reduce; peers wait one matchmaking time for it."""
         control = self.scheduled_grads
         if self.tracker.global_progress.num_peers <= 1 or not self.round.group_ids:
             return  # no round with peers: this trainer marks its groups itself

@@ -20,9 +20,10 @@ trainer that dies loses nothing. Before its gradients enter a round with peers, 
 groups in them are named in the DHT under the round's batch id; after the step the
 trainer marks trained its groups and every batch of the round (its peers' too), so a
 trainer cut off right after a step, whose own marks reach no one, is covered by its
-peers' (node/swarm.py, `Directory.trained`). Rollout nodes hear "trained" only once a checkpoint holds
-the step (trained_groups.log names each group's version), so a trainer killed and resumed
-from its last checkpoint trains again exactly the groups whose steps it lost. Groups
+peers' (node/swarm.py, `Directory.trained`). Rollout nodes hear "trained" only once a
+checkpoint holds the step (trained_groups.log names each group's version), so a trainer
+killed and resumed from its last checkpoint trains again exactly the groups whose steps
+it lost. Groups
 staler than `trainer.max_policy_lag` are dropped (acked "stale", counted), not trained.
 Groups that fail a check of node/verify.py (a wrong reward on arrival, sampler logprobs
 far from the learner's in its forward pass) are never trained: "rejected" or "dropped",

@@ -234,9 +234,10 @@ class Directory:
         futures = [self.dht.get(self.intent_prefix + g, return_future=True) for g in rest]
         intents = {g: batches_named(f.result()) for g, f in zip(rest, futures, strict=True)}
         batches = sorted(set().union(*intents.values()))
-        return marked | trained_through_batches(
-            intents, self._found(self.trained_batch_prefix, batches)
-        )
+        through = trained_through_batches(intents, self._found(self.trained_batch_prefix, batches))
+        if through:
+            log.info("%d groups are trained by a peer's mark of their gradient round", len(through))
+        return marked | through
 
     def _found(self, prefix: str, names: list[str]) -> set[str]:
         """The names whose key `prefix + name` holds a value in the DHT."""

@@ -225,19 +225,21 @@ class Directory:
         stored = [bool(f.result()) for f in futures]  # every future awaited
         return all(stored)
 
-    def trained(self, group_ids: Iterable[str]) -> set[str]:
-        """The ones among `group_ids` some trainer has marked trained, by their own mark or
-        by the mark of a batch that named them."""
+    def trained(self, group_ids: Iterable[str]) -> dict[str, str | None]:
+        """The ones among `group_ids` some trainer has marked trained, each with the mark
+        that says so: None for the group's own, else the id of a batch that named it (the
+        marking trainer's step row lists it in `round_batch_ids`)."""
         ids = list(group_ids)
-        marked = self._found(self.trained_prefix, ids)
-        rest = [g for g in ids if g not in marked]
+        marks: dict[str, str | None] = dict.fromkeys(self._found(self.trained_prefix, ids))
+        rest = [g for g in ids if g not in marks]
         futures = [self.dht.get(self.intent_prefix + g, return_future=True) for g in rest]
         intents = {g: batches_named(f.result()) for g, f in zip(rest, futures, strict=True)}
         batches = sorted(set().union(*intents.values()))
-        through = trained_through_batches(intents, self._found(self.trained_batch_prefix, batches))
+        marked = self._found(self.trained_batch_prefix, batches)
+        through = trained_through_batches(intents, marked)
         if through:
             log.info("%d groups are trained by a peer's mark of their gradient round", len(through))
-        return marked | through
+        return marks | {g: min(intents[g] & marked) for g in through}
 
     def _found(self, prefix: str, names: list[str]) -> set[str]:
         """The names whose key `prefix + name` holds a value in the DHT."""

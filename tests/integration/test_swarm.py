@@ -227,6 +227,28 @@ def leftovers(swarm: Swarm) -> dict[int, str]:
     return out
 
 
+def settled_by_marks(swarm: Swarm, trainers: list[str]) -> set[str]:
+    """Groups the rollout node dropped as trained on the swarm's DHT marks (a trainer gone,
+    or its own restart), each confirmed by a trainer's records: a group's own mark follows
+    its line in the trainer's trained_groups.log, a batch's mark the step row of the trainer
+    that made it (`round_batch_ids`). A trainer killed between its step and its step row
+    leaves them trained (its peer holds the step) but in no step row."""
+    logged = {
+        line.partition("\t")[2]
+        for t in trainers
+        if (swarm.dir / t / "trained_groups.log").exists()
+        for line in (swarm.dir / t / "trained_groups.log").read_text().splitlines()
+    }
+    vouched = {b for t in trainers for r in swarm.steps(t) for b in r.get("round_batch_ids", [])}
+    marks = {
+        g: how
+        for r in swarm.metrics("rollout", "rollout")
+        if r.get("event") in ("trainer_gone", "restored")
+        for g, how in r.get("trained_marks", {}).items()
+    }
+    return {g for g, how in marks.items() if (g in logged if how is None else how in vouched)}
+
+
 def check_every_group_accounted_for(swarm: Swarm, trainers: list[str]) -> dict[str, int]:
     rollout = swarm.metrics("rollout", "rollout")
     created = [g for r in rollout if r.get("event") == "batch" for g in r["group_ids"]]
@@ -241,7 +263,8 @@ def check_every_group_accounted_for(swarm: Swarm, trainers: list[str]) -> dict[s
     held = end["unacked_group_ids"]
     assert len(trained) == len(set(trained)), "a group was trained twice"
     assert len(created) == len(set(created))
-    assert set(created) == set(trained) | set(stale) | set(held), "a group was lost"
+    settled = settled_by_marks(swarm, trainers)
+    assert set(created) == set(trained) | settled | set(stale) | set(held), "a group was lost"
     return {
         "created": len(created),
         "trained": len(trained),

@@ -197,7 +197,7 @@ class Rollout:
         cleanup.callback(spool.close)
         self.ledger.spool = spool
         groups = spool.load()
-        trained = set()
+        trained: dict[str, str | None] = {}
         if groups and self.directory is not None:
             trained = self.directory.trained([g.group_id for g in groups])
         for group in groups:
@@ -217,7 +217,12 @@ class Rollout:
                 spool.corrupt,
             )
         self.metrics.write(
-            {"event": "restored", "group_ids": list(self.ledger.pending), **self.counts}
+            {
+                "event": "restored",
+                "group_ids": list(self.ledger.pending),
+                "trained_marks": trained,
+                **self.counts,
+            }
         )
 
     def _has_room(self) -> bool:
@@ -545,8 +550,11 @@ class Rollout:
         for trainer_id in self._apply_trainers(records, now=time.monotonic()):
             ids = [p.group.group_id for p in self.ledger.held_by(trainer_id)]
             assert self.directory is not None
-            trained = await asyncio.to_thread(self.directory.trained, ids) if ids else set()
-            counts = self.ledger.trainer_gone(trainer_id, trained)
+            marks = await asyncio.to_thread(self.directory.trained, ids) if ids else {}
+            counts = self.ledger.trainer_gone(trainer_id, set(marks))
+            self.metrics.write(
+                {"event": "trainer_gone", "node_id": trainer_id, "trained_marks": marks}
+            )
             self.counts["groups_trained"] += counts["trained"]
             self.counts["groups_resent_elsewhere"] += counts["resent"]
             log.warning(

@@ -62,12 +62,18 @@ class Ledger:
     rng: random.Random = field(default_factory=random.Random)
     spool: Spool | None = None
 
-    def add(self, group: protocol.TrajectoryGroup, write: bool = True) -> None:
+    def add(
+        self, group: protocol.TrajectoryGroup, write: bool = True, holder: str | None = None
+    ) -> None:
         """Hold `group` until trained, first writing it to the spool unless `write` is false
-        (it came from there); raises SpoolFull, holding nothing, when the spool is at its cap."""
+        (it came from there); raises SpoolFull, holding nothing, when the spool is at its cap.
+        `holder`: a trainer that may hold it (restored from the spool): offered to it only."""
         if self.spool is not None and write:
             self.spool.put(group)
-        self.pending[group.group_id] = Pending(group)
+        if holder is None:
+            self.pending[group.group_id] = Pending(group)
+        else:
+            self.pending[group.group_id] = Pending(group, state="unsure", trainer=holder)
 
     def _forget(self, group_id: str) -> None:
         """The group is done with (trained, dropped or refused for good)."""
@@ -111,6 +117,8 @@ class Ledger:
             case protocol.GroupAck(status="accepted" | "duplicate" as status):
                 pending.state, pending.trainer = "held", trainer.node_id
                 trainer.failures = 0
+                if self.spool is not None:
+                    self.spool.hold(pending.group.group_id, trainer.node_id)
                 return status
             case protocol.GroupAck(status=status):  # stale or rejected: final
                 self._forget(pending.group.group_id)

@@ -199,12 +199,15 @@ class Rollout:
         groups = spool.load()
         trained: dict[str, str | None] = {}
         if groups and self.directory is not None:
-            trained = self.directory.trained([g.group_id for g in groups])
-        for group in groups:
+            trained = self.directory.trained([g.group_id for g, _ in groups])
+        for group, holder in groups:
             if group.group_id in trained:
                 spool.remove(group.group_id)
             else:
-                self.ledger.add(group, write=False)
+                # A trainer the directory lists may have it queued: offered to it only. One
+                # it does not list is gone (its record expired), and with it its queue.
+                live = holder if holder in self.trainers else None
+                self.ledger.add(group, write=False, holder=live)
         self.counts["groups_restored"] = len(groups) - len(trained)
         self.counts["groups_restored_trained"] = len(trained)
         self.counts["spool_corrupt"] = spool.corrupt

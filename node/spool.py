@@ -2,8 +2,13 @@
 
     Ledger.add ──▶ put: <spool>/<sha256(group id)>.group  (written to a temp file, fsynced,
                         renamed: a crash leaves the old state or the new, never half a file)
-    trained / dropped / final reply ──▶ remove
-    restart ──▶ load: every file back as a "new" group (trainers dedupe by group id)
+    a trainer accepts it ──▶ hold: <name>.holder names that trainer
+    trained / dropped / final reply ──▶ remove (both files)
+    restart ──▶ load: every group back, with the trainer that held it, if one did
+
+A restarted node offers a group that a trainer held to that trainer only (it answers
+"duplicate" or "unknown"), never to another while that one lives: the group may be in
+its queue, and two trainers would both train it.
 
 The spool is capped in bytes (`rollout.spool_max_bytes`): a node whose spool is full stops
 generating until trainers catch up, and says so. A file that does not decode (a damaged
@@ -27,6 +32,8 @@ from agentjet.errors import ConfigError
 log = logging.getLogger(__name__)
 
 _decoder = msgspec.msgpack.Decoder(protocol.TrajectoryGroup)
+# A trainer id is short (hostname, pid, a suffix); a longer .holder file is not ours.
+MAX_HOLDER_BYTES = 256
 
 
 class SpoolFull(Exception):
@@ -57,8 +64,9 @@ class Spool:
     def full(self) -> bool:
         return self.nbytes >= self.max_bytes
 
-    def load(self) -> list[protocol.TrajectoryGroup]:
-        """Every group spooled by an earlier run of this node, oldest first."""
+    def load(self) -> list[tuple[protocol.TrajectoryGroup, str | None]]:
+        """Every group spooled by an earlier run of this node, oldest first, with the id of
+        the trainer that held it (None: none accepted it)."""
         groups = []
         paths = sorted(self.directory.glob("*.group"), key=lambda p: p.stat().st_mtime)
         for path in paths:
@@ -76,10 +84,20 @@ class Spool:
                 log.error("spooled file %s holds group %r; kept as .corrupt", path, group.group_id)
                 continue
             self.sizes[path.name] = len(data)
-            groups.append(group)
+            groups.append((group, self._holder(path)))
         for stale_tmp in self.directory.glob("*.tmp"):  # a write cut short by a crash
             stale_tmp.unlink()
+        for orphan in self.directory.glob("*.holder"):  # its group was removed first
+            if orphan.with_suffix(".group").name not in self.sizes:
+                orphan.unlink()
         return groups
+
+    def _holder(self, path: Path) -> str | None:
+        holder = path.with_suffix(".holder")
+        if not holder.exists():
+            return None
+        name = holder.read_bytes()[:MAX_HOLDER_BYTES].decode(errors="replace").strip()
+        return name or None
 
     def put(self, group: protocol.TrajectoryGroup) -> None:
         """Write `group` durably; raises SpoolFull (and writes nothing) past the cap."""
@@ -99,9 +117,21 @@ class Spool:
         os.replace(tmp, self.directory / name)
         self.sizes[name] = len(data)
 
+    def hold(self, group_id: str, trainer_id: str) -> None:
+        """Note that `trainer_id` accepted the group (atomic; no fsync: a crash that loses
+        the note leaves a window as short as the write)."""
+        name = _file_name(group_id)
+        if name not in self.sizes:
+            return
+        path = (self.directory / name).with_suffix(".holder")
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(trainer_id[:MAX_HOLDER_BYTES])
+        os.replace(tmp, path)
+
     def remove(self, group_id: str) -> None:
         name = _file_name(group_id)
         if self.sizes.pop(name, None) is not None:
+            (self.directory / name).with_suffix(".holder").unlink(missing_ok=True)
             (self.directory / name).unlink(missing_ok=True)
 
     def close(self) -> None:

@@ -23,12 +23,11 @@ trainer cut off right after a step, whose own marks reach no one, is covered by 
 peers' (node/swarm.py, `Directory.trained`). Rollout nodes hear "trained" only once a
 checkpoint holds the step (trained_groups.log names each group's version), so a trainer
 killed and resumed from its last checkpoint trains again exactly the groups whose steps
-it lost. Groups
-staler than `trainer.max_policy_lag` are dropped (acked "stale", counted), not trained.
-Groups that fail a check of node/verify.py (a wrong reward on arrival, sampler logprobs
-far from the learner's in its forward pass) are never trained: "rejected" or "dropped",
-counted, and held against their sending node, which is quarantined after
-`trainer.quarantine_after` failures. Blocking torch and DHT work runs in worker threads
+it lost. Groups staler than `trainer.max_policy_lag` are dropped (acked "stale",
+counted), not trained. Groups that fail a check of node/verify.py (a wrong reward on
+arrival, sampler logprobs far from the learner's in its forward pass) are never trained:
+"rejected" or "dropped", counted, and held against their sending node, which is
+quarantined after `trainer.quarantine_after` failures. Blocking torch and DHT work runs in worker threads
 (`asyncio.to_thread`); the event loop keeps answering peers meanwhile.
 """
 

@@ -31,9 +31,32 @@ def test_groups_held_by_the_ledger_come_back_after_a_restart(tmp_path: Path) -> 
     spool.close()  # the node stops (or dies: the files are all that is left)
 
     again = Spool(tmp_path, max_bytes=1 << 20)
-    [restored] = again.load()
-    assert restored == make_group("c")
+    [(restored, holder)] = again.load()
+    assert restored == make_group("c") and holder == "t"  # trainer t accepted it
     assert again.nbytes == len(protocol.encode(restored))
+    assert sorted(p.suffix for p in tmp_path.iterdir()) == ["", ".group", ".holder"]  # LOCK
+
+
+def test_a_restored_group_goes_back_only_to_the_trainer_that_held_it(tmp_path: Path) -> None:
+    spool = Spool(tmp_path, max_bytes=1 << 20)
+    ledger = Ledger(rng=random.Random(0), spool=spool)
+    ledger.add(make_group("g"))
+    [pending] = ledger.to_offer()
+    held_by_a = protocol.GroupAck(group_id="g", status="accepted", policy_version=0)
+    ledger.offered(pending, TrainerPeer("a", "tcp://h:1"), held_by_a, now=0.0)
+    spool.close()
+
+    again = Spool(tmp_path, max_bytes=1 << 20)
+    restored = Ledger(rng=random.Random(0), spool=again)
+    for group, holder in again.load():
+        restored.add(group, write=False, holder=holder)
+    trainers = {t: TrainerPeer(t, f"tcp://h:{i}") for i, t in enumerate(("a", "b"))}
+    [pending] = restored.to_offer()
+    for _ in range(10):  # never the less loaded b: a may have it queued
+        assert restored.pick(pending, trainers, now=0.0) is trainers["a"]
+    # a is gone, and no mark says trained: it goes to another trainer
+    assert restored.trainer_gone("a", trained=set()) == {"trained": 0, "resent": 1}
+    assert restored.pick(pending, {"b": trainers["b"]}, now=0.0) is trainers["b"]
 
 
 def test_a_full_spool_refuses_a_group_and_writes_nothing(tmp_path: Path) -> None:
@@ -49,7 +72,7 @@ def test_a_full_spool_refuses_a_group_and_writes_nothing(tmp_path: Path) -> None
     assert not spool.full()
     spool.put(make_group("c"))
     spool.close()
-    assert sorted(g.group_id for g in Spool(tmp_path, 1 << 20).load()) == ["b", "c"]
+    assert sorted(g.group_id for g, _ in Spool(tmp_path, 1 << 20).load()) == ["b", "c"]
 
 
 def test_a_damaged_file_is_set_aside_not_loaded_and_not_deleted(tmp_path: Path) -> None:
@@ -84,4 +107,4 @@ def test_a_hostile_group_id_cannot_name_a_path_outside_the_spool(tmp_path: Path)
     spool = Spool(tmp_path / "spool", max_bytes=1 << 20)
     spool.put(make_group("../../etc/passwd"))
     assert [p.parent for p in (tmp_path / "spool").glob("*.group")] == [tmp_path / "spool"]
-    assert [g.group_id for g in spool.load()] == ["../../etc/passwd"]
+    assert [g.group_id for g, _ in spool.load()] == ["../../etc/passwd"]

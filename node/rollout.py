@@ -197,7 +197,7 @@ class Rollout:
         cleanup.callback(spool.close)
         self.ledger.spool = spool
         groups = spool.load()
-        trained: dict[str, str | None] = {}
+        trained = set()
         if groups and self.directory is not None:
             trained = self.directory.trained([g.group_id for g, _ in groups])
         for group, holder in groups:
@@ -220,12 +220,7 @@ class Rollout:
                 spool.corrupt,
             )
         self.metrics.write(
-            {
-                "event": "restored",
-                "group_ids": list(self.ledger.pending),
-                "trained_marks": trained,
-                **self.counts,
-            }
+            {"event": "restored", "group_ids": list(self.ledger.pending), **self.counts}
         )
 
     def _has_room(self) -> bool:
@@ -553,11 +548,8 @@ class Rollout:
         for trainer_id in self._apply_trainers(records, now=time.monotonic()):
             ids = [p.group.group_id for p in self.ledger.held_by(trainer_id)]
             assert self.directory is not None
-            marks = await asyncio.to_thread(self.directory.trained, ids) if ids else {}
-            counts = self.ledger.trainer_gone(trainer_id, set(marks))
-            self.metrics.write(
-                {"event": "trainer_gone", "node_id": trainer_id, "trained_marks": marks}
-            )
+            trained = await asyncio.to_thread(self.directory.trained, ids) if ids else set()
+            counts = self.ledger.trainer_gone(trainer_id, trained)
             self.counts["groups_trained"] += counts["trained"]
             self.counts["groups_resent_elsewhere"] += counts["resent"]
             log.warning(

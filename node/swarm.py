@@ -3,8 +3,7 @@
 
     start_dht(config) ──▶ hivemind.DHT (joins `initial_peers`, retried with backoff)
         ├── Directory: each node's NodeRecord under the swarm's key, refreshed by heartbeat,
-        │              expiring after record_ttl_s; marks of trained group ids, and of
-        │              trained gradient rounds' batches (below)
+        │              expiring after record_ttl_s; marks of trained group ids
         └── SwarmOptimizer: learner grads ──step(samples)──▶ averaged with the other
                             trainers ──▶ AdamW; the epoch (= policy version) advances when
                             the swarm's target batch is reached; a lone peer advances at once.
@@ -15,16 +14,6 @@ hivemind's averaging and state-download calls are not covered by its authorizer:
 "Security" in docs/ARCHITECTURE.md for what that leaves open.
 
 Local mode uses this exact path with a single peer, so the swarm code is always exercised.
-
-"Trained" survives a trainer cut off right after its step. Each gradient round a trainer
-joins carries a batch id (hivemind's all-gather data, fixed when the round is scheduled),
-and right before its gradients enter the all-reduce the trainer stores in the DHT which
-groups the batch holds (an intent). After a step that applied averaged gradients, a
-trainer marks trained every batch of the round whose whole contribution reached it (its
-own and its peers'). A group counts as trained when marked itself or when a batch naming
-it is (`Directory.trained`), so one surviving peer's marks cover a peer whose own marks
-were lost.
-
 Lessons from DESIGN.md §8 live here: request_timeout passed to the gradient averager too,
 explicit ordered shutdown (optimizer, then DHT) so no `p2pd` is orphaned, and hivemind's
 own logging kept quiet. Records read from the DHT are input from strangers: each one is
@@ -41,7 +30,6 @@ import os
 import signal
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -74,8 +62,6 @@ log = logging.getLogger(__name__)
 
 # A trained group's mark stays in the DHT this long: far longer than any re-send takes.
 TRAINED_MARK_TTL_S = 3600.0
-# Longest batch id accepted from a peer or read from the DHT (ours are about 30).
-MAX_BATCH_ID_CHARS = 128
 # A stopping node waits at most this long to withdraw its directory record.
 WITHDRAW_TIMEOUT_S = 3.0
 # Seconds between attempts to start the DHT (doubled each time).
@@ -193,11 +179,6 @@ class Directory:
         self.ttl_s = config.record_ttl_s
         self.key = f"{config.run_id}.agentjet.nodes"
         self.trained_prefix = f"{config.run_id}.agentjet.trained."
-        # One key per group (subkeys: the batches that carried it) and per batch, like the
-        # trained marks: one key with a subkey per group would be fetched whole, and grow
-        # with the run.
-        self.intent_prefix = f"{config.run_id}.agentjet.intent."
-        self.trained_batch_prefix = f"{config.run_id}.agentjet.trained_batch."
         self.bad_records = 0
 
     def publish(self, record: protocol.NodeRecord) -> bool:
@@ -261,78 +242,23 @@ class Directory:
             log.info("could not ping the swarm's initial peers: %r", e)
             return 0
 
-    def mark_trained(
-        self, group_ids: Iterable[str], node_id: str, batch_ids: Iterable[str] = ()
-    ) -> None:
-        """Say in the DHT that these groups' gradients are in the swarm's weights, and so
-        are those of every group the batches `batch_ids` name (`name_batch`)."""
+    def mark_trained(self, group_ids: Iterable[str], node_id: str) -> None:
+        """Say in the DHT that these groups' gradients are in the swarm's weights."""
         expires = get_dht_time() + TRAINED_MARK_TTL_S
-        keys = [self.trained_prefix + g for g in group_ids]
-        keys += [self.trained_batch_prefix + b for b in batch_ids]
         futures = [
-            self.dht.store(key, node_id, expiration_time=expires, return_future=True)
-            for key in keys
+            self.dht.store(
+                self.trained_prefix + g, node_id, expiration_time=expires, return_future=True
+            )
+            for g in group_ids
         ]
         for future in futures:
             future.result()
 
-    def name_batch(self, batch_id: str, group_ids: Iterable[str]) -> bool:
-        """Store that the gradient round's batch `batch_id` holds these groups (before
-        its gradients are averaged); False if some store failed."""
-        expires = get_dht_time() + TRAINED_MARK_TTL_S
-        futures = [
-            self.dht.store(
-                self.intent_prefix + g,
-                True,
-                expiration_time=expires,
-                subkey=batch_id,
-                return_future=True,
-            )
-            for g in group_ids
-        ]
-        stored = [bool(f.result()) for f in futures]  # every future awaited
-        return all(stored)
-
-    def trained(self, group_ids: Iterable[str]) -> dict[str, str | None]:
-        """The ones among `group_ids` some trainer has marked trained, each with the mark
-        that says so: None for the group's own, else the id of a batch that named it (the
-        marking trainer's step row lists it in `round_batch_ids`)."""
+    def trained(self, group_ids: Iterable[str]) -> set[str]:
+        """The ones among `group_ids` some trainer has marked trained."""
         ids = list(group_ids)
-        marks: dict[str, str | None] = dict.fromkeys(self._found(self.trained_prefix, ids))
-        rest = [g for g in ids if g not in marks]
-        futures = [self.dht.get(self.intent_prefix + g, return_future=True) for g in rest]
-        intents = {g: batches_named(f.result()) for g, f in zip(rest, futures, strict=True)}
-        batches = sorted(set().union(*intents.values()))
-        marked = self._found(self.trained_batch_prefix, batches)
-        through = trained_through_batches(intents, marked)
-        if through:
-            log.info("%d groups are trained by a peer's mark of their gradient round", len(through))
-        return marks | {g: min(intents[g] & marked) for g in through}
-
-    def _found(self, prefix: str, names: list[str]) -> set[str]:
-        """The names whose key `prefix + name` holds a value in the DHT."""
-        futures = [self.dht.get(prefix + n, return_future=True) for n in names]
-        return {n for n, f in zip(names, futures, strict=True) if f.result() is not None}
-
-
-def is_batch_id(value: object) -> bool:
-    """Whether `value` (a peer's all-gather data, a DHT subkey) can be a batch id."""
-    return isinstance(value, str) and 0 < len(value) <= MAX_BATCH_ID_CHARS
-
-
-def batches_named(found: Any) -> set[str]:
-    """The batch ids of a group's intent read from the DHT (None when there is none);
-    anything else a stranger stored there is ignored."""
-    value = getattr(found, "value", None)
-    if not isinstance(value, dict):
-        return set()
-    return {b for b in value if is_batch_id(b)}
-
-
-def trained_through_batches(intents: dict[str, set[str]], marked: set[str]) -> set[str]:
-    """The groups some batch of which is marked trained: `intents` maps a group to the
-    batches that carried it, `marked` holds the batches marked trained."""
-    return {g for g, batches in intents.items() if batches & marked}
+        futures = [self.dht.get(self.trained_prefix + g, return_future=True) for g in ids]
+        return {g for g, f in zip(ids, futures, strict=True) if f.result() is not None}
 
 
 async def _ping_peers(dht: hivemind.DHT, node: Any, maddrs: list[str]) -> int:
@@ -357,64 +283,6 @@ def read_directory(config: SwarmConfig, keys: SwarmKeys | None) -> list[protocol
         return Directory(dht, config).records()
     finally:
         dht.shutdown()
-
-
-class RoundBatch:
-    """This trainer's accumulated gradients as its next gradient round names them: the
-    ids of the groups in them, and the batch id the round carries (None until a round is
-    scheduled). The id is unique to this process: a restarted trainer (same peer id)
-    must not reuse an id a peer may already have marked trained."""
-
-    def __init__(self, prefix: str) -> None:
-        self.prefix = prefix
-        self.rounds = 0
-        self.group_ids: list[str] = []
-        self.batch_id: str | None = None
-
-    def add(self, group_ids: Iterable[str]) -> None:
-        self.group_ids += group_ids
-
-    def next_round(self, epoch: int) -> str:
-        """A fresh batch id for a round being scheduled at `epoch`."""
-        self.rounds += 1
-        self.batch_id = f"{self.prefix}/{epoch}/{self.rounds}"
-        return self.batch_id
-
-    def clear(self) -> None:
-        """The gradients were stepped with or thrown away."""
-        self.group_ids, self.batch_id = [], None
-
-
-def complete_contributions(
-    gathered: dict[Any, Any], me: Any, banned: set[Any], some_reducer_failed: bool
-) -> dict[Any, Any]:
-    """The gathered data of the peers whose whole gradients are in this peer's result of
-    an all-reduce. hivemind finishes a round without a peer that stops sending (`banned`
-    senders are averaged without, from where they stopped) and keeps this peer's own
-    values for the part a failed reducer should have averaged (then no other peer's
-    gradients are all in). A peer's gradients in a part that a third peer reduced are
-    not checked (that peer alone knows whether it banned them)."""
-    return {
-        peer: data
-        for peer, data in gathered.items()
-        if peer == me or (not some_reducer_failed and peer not in banned)
-    }
-
-
-class _GradientAverager(GradientAverager):  # type: ignore[misc]
-    """A round's result (peer -> gathered data) lists only the peers whose whole
-    gradients are in it (`complete_contributions`)."""
-
-    async def _aggregate_with_group(self, group_info: Any, **kwargs: Any) -> Any:
-        gathered = await super()._aggregate_with_group(group_info, **kwargs)
-        # Set by `_run_allreduce_inplace_`; the group stays registered until this returns.
-        runner = self._running_groups[group_info.group_id].result()
-        return complete_contributions(
-            gathered,
-            self.peer_id,
-            set(runner.banned_senders),
-            runner.tensor_part_container.failed_size > 0,
-        )
 
 
 class _AveragerWatch(DecentralizedAverager):  # type: ignore[misc]
@@ -502,21 +370,10 @@ class _Optimizer(hivemind.Optimizer):  # type: ignore[misc]
     reloads = 0  # state downloads: the part of `discards` that cost the whole state in bytes
     failed_rounds = 0
 
-    def __init__(
-        self,
-        *args: Any,
-        other_trainers: Callable[[], int],
-        name_batch: Callable[[str, list[str]], bool],
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, *args: Any, other_trainers: Callable[[], int], **kwargs: Any) -> None:
         self.step_lock = threading.Lock()  # held by SwarmOptimizer for each whole step
         self.loading = threading.Event()  # set while this trainer downloads the swarm's state
         self._other_trainers = other_trainers
-        self._name_batch = name_batch
-        self.round = RoundBatch(uuid.uuid4().hex[:12])
-        # The batch ids of the last gradient round whose result was loaded (see
-        # `_GradientAverager`); empty after a step without a round.
-        self.round_batch_ids: tuple[str, ...] = ()
         super().__init__(*args, **kwargs)
 
     def _make_state_averager(self, **kwargs: Any) -> TrainingStateAverager:
@@ -548,8 +405,7 @@ class _Optimizer(hivemind.Optimizer):  # type: ignore[misc]
         self.discards += 1
 
     def take_swarm_state(self, **kwargs: Any) -> None:
-        """Download the state of the newest peer, serving none meanwhile (hivemind resets
-        the accumulated gradients)."""
+        """Download the state of the newest peer, serving none meanwhile."""
         epoch = self.local_epoch
         self.state_averager.downloaded = False
         self.loading.set()
@@ -557,7 +413,6 @@ class _Optimizer(hivemind.Optimizer):  # type: ignore[misc]
             super().load_state_from_peers(**kwargs)
         finally:
             self.loading.clear()
-        self.round.clear()
         self.reloads += 1
         if not self.state_averager.downloaded and self.local_epoch != epoch:
             # hivemind moves a peer one epoch behind to the swarm's epoch even when no
@@ -576,47 +431,10 @@ class _Optimizer(hivemind.Optimizer):  # type: ignore[misc]
         # Else the tracker keeps its old view for seconds, and steps wait for it.
         self._refresh_progress(timeout=self.matchmaking_time)
 
-    def _schedule_gradient_round(self) -> Any:
-        """Begin matching peers for a gradient round that carries a new batch id."""
-        return self.grad_averager.schedule_step(
-            timeout=self.averaging_timeout, gather=self.round.next_round(self.local_epoch)
-        )
-
-    def _maybe_schedule_gradient_averaging(self) -> None:
-        """hivemind's (match peers a matchmaking time before the swarm's step is due), with
-        this trainer's batch id as the round's all-gather data."""
-        if self.tracker.estimated_next_update_time - get_dht_time() <= self.matchmaking_time:
-            control = self.scheduled_grads  # type: ignore[has-type]
-            if control is None or control.triggered or control.done():
-                self.scheduled_grads = self._schedule_gradient_round()
-
-    def _name_round_groups(self) -> None:
-        """Store which groups this trainer's gradients hold under the batch id of the round
-        they are about to enter; a store that fails aborts the step (RoundFailed): a peer
-        could not vouch for these groups. hivemind begins a round with peers here
-        (`scheduled_grads`, or one it would schedule without a batch id: scheduled here).
-
-        Only here, where the gradients enter with their weight: hivemind also joins rounds
-        with weight zero (tagging along, e.g. when it loads state inside a step), and the
-        peers of such a round would vouch for a batch that holds nothing. The stores delay
-        this peer's part of the all-reduce; peers wait one matchmaking time for it."""
-        control = self.scheduled_grads
-        if self.tracker.global_progress.num_peers <= 1 or not self.round.group_ids:
-            return  # no round with peers: this trainer marks its groups itself
-        if control is not None and (control.triggered or control.done()):
-            return  # hivemind begins no round then
-        if control is None:
-            self.scheduled_grads = self._schedule_gradient_round()
-        assert self.round.batch_id is not None
-        if not self._name_batch(self.round.batch_id, self.round.group_ids):
-            self.failed_rounds += 1
-            raise RoundFailed(f"could not name the groups of batch {self.round.batch_id}")
-
     def _begin_averaging_gradients(self, grad_scaler: Any) -> bool:
         """hivemind's tracker may not know of a peer yet (it refreshes every few seconds)
         and step alone; the swarm's directory is fresher. With other trainers listed there,
         a step without a round is a failed round."""
-        self._name_round_groups()
         began = bool(super()._begin_averaging_gradients(grad_scaler))
         others = self._other_trainers()
         if not began and others:
@@ -631,11 +449,10 @@ class _Optimizer(hivemind.Optimizer):  # type: ignore[misc]
         (`discard_round`), and their samples are trained again."""
         if control is not None:
             try:
-                gathered = control.result(self.averaging_timeout)
+                control.result(self.averaging_timeout)
             except BaseException as e:
                 self.failed_rounds += 1
                 raise RoundFailed(repr(e)) from None
-            self.round_batch_ids = tuple(sorted(b for b in gathered.values() if is_batch_id(b)))
         super()._average_gradients_and_load_into_optimizer(control)
 
     def discard_round(self) -> None:
@@ -652,7 +469,6 @@ class _Optimizer(hivemind.Optimizer):  # type: ignore[misc]
                 control.cancel()
             setattr(self, name, None)
         self.grad_averager.reset_accumulated_grads_()
-        self.round.clear()
         self.tracker.report_local_progress(self.local_epoch, samples_accumulated=0)
         self.discards += 1
         self._refresh_progress(timeout=self.matchmaking_time)
@@ -687,9 +503,6 @@ class StepOutcome:
     epoch: int
     applied: bool  # the accumulated gradients went into an optimizer step
     discarded: bool  # they were thrown away (a failed round, or this peer was out of sync)
-    # When applied after a round with peers: the batch ids whose whole gradients were in
-    # it, this trainer's and its peers' (to mark trained: `Directory.mark_trained`).
-    batch_ids: tuple[str, ...] = ()
 
 
 class SwarmOptimizer:
@@ -715,7 +528,6 @@ class SwarmOptimizer:
         try:
             self.optimizer = _Optimizer(
                 other_trainers=other_trainers,
-                name_batch=Directory(self.dht, config).name_batch,
                 dht=self.dht,
                 run_id=config.run_id,
                 target_batch_size=target_batch_size,
@@ -737,7 +549,7 @@ class SwarmOptimizer:
                 # default, 60 s, would fail every round with it for a minute).
                 tracker_opts={"metadata_expiration": config.record_ttl_s},
                 grad_averager_factory=partial(
-                    _GradientAverager, request_timeout=config.request_timeout_s
+                    GradientAverager, request_timeout=config.request_timeout_s
                 ),
                 verbose=False,
             )
@@ -757,13 +569,6 @@ class SwarmOptimizer:
         """Hand the accumulated `.grad`s of `batch_size` samples to the swarm; returns the epoch."""
         return self.step_outcome(batch_size).epoch
 
-    def add_groups(self, group_ids: Iterable[str]) -> None:
-        """Name the groups whose gradients the next `step_outcome` adds (or that add none
-        but are trained with them): a gradient round stores them in the DHT under its
-        batch id first, so a peer's marks can cover them (`Directory.trained`)."""
-        with self.optimizer.step_lock:
-            self.optimizer.round.add(group_ids)
-
     def step_outcome(self, batch_size: int) -> StepOutcome:
         """Like `step`, and say whether the gradients were applied, kept or thrown away."""
         with self.optimizer.step_lock:
@@ -777,18 +582,14 @@ class SwarmOptimizer:
             averager = self.optimizer.state_averager
             rounds = [self.optimizer.scheduled_state]
             averager.rounds = ()
-            self.optimizer.round_batch_ids = ()
             try:
                 self.optimizer.step(batch_size=batch_size)
             except RoundFailed as e:
                 log.info("gradient round with peers failed (%s); its gradients are dropped", e)
                 self.optimizer.discard_round()
             self.optimizer.zero_grad()
-            stepped = self.epoch > epoch
-            if stepped:
-                self.optimizer.round.clear()
             rounds += averager.rounds
-            if stepped and any(_failed(r) for r in rounds):
+            if self.epoch > epoch and any(_failed(r) for r in rounds):
                 # The gradients were averaged, but the parameters were not: hivemind keeps
                 # this trainer's own result, which can differ from the others' at this
                 # version (by 1e-3 when measured). A peer whose round succeeded has the
@@ -799,12 +600,8 @@ class SwarmOptimizer:
                 self.repairs += 1
                 self.optimizer.take_swarm_state()
         discarded = self.optimizer.discards > discards
-        applied = not discarded and stepped
         return StepOutcome(
-            self.epoch,
-            applied=applied,
-            discarded=discarded,
-            batch_ids=self.optimizer.round_batch_ids if applied else (),
+            self.epoch, applied=not discarded and self.epoch > epoch, discarded=discarded
         )
 
     def load_state_from_peers(self) -> bool:

@@ -4,8 +4,7 @@
                                                                       │
     learner task:  groups_per_step fresh groups ──(thread)──▶ Learner.train_step
                    ──▶ gradients averaged with the other trainers (hivemind) ──▶ version v+1
-                   ──▶ groups marked trained (GroupStatus, and in the DHT: their ids and
-                       the round's batch ids, which cover the peers' groups too)
+                   ──▶ groups marked trained (GroupStatus, and in the DHT)
                    ──▶ PolicySnapshot (served in chunks: PolicyQuery / WeightChunkRequest)
                    ──▶ checkpoint every N versions ──▶ metrics/trainer.jsonl
     heartbeat:     NodeRecord (endpoint, version, queue, quarantined nodes) ──▶ the DHT directory
@@ -16,18 +15,14 @@ started on a run dir with checkpoints (and no peer to load from) resumes from th
 A group is "trained" only once its gradients are in an optimizer step: gradients that
 are thrown away (a failed round with peers, or this trainer fell out of sync) put their
 groups back in the queue. Rollout nodes hold every group until it is trained, so a
-trainer that dies loses nothing. Before its gradients enter a round with peers, the
-groups in them are named in the DHT under the round's batch id; after the step the
-trainer marks trained its groups and every batch of the round (its peers' too), so a
-trainer cut off right after a step, whose own marks reach no one, is covered by its
-peers' (node/swarm.py, `Directory.trained`). Rollout nodes hear "trained" only once a
-checkpoint holds the step (trained_groups.log names each group's version), so a trainer
-killed and resumed from its last checkpoint trains again exactly the groups whose steps
-it lost. Groups staler than `trainer.max_policy_lag` are dropped (acked "stale",
-counted), not trained. Groups that fail a check of node/verify.py (a wrong reward on
-arrival, sampler logprobs far from the learner's in its forward pass) are never trained:
-"rejected" or "dropped", counted, and held against their sending node, which is
-quarantined after `trainer.quarantine_after` failures. Blocking torch and DHT work runs in worker threads
+trainer that dies loses nothing. Rollout nodes hear "trained" only once a checkpoint holds
+the step (trained_groups.log names each group's version), so a trainer killed and resumed
+from its last checkpoint trains again exactly the groups whose steps it lost. Groups
+staler than `trainer.max_policy_lag` are dropped (acked "stale", counted), not trained.
+Groups that fail a check of node/verify.py (a wrong reward on arrival, sampler logprobs
+far from the learner's in its forward pass) are never trained: "rejected" or "dropped",
+counted, and held against their sending node, which is quarantined after
+`trainer.quarantine_after` failures. Blocking torch and DHT work runs in worker threads
 (`asyncio.to_thread`); the event loop keeps answering peers meanwhile.
 """
 
@@ -511,9 +506,7 @@ class Trainer:
                 self.trained_log.write(f"{version}\t{group.group_id}\n")
             self.trained_log.flush()
             ids = [g.group_id for g in trained]
-            await asyncio.to_thread(
-                self.directory.mark_trained, ids, self.node_id, row["round_batch_ids"]
-            )
+            await asyncio.to_thread(self.directory.mark_trained, ids, self.node_id)
         # hivemind may also keep a step's gradients for the next epoch (the swarm's target
         # batch is not reached yet); those groups stay accumulated.
         changed = int(row["policy_version"]) != self.version

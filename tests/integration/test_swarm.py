@@ -231,29 +231,9 @@ def leftovers(swarm: Swarm) -> dict[int, str]:
     return out
 
 
-def settled_by_marks(swarm: Swarm, trainers: list[str]) -> set[str]:
-    """Groups the rollout node dropped as trained on the swarm's DHT marks (a trainer gone,
-    or its own restart), each confirmed by a trainer's records: a group's own mark follows
-    its line in the trainer's trained_groups.log, a batch's mark the step row of the trainer
-    that made it (`round_batch_ids`). A trainer killed between its step and its step row
-    leaves them trained (its peer holds the step) but in no step row."""
-    logged = {
-        line.partition("\t")[2]
-        for t in trainers
-        if (swarm.dir / t / "trained_groups.log").exists()
-        for line in (swarm.dir / t / "trained_groups.log").read_text().splitlines()
-    }
-    vouched = {b for t in trainers for r in swarm.steps(t) for b in r.get("round_batch_ids", [])}
-    marks = {
-        g: how
-        for r in swarm.metrics("rollout", "rollout")
-        if r.get("event") in ("trainer_gone", "restored")
-        for g, how in r.get("trained_marks", {}).items()
-    }
-    return {g for g, how in marks.items() if (g in logged if how is None else how in vouched)}
-
-
-def check_every_group_accounted_for(swarm: Swarm, trainers: list[str]) -> dict[str, int]:
+def check_every_group_accounted_for(
+    swarm: Swarm, trainers: list[str], duplicates_allowed: bool = False
+) -> dict[str, int]:
     rollout = swarm.metrics("rollout", "rollout")
     created = [g for r in rollout if r.get("event") == "batch" for g in r["group_ids"]]
     trained = [g for t in trainers for r in swarm.steps(t) for g in r["trained_group_ids"]]
@@ -265,15 +245,16 @@ def check_every_group_accounted_for(swarm: Swarm, trainers: list[str]) -> dict[s
     ]
     [end] = [r for r in rollout if r.get("event") == "stopped"]
     held = end["unacked_group_ids"]
-    assert len(trained) == len(set(trained)), "a group was trained twice"
+    if not duplicates_allowed:
+        assert len(trained) == len(set(trained)), "a group was trained twice"
     assert len(created) == len(set(created))
-    settled = settled_by_marks(swarm, trainers)
-    assert set(created) == set(trained) | settled | set(stale) | set(held), "a group was lost"
+    assert set(created) == set(trained) | set(stale) | set(held), "a group was lost"
     return {
         "created": len(created),
         "trained": len(trained),
         "stale": len(set(stale)),
         "held": len(held),
+        "duplicated": len(trained) - len(set(trained)),
     }
 
 
@@ -423,10 +404,12 @@ def test_a_swarm_across_hosts_survives_a_cut_link(swarm_factory: Callable[..., S
         swarm.wait_for("trainer-b to rejoin and train", lambda: trained_since("trainer-b", back_at))
         codes = swarm.stop()
         assert set(codes.values()) == {0}, swarm.logs()
-        # Nothing is lost, nothing trained twice. The groups of a step the cut trainer made in
-        # the last moment before the cut (its own "trained" reached no one) are marked by the
-        # trainer it averaged with (docs/ARCHITECTURE.md, "Delivery"); before that they were
-        # re-sent and trained again (0 or 2 groups per cut).
-        check_every_group_accounted_for(swarm, ["trainer-a", "trainer-b"])
+        # Nothing is lost. A group the cut trainer trained in the last moment before the cut
+        # (its "trained" could not reach anyone) is re-sent when its record expires and
+        # trained again: a step or two of groups (measured: 0 or 2).
+        counts = check_every_group_accounted_for(
+            swarm, ["trainer-a", "trainer-b"], duplicates_allowed=True
+        )
+        assert counts["duplicated"] <= 4, counts  # two steps of trainer.groups_per_step=2
         log_b = (swarm.dir / "trainer-b.log").read_text()
         assert "cut off from the swarm" in log_b and "reachable again" in log_b

@@ -220,7 +220,12 @@ class Rollout:
                 spool.corrupt,
             )
         self.metrics.write(
-            {"event": "restored", "group_ids": list(self.ledger.pending), **self.counts}
+            {
+                "event": "restored",
+                "group_ids": list(self.ledger.pending),
+                "trained_group_ids": sorted(trained),  # per the DHT's marks: not offered
+                **self.counts,
+            }
         )
 
     def _has_room(self) -> bool:
@@ -550,6 +555,13 @@ class Rollout:
             assert self.directory is not None
             trained = await asyncio.to_thread(self.directory.trained, ids) if ids else set()
             counts = self.ledger.trainer_gone(trainer_id, trained)
+            self.metrics.write(
+                {
+                    "event": "trainer_gone",
+                    "node_id": trainer_id,
+                    "trained_group_ids": sorted(trained),
+                }
+            )
             self.counts["groups_trained"] += counts["trained"]
             self.counts["groups_resent_elsewhere"] += counts["resent"]
             log.warning(

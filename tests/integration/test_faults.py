@@ -32,7 +32,7 @@ from typing import Any
 import pytest
 
 from tests.fault_results import merge_results
-from tests.integration.test_swarm import Swarm, free_listen, leftovers
+from tests.integration.test_swarm import Swarm, free_listen, leftovers, settled_by_marks
 
 pytestmark = pytest.mark.integration
 
@@ -279,7 +279,8 @@ def account(swarm: Swarm) -> dict[str, Any]:
     rejected = {g for t in trainers for r in swarm.steps(t) for g in r["rejected_group_ids"]}
     ends = [r for r in rollout if r.get("event") == "stopped"]
     held = set(ends[-1]["unacked_group_ids"])
-    lost = created - set(trained) - stale - held - rejected
+    settled = settled_by_marks(swarm, list(trainers), set(trained))
+    lost = created - set(trained) - settled - stale - held - rejected
     for name in trainers:  # versions never go back, across the lives of each trainer
         versions = [r["policy_version"] for r in swarm.steps(name)]
         assert versions == sorted(versions), (name, versions)
@@ -287,7 +288,8 @@ def account(swarm: Swarm) -> dict[str, Any]:
     assert loaded == sorted(loaded), loaded
     return {
         "groups_created": len(created),
-        "groups_trained": len(set(trained)),
+        "groups_trained": len(set(trained) | settled),
+        "groups_trained_without_step_row": len(settled),
         "groups_stale": len(stale),
         "groups_rejected": len(rejected),
         "groups_held_at_end": len(held - set(trained) - stale),  # untrained, on disk

@@ -231,6 +231,25 @@ def leftovers(swarm: Swarm) -> dict[int, str]:
     return out
 
 
+def settled_by_marks(swarm: Swarm, trainers: list[str], trained: set[str]) -> set[str]:
+    """Groups trained by a trainer SIGKILLed between its step and its step row: the rollout
+    node dropped them on the trainer's DHT marks (rows `trainer_gone`, `restored`), and the
+    trainer's trained_groups.log confirms them."""
+    logged = {
+        line.partition("\t")[2]
+        for t in trainers
+        if (swarm.dir / t / "trained_groups.log").exists()
+        for line in (swarm.dir / t / "trained_groups.log").read_text().splitlines()
+    }
+    marked = {
+        g
+        for r in swarm.metrics("rollout", "rollout")
+        if r.get("event") in ("trainer_gone", "restored")
+        for g in r.get("trained_group_ids", [])
+    }
+    return (marked & logged) - trained
+
+
 def check_every_group_accounted_for(
     swarm: Swarm, trainers: list[str], duplicates_allowed: bool = False
 ) -> dict[str, int]:
@@ -248,7 +267,8 @@ def check_every_group_accounted_for(
     if not duplicates_allowed:
         assert len(trained) == len(set(trained)), "a group was trained twice"
     assert len(created) == len(set(created))
-    assert set(created) == set(trained) | set(stale) | set(held), "a group was lost"
+    settled = settled_by_marks(swarm, trainers, set(trained))
+    assert set(created) == set(trained) | settled | set(stale) | set(held), "a group was lost"
     return {
         "created": len(created),
         "trained": len(trained),

@@ -217,6 +217,29 @@ def start_swarm(swarm: Swarm, trainers: list[str]) -> str:
     return join
 
 
+def swarm_status(join: str, run_id: str, keys_file: Path) -> str:
+    """What `agentjet status --join` prints for the swarm (it must exit 0)."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "agentjet.cli",
+            "status",
+            "--join",
+            join,
+            "--run-id",
+            run_id,
+            "--keys",
+            str(keys_file),
+        ],  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=STATUS_TIMEOUT_S,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
 def leftovers(swarm: Swarm) -> dict[int, str]:
     """Processes a stopped swarm left running, with their command lines. torch's
     shared-memory manager exits on its own once its last client is gone: allow it that."""
@@ -308,28 +331,11 @@ def test_two_trainers_hold_identical_weights_and_lose_nothing(swarm_factory: Cal
 
     swarm.wait_for("three versions reached by both trainers", both_trained_three_common_versions)
     # `agentjet status --join` lists the whole swarm from the directory
-    status = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "agentjet.cli",
-            "status",
-            "--join",
-            join,
-            "--run-id",
-            "swarm-test",
-            "--keys",
-            str(swarm.keys_file),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=STATUS_TIMEOUT_S,
-    )
-    assert status.returncode == 0, status.stderr
-    assert "swarm: 1 coordinator, 2 trainer, 1 rollout" in status.stdout, status.stdout
+    shown = swarm_status(join, "swarm-test", swarm.keys_file)
+    assert "swarm: 1 coordinator, 2 trainer, 1 rollout" in shown, shown
     for name in ("trainer-a", "trainer-b"):
         endpoint = re.search(r"tcp://127\.0\.0\.1:\d+", (swarm.dir / f"{name}.log").read_text())
-        assert endpoint and endpoint.group(0) in status.stdout
+        assert endpoint and endpoint.group(0) in shown
     codes = swarm.stop()
     assert set(codes.values()) == {0}, swarm.logs()
     check_every_group_accounted_for(swarm, ["trainer-a", "trainer-b"])

@@ -15,8 +15,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -31,6 +29,7 @@ from node.rollout import build_group
 from node.torch_engine import TorchEngine
 from sandboxes.envs.arithmetic import ArithmeticEnv
 from tests.factories import forge
+from tests.integration.test_swarm import swarm_status
 from tests.integration.test_trainer_node import Launched, connect, launched_trainer
 
 pytestmark = pytest.mark.integration
@@ -76,28 +75,6 @@ async def final_status(client, group_id: str) -> str:
     raise AssertionError(f"group {group_id} neither trained nor dropped in time")
 
 
-def status_output(join: str, keys_file: Path) -> str:
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "agentjet.cli",
-            "status",
-            "--join",
-            join,
-            "--run-id",
-            RUN_ID,
-            "--keys",
-            str(keys_file),
-        ],  # fmt: skip
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr
-    return done.stdout
-
-
 def test_forged_groups_are_rejected_and_their_node_quarantined(
     tiny_model_dir: Path, tmp_path: Path, keys_file: Path
 ):
@@ -121,7 +98,7 @@ def test_forged_groups_are_rejected_and_their_node_quarantined(
         log = (tmp_path / "trainer.log").read_text()
         join = re.findall(r"--join (\S+)", log)[0]
         deadline = time.monotonic() + RECORD_TIMEOUT_S
-        while "quarantined by" not in (shown := status_output(join, keys_file)):
+        while "quarantined by" not in (shown := swarm_status(join, RUN_ID, keys_file)):
             assert time.monotonic() < deadline, shown
         trainer.stop()
     assert outcomes == {

@@ -55,11 +55,8 @@ class Spool:
                 "node its own run dir (run.dir) or rollout.spool_dir"
             ) from None
         self.sizes: dict[str, int] = {}  # file name -> bytes, for every spooled group
+        self.nbytes = 0  # their sum (asked before every batch and every write)
         self.corrupt = 0
-
-    @property
-    def nbytes(self) -> int:
-        return sum(self.sizes.values())
 
     def full(self) -> bool:
         return self.nbytes >= self.max_bytes
@@ -83,6 +80,7 @@ class Spool:
                 path.rename(path.with_suffix(".corrupt"))
                 log.error("spooled file %s holds group %r; kept as .corrupt", path, group.group_id)
                 continue
+            self.nbytes += len(data) - self.sizes.get(path.name, 0)
             self.sizes[path.name] = len(data)
             groups.append((group, self._holder(path)))
         for stale_tmp in self.directory.glob("*.tmp"):  # a write cut short by a crash
@@ -115,6 +113,7 @@ class Spool:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.directory / name)
+        self.nbytes += len(data) - self.sizes.get(name, 0)
         self.sizes[name] = len(data)
 
     def hold(self, group_id: str, trainer_id: str) -> None:
@@ -130,7 +129,9 @@ class Spool:
 
     def remove(self, group_id: str) -> None:
         name = _file_name(group_id)
-        if self.sizes.pop(name, None) is not None:
+        size = self.sizes.pop(name, None)
+        if size is not None:
+            self.nbytes -= size
             (self.directory / name).with_suffix(".holder").unlink(missing_ok=True)
             (self.directory / name).unlink(missing_ok=True)
 

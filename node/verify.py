@@ -69,9 +69,12 @@ def reward_problem(
     that was asked, and a forger could otherwise pair a right answer with another question.
     """
     score = REWARD_CHECKS[group.env]
+    asks: dict[bytes, bool] = {}  # a group's samples share their prompt: decoded once
     for i, sample in enumerate(group.samples):
-        prompt = tokenizer.decode(protocol.unpack_ids(sample.prompt_ids).tolist())
-        if task.prompt not in prompt:
+        if sample.prompt_ids not in asks:
+            prompt = tokenizer.decode(protocol.unpack_ids(sample.prompt_ids).tolist())
+            asks[sample.prompt_ids] = task.prompt in prompt
+        if not asks[sample.prompt_ids]:
             return f"sample {i}: the prompt does not ask task {task.id!r}"
         reward = score(tokenizer, protocol.unpack_ids(sample.completion_ids).tolist(), task)
         if reward != sample.reward:

@@ -5,10 +5,15 @@ with different random gradients, step together for `--epochs` global steps (targ
 batch = one sample from each). Each saves its parameters at every version it reaches;
 the parent compares them version by version.
 
-    .venv/bin/python bench/identity.py [--epochs 40] [--runs 3]
+    .venv/bin/python bench/identity.py [--epochs 40] [--runs 3] [--grad-compression fp16]
+        [--average-state-every N] [--stock]
 
 Prints one JSON object: per run, versions compared, versions bit-identical, the largest
 difference seen, and each trainer's counters (failed rounds, state downloads, repairs).
+
+`--average-state-every 1000` leaves the gradient rounds alone to keep the trainers in
+step (no parameter averaging to hide their disagreements); `--stock` runs hivemind's own
+all-reduce instead of node/allreduce.py's exact one, for comparison.
 """
 
 from __future__ import annotations
@@ -27,14 +32,23 @@ STEP_PAUSE_S = 0.05  # stands in for a forward/backward pass
 RUN_TIMEOUT_S = 240.0
 
 
-def trainer(role: str, workdir: Path, epochs: int) -> None:
+def trainer(role: str, workdir: Path, args: argparse.Namespace) -> None:
     import msgspec
     import torch
 
     from agentjet.config import SwarmConfig
+    from node.allreduce import ExactAverager
     from node.swarm import SwarmOptimizer, visible_maddrs
 
-    config = SwarmConfig(run_id=f"identity-{workdir.name}", averaging_timeout_s=10.0)
+    if args.stock:  # back to hivemind's DecentralizedAverager._run_allreduce_inplace_
+        del ExactAverager._run_allreduce_inplace_
+    epochs = args.epochs
+    config = SwarmConfig(
+        run_id=f"identity-{workdir.name}",
+        averaging_timeout_s=10.0,
+        grad_compression=args.grad_compression,
+        average_state_every=args.average_state_every,
+    )
     torch.manual_seed(0)  # same initial weights in both processes
     model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 128))
     maddrs = workdir / "maddrs.json"
@@ -103,11 +117,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=40)
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--grad-compression", choices=["none", "fp16"], default="none")
+    parser.add_argument("--average-state-every", type=int, default=1)
+    parser.add_argument("--stock", action="store_true", help="hivemind's own all-reduce")
     parser.add_argument("--role", choices=["a", "b"], help=argparse.SUPPRESS)
     parser.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.role:
-        trainer(args.role, args.workdir, args.epochs)
+        trainer(args.role, args.workdir, args)
         return
     results = []
     for _ in range(args.runs):
@@ -124,6 +141,11 @@ def main() -> None:
                         str(workdir),
                         "--epochs",
                         str(args.epochs),
+                        "--grad-compression",
+                        args.grad_compression,
+                        "--average-state-every",
+                        str(args.average_state_every),
+                        *(["--stock"] if args.stock else []),
                     ],
                     stdout=subprocess.DEVNULL,
                     stderr=(workdir / f"{role}.log").open("wb"),
@@ -141,7 +163,13 @@ def main() -> None:
                 tail = (workdir / "b.log").read_text()[-2000:]
                 raise SystemExit(f"a trainer failed (exit codes {codes}):\n{tail}")
             results.append(compare(workdir))
-    print(json.dumps({"epochs": args.epochs, "runs": results}, indent=1))
+    settings = {
+        "epochs": args.epochs,
+        "grad_compression": args.grad_compression,
+        "average_state_every": args.average_state_every,
+        "allreduce": "hivemind" if args.stock else "exact",
+    }
+    print(json.dumps({**settings, "runs": results}, indent=1))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""The one module that imports hivemind: the swarm's DHT, its directory of nodes, and
-`hivemind.Optimizer` for the trainers.
+"""The swarm's DHT, its directory of nodes, and `hivemind.Optimizer` for the trainers
+(with node/allreduce.py, the only modules that import hivemind).
 
     start_dht(config) ──▶ hivemind.DHT (joins `initial_peers`, retried with backoff)
         ├── Directory: each node's NodeRecord under the swarm's key, refreshed by heartbeat,
@@ -7,6 +7,8 @@
         └── SwarmOptimizer: learner grads ──step(samples)──▶ averaged with the other
                             trainers ──▶ AdamW; the epoch (= policy version) advances when
                             the swarm's target batch is reached; a lone peer advances at once.
+                            Every round is exact (node/allreduce.py): all trainers get the
+                            same averaged bits, so one version is one set of weights.
 
 With the swarm's keys every DHT request and reply is signed and checked (`SwarmAuthorizer`),
 so a peer without the key file cannot join the DHT, read the directory or store in it.
@@ -44,7 +46,6 @@ os.environ.setdefault("HIVEMIND_MEMORY_SHARING_STRATEGY", "file_descriptor")
 import hivemind  # noqa: E402
 import msgspec
 import torch
-from hivemind.averaging import DecentralizedAverager
 from hivemind.compression import Float16Compression, NoCompression
 from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.state_averager import TrainingStateAverager
@@ -57,6 +58,7 @@ from agentjet import protocol
 from agentjet.config import SwarmConfig
 from agentjet.errors import AgentjetError
 from agentjet.keys import SwarmKeys
+from node.allreduce import ExactAverager
 
 log = logging.getLogger(__name__)
 
@@ -285,13 +287,18 @@ def read_directory(config: SwarmConfig, keys: SwarmKeys | None) -> list[protocol
         dht.shutdown()
 
 
-class _AveragerWatch(DecentralizedAverager):  # type: ignore[misc]
+class _ExactGradientAverager(GradientAverager, ExactAverager):  # type: ignore[misc]
+    """hivemind's gradient averager, with rounds that leave every trainer the same bits."""
+
+
+class _AveragerWatch(ExactAverager):
     """Records what hivemind's TrainingStateAverager only logs: the controls of the
     averaging rounds it begins (`rounds`; a failed parameter round leaves this peer with
     its own parameters) and whether its last state download got any state (`downloaded`).
 
     It sits between TrainingStateAverager and DecentralizedAverager in the bases of
-    `_WholeStateAverager`, so TrainingStateAverager's calls to its base pass through here.
+    `_WholeStateAverager`, so TrainingStateAverager's calls to its base pass through here
+    (and its parameter rounds are exact, as ExactAverager makes them).
     """
 
     rounds: tuple[Any, ...] = ()
@@ -537,11 +544,11 @@ class SwarmOptimizer:
                 averaging_timeout=config.averaging_timeout_s,
                 average_state_every=config.average_state_every,
                 # Average parameters inside the step, not in the background after it: the
-                # version a step makes is then the averaged one. The peers' parameters are
-                # close, so each peer's `local + (mean - local)` is nearly always exactly the
-                # mean (gradients, averaged as deltas of far-apart values, agree only to
-                # float rounding). Adam's moments are not averaged: fed the same averaged
-                # gradients they stay as close, and averaging them would triple the bytes.
+                # version a step makes is then the averaged one. With exact rounds the
+                # trainers' gradients, and so their steps, are already bit-identical; the
+                # parameter round re-synchronizes one that missed a step. Adam's moments
+                # are not averaged: fed the same averaged gradients they stay identical,
+                # and averaging them would triple the bytes.
                 delay_state_averaging=False,
                 grad_compression=compression,
                 averager_opts={"request_timeout": config.request_timeout_s},
@@ -549,7 +556,7 @@ class SwarmOptimizer:
                 # default, 60 s, would fail every round with it for a minute).
                 tracker_opts={"metadata_expiration": config.record_ttl_s},
                 grad_averager_factory=partial(
-                    GradientAverager, request_timeout=config.request_timeout_s
+                    _ExactGradientAverager, request_timeout=config.request_timeout_s
                 ),
                 verbose=False,
             )

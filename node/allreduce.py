@@ -1,0 +1,130 @@
+"""Exact all-reduce: every peer of a hivemind averaging round ends with the same bits.
+
+    each part of the tensors ──sent to its reducer peer──▶ weighted average
+        ──▶ rounded once, as it goes on the wire (the reducer's compression)
+        ──▶ every peer copies that value in, the reducer included
+
+hivemind's AllReduceRunner returns to each peer the *difference* between the average and
+the peer's own part, and the peer adds it back: `own + (mean - own)`. In floating point
+that is exactly the mean only when `own` and `mean` are close (within a factor of two).
+Parameters of trainers in step are; gradients of different samples are not. So each
+trainer ended a gradient round with its own rounding of the average gradient, and after
+the optimizer step the trainers' weights at one version could differ by an ulp
+(bench/LOG.md, "same version, same weights"). With fp16 compression the difference
+itself travels as fp16 and is added to the peer's float32 value, so the peers' averages
+differed by fp16 rounding.
+
+Here the reducer of a part replies with the average itself, and keeps for itself the same
+value as it would arrive on the wire. A part whose reducer fails keeps the peer's own
+values, as hivemind's zero delta does. A stock hivemind peer, which would add the average
+to its own tensor as if it were a difference, never joins these rounds: hivemind names its
+RPC handlers after the averager's class, and these classes are agentjet's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import torch
+from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
+from hivemind.averaging.group_info import GroupInfo
+from hivemind.averaging.partition import BannedException
+from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.p2p import PeerID
+from hivemind.proto import averaging_pb2
+from hivemind.utils.asyncio import amap_in_executor, as_aiter, azip
+from hivemind.utils.timed_storage import get_dht_time
+
+
+class ExactAllReduceRunner(AllReduceRunner):  # type: ignore[misc]
+    """An AllReduceRunner whose outputs are averages, not differences from the average."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        container = self.tensor_part_container
+        # A failed reducer's parts are then the peer's own values, not zeros.
+        container.return_deltas = False
+        # How averages travel; a reducer rounds every reply, and its own copy, this one way.
+        self.wire = container.compression.compression_type
+
+    def _as_sent(self, average: torch.Tensor) -> Any:
+        return serialize_torch_tensor(average, self.wire)
+
+    async def _communicate_with_peer(self, peer_id: PeerID) -> None:
+        if peer_id != self.peer_id:
+            # A remote reducer: its replies are averages now (see _accumulate_parts_streaming).
+            await super()._communicate_with_peer(peer_id)
+            return
+        peer_index = self.ordered_peer_ids.index(peer_id)
+        sender_index = self.sender_peer_ids.index(peer_id)
+        for part_index, part in enumerate(self.parts_for_local_averaging):
+            average = await self.tensor_part_reducer.accumulate_part(
+                sender_index, part_index, part, weight=self.weight
+            )
+            self.tensor_part_container.register_processed_part(
+                peer_index, part_index, deserialize_torch_tensor(self._as_sent(average))
+            )
+
+    async def _accumulate_parts_streaming(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], sender_index: int
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """Serve one sender: add each of its parts to the average, reply with the average."""
+        loop = asyncio.get_event_loop()
+        received = 0
+        try:
+            async for part, weight in amap_in_executor(
+                lambda message: (deserialize_torch_tensor(message.tensor_part), message.weight),
+                stream,
+                max_prefetch=self.tensor_part_container.prefetch,
+            ):
+                try:
+                    average = await self.tensor_part_reducer.accumulate_part(
+                        sender_index, received, part, weight=weight
+                    )
+                except BannedException:
+                    break  # the sender was too slow and is out of the round
+                received += 1
+                reply = await loop.run_in_executor(None, self._as_sent, average)
+                yield averaging_pb2.AveragingData(
+                    code=averaging_pb2.AVERAGED_PART, tensor_part=reply
+                )
+        finally:
+            if received != self.tensor_part_reducer.num_parts:
+                await self._ban_sender(self.sender_peer_ids[sender_index])
+
+
+class ExactAverager(DecentralizedAverager):  # type: ignore[misc]
+    """A DecentralizedAverager whose rounds use ExactAllReduceRunner and copy the average
+    into the averaged tensors (hivemind adds a difference to them)."""
+
+    async def _run_allreduce_inplace_(
+        self,
+        tensors: Sequence[torch.Tensor],
+        group_info: GroupInfo,
+        group_id: bytes | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if self._averaging_alpha != 1.0:
+            raise ValueError("an exact average replaces the tensors: averaging_alpha must be 1")
+        group_id = group_info.group_id if group_id is None else group_id
+        runner = ExactAllReduceRunner(
+            p2p=self._p2p,
+            servicer_type=type(self),
+            prefix=self.prefix,
+            tensors=tensors,
+            group_id=group_id,
+            ordered_peer_ids=group_info.peer_ids,
+            **kwargs,
+        )
+        self._running_groups[group_id].set_result(runner)
+        if runner.modes[group_info.peer_ids.index(self.peer_id)] == AveragingMode.AUX:
+            async for _ in runner:
+                raise ValueError("an auxiliary peer received averaged tensors")
+            return
+        async for tensor, average in azip(as_aiter(*tensors), runner):
+            tensor.copy_(average)
+            self.last_updated = get_dht_time()
+            self._state_updated.set()

@@ -6,18 +6,26 @@
             samples per second, held-out accuracy of the final checkpoint
     ──▶ bench/results/sched.json
 
-Run: `just bench-sched` (or `.venv/bin/python bench/sched_train.py --minutes 15`). Both runs
-train on the same mixed arithmetic set (all three difficulties, all three ops), with the
-same update size: a policy version is `trainer.informative_samples_per_step` samples that
-carry gradient (SHARED_SETTINGS), not a number of groups. With a fixed number of groups
-per version, a scheduler that makes more groups informative makes every step longer and
-the run gets fewer versions for the same wall time (bench/LOG.md, first run).
+Run: `just bench-sched` (or `.venv/bin/python bench/sched_train.py --minutes 10 --seeds 0,1,2`).
+Both arms train on the same mixed arithmetic set (all three difficulties, all three ops),
+with the same update size: a policy version is `trainer.informative_samples_per_step`
+samples that carry gradient (SHARED_SETTINGS), not a number of groups. With a fixed number
+of groups per version, a scheduler that makes more groups informative makes every step
+longer and the run gets fewer versions for the same wall time (bench/LOG.md, first run).
+
+One run of each arm is not enough to compare held-out accuracy: identical configurations
+differ by about 3 points from run to run (bench/LOG.md, third run). So each seed
+(`run.seed`: sampling, task draws, initial order) trains both arms, one after the other,
+seed by seed, so slow phases of the machine fall on both; the result gives every seed's
+figures, the mean of each arm and the paired difference with its standard error.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -35,11 +43,34 @@ from learn import (  # noqa: E402
 )
 
 from agentjet.metrics import read_metrics  # noqa: E402
+from coordinator.envsched import group_sums  # noqa: E402
+from coordinator.store import Store  # noqa: E402
 
 SCHEDULERS = ("uniform", "envsched")
 # Both arms: train every 4 groups, step the optimizer every 24 samples with gradient
 # (what 8 uniform groups hold on average at the start of training).
 SHARED_SETTINGS = ("trainer.groups_per_step=4", "trainer.informative_samples_per_step=24")
+
+
+def granted_work(run_dir: Path) -> dict:
+    """Where the scheduler sent the rollouts (the coordinator's history): per difficulty,
+    the groups reported and the fraction of them that were mixed; distinct tasks overall."""
+    store = Store(run_dir / "coordinator.sqlite", lease_s=1.0)
+    try:
+        reports = list(store.accepted_reports())
+    finally:
+        store.close()
+    by_difficulty: dict[str, dict[str, float]] = {}
+    for difficulty in sorted({task.difficulty for task, _ in reports}):
+        sums = [group_sums(r) for task, r in reports if task.difficulty == difficulty]
+        by_difficulty[str(difficulty)] = {
+            "groups": len(sums),
+            "mixed_frac": round(sum(s.mixed for s in sums) / len(sums), 4),
+        }
+    return {
+        "groups_by_difficulty": by_difficulty,
+        "distinct_tasks": len({task.id for task, _ in reports}),
+    }
 
 
 def summarize(run_dir: Path, wall_s: float, heldout: dict) -> dict:
@@ -57,36 +88,83 @@ def summarize(run_dir: Path, wall_s: float, heldout: dict) -> dict:
         "policy_versions": len({r["policy_version"] for r in steps}),
         "groups_trained": groups,
         "wall_s": round(wall_s, 1),
+        **granted_work(run_dir),
     }
+
+
+def mean_and_se(values: list[float]) -> tuple[float, float]:
+    """The mean and its standard error (0 for a single value)."""
+    n = len(values)
+    mean = sum(values) / n
+    if n < 2:
+        return mean, 0.0
+    variance = sum((v - mean) ** 2 for v in values) / (n - 1)
+    return mean, math.sqrt(variance / n)
+
+
+def aggregate(runs: list[dict]) -> dict:
+    """An arm over its seeds: the mean of every figure, and each seed's figures."""
+    keys = ("zero_variance_frac", "effective_samples_per_s", "heldout_accuracy")
+    summary: dict = {k: round(mean_and_se([r[k] for r in runs])[0], 4) for k in keys}
+    summary["heldout_accuracy_se"] = round(mean_and_se([r["heldout_accuracy"] for r in runs])[1], 4)
+    summary["per_seed"] = runs
+    return summary
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--minutes", type=float, default=15.0)
-    parser.add_argument("--heldout", type=int, default=300)
+    parser.add_argument("--minutes", type=float, default=10.0, help="per arm and seed")
+    parser.add_argument("--seeds", default="0,1,2", help="comma-separated run.seed values")
+    parser.add_argument(
+        "--arms", default=",".join(SCHEDULERS), help="schedulers to run (default: both)"
+    )
+    parser.add_argument("--heldout", type=int, default=400)
     parser.add_argument("--config", type=Path, default=ROOT / "configs" / "local.toml")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "sched.json")
     parser.add_argument(
         "--set", action="append", default=list(SHARED_SETTINGS), help="for both arms"
     )
     args = parser.parse_args()
+    seeds = [int(seed) for seed in args.seeds.split(",")]
+    arms = [arm for arm in SCHEDULERS if arm in args.arms.split(",")]
 
     root = ROOT / "runs" / f"bench-sched-{time.strftime('%Y%m%d-%H%M%S')}"
     root.mkdir(parents=True)
     tasks = make_heldout(root, args.heldout)
-    result: dict = {"minutes": args.minutes, "heldout_seed": HELDOUT_SEED, "settings": args.set}
     shared = [arg for setting in args.set for arg in ("--set", setting)]
-    for scheduler in SCHEDULERS:
-        run_dir = root / scheduler
-        wall_s, _ = train(
-            args.minutes,
-            args.config,
-            run_dir,
-            [*shared, "--set", f'coordinator.scheduler="{scheduler}"'],
+    runs: dict[str, list[dict]] = {scheduler: [] for scheduler in arms}
+    for seed in seeds:
+        for scheduler in arms:
+            run_dir = root / f"{scheduler}-seed{seed}"
+            overrides = [
+                "--set",
+                f'coordinator.scheduler="{scheduler}"',
+                "--set",
+                f"run.seed={seed}",
+            ]
+            wall_s, _ = train(args.minutes, args.config, run_dir, [*shared, *overrides])
+            heldout = evaluate(str(final_checkpoint(run_dir)), tasks, args.config)
+            shutil.rmtree(run_dir / "checkpoints")  # ~3 GB a run; metrics and history stay
+            runs[scheduler].append({"seed": seed, **summarize(run_dir, wall_s, heldout)})
+            print(scheduler, json.dumps(runs[scheduler][-1]), flush=True)
+
+    result: dict = {
+        "minutes": args.minutes,
+        "seeds": seeds,
+        "heldout_tasks": args.heldout,
+        "heldout_seed": HELDOUT_SEED,
+        "settings": args.set,
+        **{scheduler: aggregate(runs[scheduler]) for scheduler in arms},
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    if len(arms) == 2:  # EnvSched minus uniform, paired by seed
+        gap, gap_se = mean_and_se(
+            [
+                e["heldout_accuracy"] - u["heldout_accuracy"]
+                for u, e in zip(runs["uniform"], runs["envsched"], strict=True)
+            ]
         )
-        heldout = evaluate(str(final_checkpoint(run_dir)), tasks, args.config)
-        result[scheduler] = summarize(run_dir, wall_s, heldout)
-        print(scheduler, json.dumps(result[scheduler]), flush=True)
+        result["heldout_accuracy_gap"] = {"mean": round(gap, 4), "se": round(gap_se, 4)}
     write_result(args.out, result)
     return 0
 

@@ -17,6 +17,7 @@ Heavy imports (torch, hivemind) happen only after arguments and config are valid
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import sys
 import time
@@ -254,6 +255,17 @@ def main(argv: list[str] | None = None) -> int:
     except AgentjetError as e:
         print(f"agentjet: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        where = f" ({e.filename})" if e.filename else ""
+        print(
+            f"agentjet: error: the disk is full{where}. Free space (old run dirs; fewer "
+            "checkpoints with trainer.keep_checkpoints) and start again on the same run dir: "
+            "nodes resume from their spool and newest checkpoint.",
+            file=sys.stderr,
+        )
+        return 1
 
 
 def _dispatch(args: argparse.Namespace) -> int:

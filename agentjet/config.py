@@ -171,6 +171,9 @@ class TrainerConfig(_Section):
     # once 512 trained groups wait for one). Rollout nodes keep a trained group on disk
     # until a checkpoint holds its step, so a crash loses no group's training.
     checkpoint_every: PositiveInt = 10
+    # Keep the newest N checkpoints and delete older ones (a SmolLM2-135M checkpoint is
+    # ~0.5 GB); 0 = keep every one.
+    keep_checkpoints: NonNegInt = 5
     torch_threads: PositiveInt = 1
     # Verified trajectories. A group is rejected (never trained) when one of its samples'
     # reported sampler logprobs differ from the learner's own by more than this, as a mean

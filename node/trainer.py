@@ -63,6 +63,7 @@ from node.verify import (
 from node.weights import (
     RESUME_STATE,
     PolicySnapshot,
+    prune_checkpoints,
     read_resume_state,
     save_checkpoint,
     snapshot,
@@ -583,6 +584,7 @@ class Trainer:
         for older in root.glob(f"v*/{RESUME_STATE}"):
             if older.parent != directory:
                 older.unlink()
+        prune_checkpoints(root, self.config.trainer.keep_checkpoints)
         self.checkpointed_version = self.version
         self.undurable = {g: v for g, v in self.undurable.items() if v > self.version}
         log.info("checkpoint %s", directory)

@@ -105,6 +105,19 @@ def save_checkpoint(
     return directory
 
 
+def prune_checkpoints(root: Path, keep: int) -> list[Path]:
+    """Delete all but the `keep` newest version folders under `root` (0 = keep all);
+    returns what was deleted. Folders are named v000123, so name order is version order;
+    a half-written `.tmp` folder is left to the next save, which replaces it."""
+    if keep <= 0:
+        return []
+    versions = sorted(p for p in root.glob("v*") if p.is_dir() and p.name[1:].isdigit())
+    doomed = versions[:-keep]
+    for directory in doomed:
+        shutil.rmtree(directory, ignore_errors=True)
+    return doomed
+
+
 def read_resume_state(checkpoints: Path) -> dict[str, Any] | None:
     """The resume state of the checkpoint `checkpoints/latest` names, or None when there is
     none; a damaged one is a ModelError naming the file (resuming elsewhere would silently

@@ -85,6 +85,7 @@ class Swarm:
                 # gradients for the trainers to average (it never solves arithmetic).
                 'envs.0.name="agent"',
                 "trainer.checkpoint_every=1",
+                "trainer.keep_checkpoints=0",  # every version is compared
                 'envs.0.agent="tests.agents:even_length"',
                 "envs.0.difficulties=[1]",
                 "swarm.run_id=swarm-test",

@@ -146,3 +146,13 @@ def test_nothing_listens_beyond_loopback_unless_configured(source: str | None):
     http_host = config.rollout.agent_listen.rpartition(":")[0]
     assert hivemind_hosts and all(m.startswith("/ip4/") for m in config.swarm.host_maddrs)
     assert {*zmq_hosts, *hivemind_hosts, http_host} == {"127.0.0.1"}
+
+
+def test_a_full_disk_is_one_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    """/dev/full answers every write with ENOSPC, as a full disk does."""
+    from agentjet.cli import main
+
+    assert main(["tasks", "--count", "3", "--out", "/dev/full"]) == 1
+    error = capsys.readouterr().err
+    assert error.startswith("agentjet: error: the disk is full") and "Traceback" not in error
+    assert "trainer.keep_checkpoints" in error

@@ -9,7 +9,7 @@ import torch
 
 from agentjet.errors import ModelError
 from node.model import load_causal_lm
-from node.weights import RESUME_STATE, read_resume_state, save_checkpoint
+from node.weights import RESUME_STATE, prune_checkpoints, read_resume_state, save_checkpoint
 
 pytestmark = pytest.mark.unit
 
@@ -42,3 +42,16 @@ def test_the_newest_checkpoint_is_resumed_and_a_damaged_one_is_refused(
     (directory / RESUME_STATE).write_bytes(b"not a torch file")
     with pytest.raises(ModelError, match=f"cannot resume from {directory / RESUME_STATE}"):
         read_resume_state(root)
+
+
+def test_only_the_newest_checkpoints_are_kept(tiny_model_dir: Path, tmp_path: Path) -> None:
+    root = tmp_path / "checkpoints"
+    for version in (2, 4, 6, 10):
+        checkpoint(root, tiny_model_dir, version)
+    (root / "v000012.tmp").mkdir()  # a save cut short: the next save replaces it
+    assert prune_checkpoints(root, 0) == []  # 0 keeps every one
+    deleted = prune_checkpoints(root, 2)
+    assert [p.name for p in deleted] == ["v000002", "v000004"]
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "v000006", "v000010", "v000012.tmp"]
+    state = read_resume_state(root)  # the newest is still what a restart resumes from
+    assert state is not None and state["policy_version"] == 10

@@ -6,7 +6,7 @@
             samples per second, held-out accuracy of the final checkpoint
     ──▶ bench/results/sched.json
 
-Run: `just bench-sched` (or `.venv/bin/python bench/sched_train.py --minutes 10 --seeds 0,1,2`).
+Run: `just bench-sched` (or `.venv/bin/python bench/sched_train.py --minutes 8 --seeds 0,1,2`).
 Both arms train on the same mixed arithmetic set (all three difficulties, all three ops),
 with the same update size: a policy version is `trainer.informative_samples_per_step`
 samples that carry gradient (SHARED_SETTINGS), not a number of groups. With a fixed number
@@ -113,7 +113,7 @@ def aggregate(runs: list[dict]) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--minutes", type=float, default=10.0, help="per arm and seed")
+    parser.add_argument("--minutes", type=float, default=8.0, help="per arm and seed")
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated run.seed values")
     parser.add_argument(
         "--arms", default=",".join(SCHEDULERS), help="schedulers to run (default: both)"

@@ -6,10 +6,12 @@ batch = one sample from each). Each saves its parameters at every version it rea
 the parent compares them version by version.
 
     .venv/bin/python bench/identity.py [--epochs 40] [--runs 3] [--grad-compression fp16]
-        [--average-state-every N] [--stock]
+        [--average-state-every N] [--stock] [--keep-traces DIR]
 
 Prints one JSON object: per run, versions compared, versions bit-identical, the largest
-difference seen, and each trainer's counters (failed rounds, state downloads, repairs).
+difference seen, the versions that differed, and each trainer's counters (failed rounds,
+state downloads, repairs); each trainer also logs every step (`--keep-traces` keeps the
+logs of a run that differed).
 
 `--average-state-every 1000` leaves the gradient rounds alone to keep the trainers in
 step (no parameter averaging to hide their disagreements); `--stock` runs hivemind's own
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -74,7 +77,21 @@ def trainer(role: str, workdir: Path, args: argparse.Namespace) -> None:
             for p in model.parameters():
                 p.grad = torch.randn(p.shape, generator=generator) * 0.01
             time.sleep(STEP_PAUSE_S)
+            before = swarm.epoch
             outcome = swarm.step_outcome(batch_size=1)
+            with (workdir / f"{role}-steps.jsonl").open("a") as trace:
+                row = {
+                    "time": time.time(),
+                    "before": before,
+                    "after": outcome.epoch,
+                    "applied": outcome.applied,
+                    "discarded": outcome.discarded,
+                    "swarm_epoch": swarm.optimizer.tracker.global_epoch,
+                    "failed_rounds": swarm.optimizer.failed_rounds,
+                    "state_downloads": swarm.optimizer.reloads,
+                    "repairs": swarm.repairs,
+                }
+                trace.write(json.dumps(row) + "\n")
             if outcome.epoch != published:  # a new version, as a trainer would publish it
                 published = outcome.epoch
                 torch.save(
@@ -98,17 +115,20 @@ def compare(workdir: Path) -> dict[str, object]:
         {int(p.stem.split("-")[1]) for p in workdir.glob("a-*.pt")}
         & {int(p.stem.split("-")[1]) for p in workdir.glob("b-*.pt")}
     )
-    identical, largest = 0, 0.0
+    identical, largest, differing = 0, 0.0, []
     for version in versions:
         a = torch.load(workdir / f"a-{version}.pt")
         b = torch.load(workdir / f"b-{version}.pt")
         diff = max(float((x - y).abs().max()) for x, y in zip(a, b, strict=True))
         identical += diff == 0.0
         largest = max(largest, diff)
+        if diff:
+            differing.append(version)
     return {
         "versions_compared": len(versions),
         "versions_identical": identical,
         "max_abs_difference": largest,
+        "differing_versions": differing,
         **{f"trainer_{r}": json.loads((workdir / f"{r}.json").read_text()) for r in "ab"},
     }
 
@@ -120,6 +140,9 @@ def main() -> None:
     parser.add_argument("--grad-compression", choices=["none", "fp16"], default="none")
     parser.add_argument("--average-state-every", type=int, default=1)
     parser.add_argument("--stock", action="store_true", help="hivemind's own all-reduce")
+    parser.add_argument(
+        "--keep-traces", type=Path, help="where to copy the step traces of a run that differed"
+    )
     parser.add_argument("--role", choices=["a", "b"], help=argparse.SUPPRESS)
     parser.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -163,6 +186,11 @@ def main() -> None:
                 tail = (workdir / "b.log").read_text()[-2000:]
                 raise SystemExit(f"a trainer failed (exit codes {codes}):\n{tail}")
             results.append(compare(workdir))
+            if results[-1]["differing_versions"] and args.keep_traces:
+                kept = args.keep_traces / f"run{len(results)}"
+                kept.mkdir(parents=True, exist_ok=True)
+                for trace in workdir.glob("*-steps.jsonl"):
+                    shutil.copy(trace, kept / trace.name)
     settings = {
         "epochs": args.epochs,
         "grad_compression": args.grad_compression,

@@ -72,6 +72,7 @@ def trainer(role: str, workdir: Path, args: argparse.Namespace) -> None:
     generator = torch.Generator().manual_seed(1 if role == "a" else 2)
     deadline = time.monotonic() + RUN_TIMEOUT_S
     published = 0
+    trace = (workdir / f"{role}-steps.jsonl").open("a", buffering=1)  # a line per step
     try:
         while swarm.epoch < epochs and time.monotonic() < deadline:
             for p in model.parameters():
@@ -79,19 +80,18 @@ def trainer(role: str, workdir: Path, args: argparse.Namespace) -> None:
             time.sleep(STEP_PAUSE_S)
             before = swarm.epoch
             outcome = swarm.step_outcome(batch_size=1)
-            with (workdir / f"{role}-steps.jsonl").open("a") as trace:
-                row = {
-                    "time": time.time(),
-                    "before": before,
-                    "after": outcome.epoch,
-                    "applied": outcome.applied,
-                    "discarded": outcome.discarded,
-                    "swarm_epoch": swarm.optimizer.tracker.global_epoch,
-                    "failed_rounds": swarm.optimizer.failed_rounds,
-                    "state_downloads": swarm.optimizer.reloads,
-                    "repairs": swarm.repairs,
-                }
-                trace.write(json.dumps(row) + "\n")
+            row = {
+                "time": time.time(),
+                "before": before,
+                "after": outcome.epoch,
+                "applied": outcome.applied,
+                "discarded": outcome.discarded,
+                "swarm_epoch": swarm.optimizer.tracker.global_epoch,
+                "failed_rounds": swarm.optimizer.failed_rounds,
+                "state_downloads": swarm.optimizer.reloads,
+                "repairs": swarm.repairs,
+            }
+            trace.write(json.dumps(row) + "\n")
             if outcome.epoch != published:  # a new version, as a trainer would publish it
                 published = outcome.epoch
                 torch.save(
@@ -105,6 +105,7 @@ def trainer(role: str, workdir: Path, args: argparse.Namespace) -> None:
         }
         (workdir / f"{role}.json").write_text(json.dumps(counters))
     finally:
+        trace.close()
         swarm.shutdown()
 
 

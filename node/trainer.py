@@ -122,7 +122,6 @@ class Trainer:
         # Trained groups whose step no checkpoint holds yet, with the version of that step:
         # rollout nodes are told "queued" for them (a crash would undo the step).
         self.undurable: dict[str, int] = {}
-        self.stale_ids: list[str] = []  # dropped as stale since the last metrics row
         self.step_task: asyncio.Task[float] | None = None
 
     def setup(self, cleanup: ExitStack) -> None:
@@ -258,7 +257,6 @@ class Trainer:
                 "event": "stopped",
                 "policy_version": self.version,
                 "queued_group_ids": [g.group_id for g in [*self.accumulated, *self.queue]],
-                "stale_group_ids": self.stale_ids,
                 "quarantined": list(self.quarantine.reasons),
                 **self._counts(),
             }
@@ -341,7 +339,7 @@ class Trainer:
             return ack("rejected", f"wrong reward: {problem}")
         oldest = min(s.policy_version for s in group.samples)
         if rl.is_stale(oldest, self.version, self.config.trainer.max_policy_lag):
-            self.stale_ids.append(group.group_id)
+            self._record_stale([group.group_id])
             return ack("stale")
         self._remember(group.group_id, "queued")
         self.queue.append(group)
@@ -474,10 +472,19 @@ class Trainer:
             )
 
     def _drop_stale(self, stale: list[protocol.TrajectoryGroup]) -> None:
+        if not stale:
+            return
         self.counts["groups_dropped_stale"] += len(stale)
-        self.stale_ids += [g.group_id for g in stale]
         for group in stale:
             self._remember(group.group_id, "dropped")
+        self._record_stale([g.group_id for g in stale])
+
+    def _record_stale(self, group_ids: list[str]) -> None:
+        """A metrics row for groups dropped as stale, written before any rollout node hears
+        of it (and deletes its copy): a crash right after cannot hide a drop."""
+        self.metrics.write(
+            {"event": "stale", "policy_version": self.version, "stale_group_ids": group_ids}
+        )
 
     async def _step(self, batch: list[protocol.TrajectoryGroup], last: float) -> float:
         """Train on `batch`, publish and record the new version; returns the step's end time.
@@ -525,7 +532,6 @@ class Trainer:
             "event": "step",
             "trained_group_ids": [g.group_id for g in trained],
             "trained_group_versions": [min(s.policy_version for s in g.samples) for g in trained],
-            "stale_group_ids": self.stale_ids,
             "policy_sha256": self.published.sha256,
             "charts/staleness_mean": sum(lags) / len(lags),
             "charts/staleness_max": max(lags),
@@ -534,7 +540,6 @@ class Trainer:
             "queue": len(self.queue),
             **self._counts(),
         }
-        self.stale_ids = []
         self.metrics.write(row)
         due = self.version % cfg.trainer.checkpoint_every == 0
         if changed and (due or len(self.undurable) >= MAX_UNDURABLE_GROUPS):

@@ -111,6 +111,19 @@ def aggregate(runs: list[dict]) -> dict:
     return summary
 
 
+def load_earlier(path: Path, args: argparse.Namespace, seeds: list[int]) -> dict:
+    """An earlier result made with the same settings (its seeds join this run's)."""
+    earlier = json.loads(path.read_text())
+    same = {"minutes": args.minutes, "heldout_tasks": args.heldout, "settings": args.set}
+    for key, value in same.items():
+        if earlier.get(key) != value:
+            sys.exit(f"{path}: {key} is {earlier.get(key)!r}, this run's is {value!r}")
+    overlap = set(seeds) & set(earlier["seeds"])
+    if overlap:
+        sys.exit(f"{path} already holds seeds {sorted(overlap)}")
+    return earlier
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--minutes", type=float, default=8.0, help="per arm and seed")
@@ -124,9 +137,15 @@ def main() -> int:
     parser.add_argument(
         "--set", action="append", default=list(SHARED_SETTINGS), help="for both arms"
     )
+    parser.add_argument(
+        "--add-to",
+        type=Path,
+        help="an earlier result of the same settings: its seeds join this run's in the means",
+    )
     args = parser.parse_args()
     seeds = [int(seed) for seed in args.seeds.split(",")]
     arms = [arm for arm in SCHEDULERS if arm in args.arms.split(",")]
+    earlier = load_earlier(args.add_to, args, seeds) if args.add_to else {}
 
     root = ROOT / "runs" / f"bench-sched-{time.strftime('%Y%m%d-%H%M%S')}"
     root.mkdir(parents=True)
@@ -148,21 +167,25 @@ def main() -> int:
             runs[scheduler].append({"seed": seed, **summarize(run_dir, wall_s, heldout)})
             print(scheduler, json.dumps(runs[scheduler][-1]), flush=True)
 
+    for scheduler in arms:  # earlier seeds first, in their order
+        runs[scheduler] = earlier.get(scheduler, {}).get("per_seed", []) + runs[scheduler]
     result: dict = {
         "minutes": args.minutes,
-        "seeds": seeds,
+        "seeds": [r["seed"] for r in runs[arms[0]]],
         "heldout_tasks": args.heldout,
         "heldout_seed": HELDOUT_SEED,
         "settings": args.set,
         **{scheduler: aggregate(runs[scheduler]) for scheduler in arms},
         "date": time.strftime("%Y-%m-%d"),
     }
+    if args.add_to:
+        result["note"] = f"seeds {earlier['seeds']} are from an earlier run ({earlier['date']})"
+        if "note" in earlier:
+            result["note"] += f"; of that run: {earlier['note']}"
     if len(arms) == 2:  # EnvSched minus uniform, paired by seed
+        uniform = {r["seed"]: r["heldout_accuracy"] for r in runs["uniform"]}
         gap, gap_se = mean_and_se(
-            [
-                e["heldout_accuracy"] - u["heldout_accuracy"]
-                for u, e in zip(runs["uniform"], runs["envsched"], strict=True)
-            ]
+            [r["heldout_accuracy"] - uniform[r["seed"]] for r in runs["envsched"]]
         )
         result["heldout_accuracy_gap"] = {"mean": round(gap, 4), "se": round(gap_se, 4)}
     write_result(args.out, result)

@@ -28,6 +28,7 @@ import math
 import shutil
 import sys
 import time
+from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -54,22 +55,39 @@ SHARED_SETTINGS = ("trainer.groups_per_step=4", "trainer.informative_samples_per
 
 def granted_work(run_dir: Path) -> dict:
     """Where the scheduler sent the rollouts (the coordinator's history): per difficulty,
-    the groups reported and the fraction of them that were mixed; distinct tasks overall."""
+    the groups reported and the fraction of them that were mixed, overall, for a task's
+    first group, and for a group of a task whose previous group was mixed (what the
+    frontier re-offers); distinct tasks overall."""
     store = Store(run_dir / "coordinator.sqlite", lease_s=1.0)
     try:
         reports = list(store.accepted_reports())
     finally:
         store.close()
+    last_mixed: dict[str, bool] = {}
+    groups: defaultdict[tuple[str, str], list[bool]] = defaultdict(list)
+    for task, report in reports:
+        mixed = group_sums(report).mixed > 0
+        difficulty = str(task.difficulty)
+        groups[difficulty, "all"].append(mixed)
+        if task.id not in last_mixed:
+            groups[difficulty, "first_visit"].append(mixed)
+        elif last_mixed[task.id]:
+            groups[difficulty, "after_mixed"].append(mixed)
+        last_mixed[task.id] = mixed
     by_difficulty: dict[str, dict[str, float]] = {}
-    for difficulty in sorted({task.difficulty for task, _ in reports}):
-        sums = [group_sums(r) for task, r in reports if task.difficulty == difficulty]
-        by_difficulty[str(difficulty)] = {
-            "groups": len(sums),
-            "mixed_frac": round(sum(s.mixed for s in sums) / len(sums), 4),
-        }
+    for difficulty in sorted({d for d, _ in groups}):
+        row = by_difficulty[difficulty] = {}
+        for kind, name in (
+            ("all", ""),
+            ("first_visit", "first_visit_"),
+            ("after_mixed", "after_mixed_"),
+        ):
+            mixed = groups.get((difficulty, kind), [])
+            row[f"{name}groups"] = len(mixed)
+            row[f"{name}mixed_frac"] = round(sum(mixed) / len(mixed), 4) if mixed else None
     return {
         "groups_by_difficulty": by_difficulty,
-        "distinct_tasks": len({task.id for task, _ in reports}),
+        "distinct_tasks": len(last_mixed),
     }
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,27 @@ class MetricsWriter:
 
     def close(self) -> None:
         self._file.close()
+
+
+class Rate:
+    """Counts per second over the last `window_s` seconds of intervals, for progress output.
+
+    A trainer step that finds its batch waiting (all groups zero-variance: no gradient to
+    compute) ends within milliseconds; its own count over its own time would show thousands
+    of samples per second.
+    """
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self.intervals: deque[tuple[float, float, float]] = deque()  # (start, end, count)
+
+    def add(self, start: float, end: float, count: float) -> float:
+        """Record `count` over [start, end]; returns the rate over the window ending now."""
+        self.intervals.append((start, end, count))
+        while self.intervals[0][1] < end - self.window_s:
+            self.intervals.popleft()
+        span = end - min(s for s, _, _ in self.intervals)
+        return sum(c for _, _, c in self.intervals) / span if span > 0 else 0.0
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

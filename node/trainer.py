@@ -45,7 +45,7 @@ from agentjet import protocol, rl
 from agentjet.config import Config
 from agentjet.errors import ModelError
 from agentjet.keys import swarm_keys
-from agentjet.metrics import MetricsWriter
+from agentjet.metrics import MetricsWriter, Rate
 from agentjet.roles import print_join_command, run_role, supervise
 from agentjet.tasks import TaskSource
 from agentjet.transport import Server
@@ -78,6 +78,8 @@ SEEN_GROUP_IDS = 1_000_000
 MAX_UNDURABLE_GROUPS = 512
 # Longest prompt+completion accepted from the wire, in tokens (bounds learner memory).
 MAX_SEQUENCE_TOKENS = 8192
+# The trainer's samples/s (progress output, its directory record) is over this many seconds.
+SAMPLE_RATE_WINDOW_S = 60.0
 
 
 def take_batch(
@@ -110,7 +112,8 @@ class Trainer:
         self.task_sources = [
             TaskSource.from_config(env) for env in config.envs if env.name in REWARD_CHECKS
         ]
-        self.samples_per_s = 0.0
+        self.samples_per_s = 0.0  # over the last SAMPLE_RATE_WINDOW_S (progress, status)
+        self.sample_rate = Rate(SAMPLE_RATE_WINDOW_S)
         # Other live trainers and their policy versions, from the last directory read.
         self.other_trainers: dict[str, int] = {}
         self.counts: Counter[str] = Counter()
@@ -527,7 +530,7 @@ class Trainer:
             )
         now = time.perf_counter()
         assert self.published is not None
-        self.samples_per_s = row["charts/samples"] / (now - last)
+        self.samples_per_s = self.sample_rate.add(last, now, row["charts/samples"])
         row |= {
             "event": "step",
             "trained_group_ids": [g.group_id for g in trained],

@@ -26,6 +26,7 @@ import argparse
 import json
 import math
 import shutil
+import statistics
 import sys
 import time
 from collections import defaultdict
@@ -112,19 +113,17 @@ def summarize(run_dir: Path, wall_s: float, heldout: dict) -> dict:
 
 def mean_and_se(values: list[float]) -> tuple[float, float]:
     """The mean and its standard error (0 for a single value)."""
-    n = len(values)
-    mean = sum(values) / n
-    if n < 2:
-        return mean, 0.0
-    variance = sum((v - mean) ** 2 for v in values) / (n - 1)
-    return mean, math.sqrt(variance / n)
+    if len(values) < 2:
+        return statistics.fmean(values), 0.0
+    return statistics.fmean(values), statistics.stdev(values) / math.sqrt(len(values))
 
 
 def aggregate(runs: list[dict]) -> dict:
     """An arm over its seeds: the mean of every figure, and each seed's figures."""
-    keys = ("zero_variance_frac", "effective_samples_per_s", "heldout_accuracy")
-    summary: dict = {k: round(mean_and_se([r[k] for r in runs])[0], 4) for k in keys}
-    summary["heldout_accuracy_se"] = round(mean_and_se([r["heldout_accuracy"] for r in runs])[1], 4)
+    keys = ("zero_variance_frac", "effective_samples_per_s")
+    summary: dict = {k: round(statistics.fmean(r[k] for r in runs), 4) for k in keys}
+    heldout, heldout_se = mean_and_se([r["heldout_accuracy"] for r in runs])
+    summary |= {"heldout_accuracy": round(heldout, 4), "heldout_accuracy_se": round(heldout_se, 4)}
     summary["per_seed"] = runs
     return summary
 

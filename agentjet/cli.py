@@ -3,7 +3,7 @@
     agentjet local        coordinator + trainer + rollout node on this box
     agentjet node         --role trainer|rollout, one role of a swarm
     agentjet coordinator  hands out (environment, task) work
-    agentjet eval         greedy accuracy of a checkpoint on a task file
+    agentjet eval         accuracy of a checkpoint on a task file (greedy or sampled)
     agentjet tasks        write a generated task file
     agentjet status       ask a running coordinator what it hands out and has learned
     agentjet keys         init: make the swarm's key file (every node needs a copy)
@@ -148,11 +148,17 @@ def build_parser() -> argparse.ArgumentParser:
     _swarm_args(coord)
     _config_args(coord)
 
-    ev = sub.add_parser("eval", help="greedy accuracy of a checkpoint on a JSONL task file")
+    ev = sub.add_parser("eval", help="accuracy of a checkpoint on a JSONL task file")
     ev.add_argument("--checkpoint", required=True, help="checkpoint dir, or 'base'")
     ev.add_argument("--tasks", required=True, type=Path, help="JSONL task file")
     ev.add_argument("--env", default="arithmetic", choices=ENV_NAMES)
-    ev.add_argument("--batch-size", type=int, default=64, help="tasks per engine batch")
+    ev.add_argument("--batch-size", type=int, default=64, help="answers per engine batch")
+    ev.add_argument(
+        "--samples",
+        type=int,
+        default=0,
+        help="answers sampled per task at rollout.sampling's temperature (default 0: greedy)",
+    )
     _config_args(ev)
 
     tasks = sub.add_parser("tasks", help="write generated tasks as JSONL (for eval)")
@@ -309,8 +315,10 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "eval":
         from node.evaluate import evaluate_checkpoint
 
+        if args.samples < 0 or args.batch_size < 1:
+            raise AgentjetError("--samples must be >= 0 and --batch-size >= 1")
         summary = evaluate_checkpoint(
-            config, args.checkpoint, args.tasks, args.env, batch_size=args.batch_size
+            config, args.checkpoint, args.tasks, args.env, args.batch_size, args.samples
         )
         print(json.dumps(summary, indent=2))
         return 0

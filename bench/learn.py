@@ -66,10 +66,11 @@ def make_heldout(run_dir: Path, count: int) -> Path:
     return tasks
 
 
-def evaluate(checkpoint: str, tasks: Path, config: Path) -> dict:
+def evaluate(checkpoint: str, tasks: Path, config: Path, samples: int = 0) -> dict:
+    """`agentjet eval`: greedy, or `samples` sampled answers per task."""
     out = subprocess.run(
         [*AGENTJET, "eval", "--checkpoint", checkpoint, "--tasks", str(tasks),
-         "--config", str(config)],
+         "--config", str(config), "--samples", str(samples)],
         check=True, capture_output=True, text=True, cwd=ROOT,
     )  # fmt: skip
     return json.loads(out.stdout)

@@ -99,6 +99,24 @@ def test_eval_reports_accuracy_by_difficulty(tiny_model_dir: Path, tmp_path: Pat
     assert set(summary["by_difficulty"]) == {"1", "2", "3"}
     assert set(summary["by_op"]) == {"+", "-", "*"}
     assert 0.0 <= summary["overall"] <= 1.0
+    assert summary["decoding"] == "greedy"
+
+
+def test_eval_samples_answers_at_the_rollout_temperature(tiny_model_dir: Path, tmp_path: Path):
+    tasks = tmp_path / "tasks.jsonl"
+    assert agentjet("tasks", "--count", "5", "--seed", "3", "--out", str(tasks)).returncode == 0
+    result = agentjet(
+        "eval", "--checkpoint", str(tiny_model_dir), "--tasks", str(tasks), "--samples", "3",
+        "--batch-size", "4", "--set", "rollout.sampling.max_new_tokens=4",
+        "--set", "rollout.sampling.temperature=0.7",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["n"] == 5
+    assert summary["decoding"] == "3 per task, sampled at temperature 0.7"
+    result = agentjet("eval", "--checkpoint", str(tiny_model_dir), "--tasks", str(tasks),
+                      "--samples", "-1")  # fmt: skip
+    assert result.returncode == 2 and "--samples must be >= 0" in result.stderr
 
 
 def test_eval_rejects_bad_inputs_with_one_line(tiny_model_dir: Path, tmp_path: Path):

@@ -10,8 +10,8 @@ the parent compares them version by version.
 
 Prints one JSON object: per run, versions compared, versions bit-identical, the largest
 difference seen, the versions that differed, and each trainer's counters (failed rounds,
-state downloads, repairs); each trainer also logs every step (`--keep-traces` keeps the
-logs of a run that differed).
+incomplete rounds, state downloads, repairs); each trainer also logs every step
+(`--keep-traces` keeps the logs of a run that differed).
 
 `--average-state-every 1000` leaves the gradient rounds alone to keep the trainers in
 step (no parameter averaging to hide their disagreements); `--stock` runs hivemind's own
@@ -87,9 +87,7 @@ def trainer(role: str, workdir: Path, args: argparse.Namespace) -> None:
                 "applied": outcome.applied,
                 "discarded": outcome.discarded,
                 "swarm_epoch": swarm.optimizer.tracker.global_epoch,
-                "failed_rounds": swarm.optimizer.failed_rounds,
-                "state_downloads": swarm.optimizer.reloads,
-                "repairs": swarm.repairs,
+                **swarm.counts(),
             }
             trace.write(json.dumps(row) + "\n")
             if outcome.epoch != published:  # a new version, as a trainer would publish it
@@ -98,12 +96,7 @@ def trainer(role: str, workdir: Path, args: argparse.Namespace) -> None:
                     [p.detach().clone() for p in model.parameters()],
                     workdir / f"{role}-{outcome.epoch}.pt",
                 )
-        counters = {
-            "failed_rounds": swarm.optimizer.failed_rounds,
-            "state_downloads": swarm.optimizer.reloads,
-            "repairs": swarm.repairs,
-        }
-        (workdir / f"{role}.json").write_text(json.dumps(counters))
+        (workdir / f"{role}.json").write_text(json.dumps(swarm.counts()))
     finally:
         trace.close()
         swarm.shutdown()

@@ -16,9 +16,13 @@ differed by fp16 rounding.
 
 Here the reducer of a part replies with the average itself, and keeps for itself the same
 value as it would arrive on the wire. A part whose reducer fails keeps the peer's own
-values, as hivemind's zero delta does. A stock hivemind peer, which would add the average
-to its own tensor as if it were a difference, never joins these rounds: hivemind names its
-RPC handlers after the averager's class, and these classes are agentjet's.
+values, as hivemind's zero delta does, and hivemind still reports the round a success
+(it only logs "received N% results"). Then this peer's tensors are no average, and its
+step would differ from its peers' at the same version, so the round's result says so:
+an `IncompleteRound` instead of the plain gathered data, for the caller to treat as a
+failed round. A stock hivemind peer, which would add the average to its own tensor as if
+it were a difference, never joins these rounds: hivemind names its RPC handlers after the
+averager's class, and these classes are agentjet's.
 """
 
 from __future__ import annotations
@@ -37,6 +41,23 @@ from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import amap_in_executor, as_aiter, azip
 from hivemind.utils.timed_storage import get_dht_time
+
+
+class IncompleteRound(dict):  # type: ignore[type-arg]
+    """A round's gathered data (peer -> data) when some reducer failed this peer: the parts
+    it should have averaged hold this peer's own values. `missing` is their share."""
+
+    def __init__(self, gathered: dict[Any, Any], missing: float) -> None:
+        super().__init__(gathered)
+        self.missing = missing
+
+    def __reduce__(self) -> tuple[Any, ...]:  # crosses from the averager's process
+        return IncompleteRound, (dict(self), self.missing)
+
+
+def incomplete(result: object) -> bool:
+    """Whether an averaging round's result says this peer did not get the whole average."""
+    return isinstance(result, IncompleteRound)
 
 
 class ExactAllReduceRunner(AllReduceRunner):  # type: ignore[misc]
@@ -98,7 +119,16 @@ class ExactAllReduceRunner(AllReduceRunner):  # type: ignore[misc]
 
 class ExactAverager(DecentralizedAverager):  # type: ignore[misc]
     """A DecentralizedAverager whose rounds use ExactAllReduceRunner and copy the average
-    into the averaged tensors (hivemind adds a difference to them)."""
+    into the averaged tensors (hivemind adds a difference to them), and whose results say
+    when a reducer failed (`IncompleteRound`)."""
+
+    async def _aggregate_with_group(self, group_info: GroupInfo, **kwargs: Any) -> Any:
+        gathered = await super()._aggregate_with_group(group_info, **kwargs)
+        # The group stays registered (with its runner) until this returns.
+        container = self._running_groups[group_info.group_id].result().tensor_part_container
+        if container.failed_size:
+            return IncompleteRound(gathered, container.failed_size / container.total_size)
+        return gathered
 
     async def _run_allreduce_inplace_(
         self,

@@ -58,7 +58,7 @@ from agentjet import protocol
 from agentjet.config import SwarmConfig
 from agentjet.errors import AgentjetError
 from agentjet.keys import SwarmKeys
-from node.allreduce import ExactAverager
+from node.allreduce import ExactAverager, incomplete
 
 log = logging.getLogger(__name__)
 
@@ -376,6 +376,9 @@ class _Optimizer(hivemind.Optimizer):  # type: ignore[misc]
     discards = 0
     reloads = 0  # state downloads: the part of `discards` that cost the whole state in bytes
     failed_rounds = 0
+    # Rounds hivemind called a success though a reducer failed this peer (IncompleteRound):
+    # gradient rounds count as failed rounds too, parameter rounds as repairs.
+    incomplete_rounds = 0
 
     def __init__(self, *args: Any, other_trainers: Callable[[], int], **kwargs: Any) -> None:
         self.step_lock = threading.Lock()  # held by SwarmOptimizer for each whole step
@@ -456,10 +459,15 @@ class _Optimizer(hivemind.Optimizer):  # type: ignore[misc]
         (`discard_round`), and their samples are trained again."""
         if control is not None:
             try:
-                control.result(self.averaging_timeout)
+                result = control.result(self.averaging_timeout)
             except BaseException as e:
                 self.failed_rounds += 1
                 raise RoundFailed(repr(e)) from None
+            if incomplete(result):
+                # A reducer failed this peer: part of its "average" is its own gradients.
+                self.incomplete_rounds += 1
+                self.failed_rounds += 1
+                raise RoundFailed(f"{result.missing:.1%} of the average gradient never came")
         super()._average_gradients_and_load_into_optimizer(control)
 
     def discard_round(self) -> None:
@@ -491,14 +499,19 @@ class _Optimizer(hivemind.Optimizer):  # type: ignore[misc]
         tracker.fetched_global_progress_this_epoch.wait(timeout)
 
 
+def _ended(control: Any) -> bool:
+    return control is not None and control.done() and not control.cancelled()
+
+
+def _incomplete(control: Any) -> bool:
+    """Whether a hivemind averaging round (StepControl) left this peer without part of the
+    average, though hivemind calls it a success (node/allreduce.py `IncompleteRound`)."""
+    return _ended(control) and control.exception() is None and incomplete(control.result())
+
+
 def _failed(control: Any) -> bool:
-    """Whether a hivemind averaging round (StepControl) ended in an error."""
-    return bool(
-        control is not None
-        and control.done()
-        and not control.cancelled()
-        and control.exception() is not None
-    )
+    """Whether a hivemind averaging round ended in an error, or incomplete."""
+    return _ended(control) and (control.exception() is not None or _incomplete(control))
 
 
 class RoundFailed(Exception):
@@ -596,11 +609,12 @@ class SwarmOptimizer:
                 self.optimizer.discard_round()
             self.optimizer.zero_grad()
             rounds += averager.rounds
+            self.optimizer.incomplete_rounds += sum(_incomplete(r) for r in rounds)
             if self.epoch > epoch and any(_failed(r) for r in rounds):
-                # The gradients were averaged, but the parameters were not: hivemind keeps
-                # this trainer's own result, which can differ from the others' at this
-                # version (by 1e-3 when measured). A peer whose round succeeded has the
-                # version's averaged state: take it (the step still counts).
+                # The gradients were averaged, but the parameters were not (or not all of
+                # them): hivemind keeps this trainer's own result, which can differ from
+                # the others' at this version (by 1e-3 when measured). A peer whose round
+                # succeeded has the version's averaged state: take it (the step counts).
                 log.info(
                     "parameter averaging failed at version %d; taking a peer's state", self.epoch
                 )
@@ -610,6 +624,16 @@ class SwarmOptimizer:
         return StepOutcome(
             self.epoch, applied=not discarded and self.epoch > epoch, discarded=discarded
         )
+
+    def counts(self) -> dict[str, int]:
+        """How often rounds went wrong and how the trainer recovered, for metrics."""
+        optimizer = self.optimizer
+        return {
+            "failed_rounds": optimizer.failed_rounds,
+            "incomplete_rounds": optimizer.incomplete_rounds,
+            "state_downloads": optimizer.reloads,
+            "repairs": self.repairs,
+        }
 
     def load_state_from_peers(self) -> bool:
         """Take the swarm's current weights, optimizer state and epoch (a joining trainer);

@@ -625,6 +625,7 @@ class Trainer:
     def _counts(self) -> dict[str, int]:
         return {
             **{f"counts/{k}": v for k, v in self.counts.items()},
+            **{f"counts/swarm_{k}": v for k, v in self.swarm.counts().items()},
             "counts/rejected_messages": self.server.rejected,
             "counts/denied_handshakes": self.server.denied,
         }

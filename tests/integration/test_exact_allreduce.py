@@ -7,13 +7,16 @@ what "same version, same weights" across trainers rests on.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
 import hivemind
 import pytest
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.compression import CompressionBase, Float16Compression, NoCompression
 
-from node.allreduce import ExactAverager
+from node.allreduce import ExactAverager, incomplete
 
 SIZE = 50_000
 
@@ -29,21 +32,40 @@ def peer_tensors() -> list[torch.Tensor]:
     return [draw() * torch.exp(3 * draw()) for _ in range(2)]
 
 
-def average_once(averager_type: type, compression: CompressionBase) -> list[torch.Tensor]:
-    """One averaging round of two peers; each peer's tensor afterwards."""
+class PeerWithFaultyReducer(ExactAverager):
+    """An exact averager whose reducer refuses every part sent to it when `faulty`."""
+
+    def __init__(self, *args: Any, faulty: bool = False, **kwargs: Any) -> None:
+        self.faulty = faulty  # set before hivemind starts the averager's process
+        super().__init__(*args, **kwargs)
+
+    async def rpc_aggregate_part(self, stream: Any, context: Any) -> AsyncIterator[Any]:
+        if self.faulty:
+            raise RuntimeError("this peer's reducer fails")
+        async for message in super().rpc_aggregate_part(stream, context):
+            yield message
+
+
+def average_once(
+    averager_type: type, compression: CompressionBase, peer_kwargs: Sequence[dict] = ({}, {})
+) -> tuple[list[torch.Tensor], list[Any]]:
+    """One averaging round of two peers; each peer's tensor afterwards, and its result."""
     dhts = [hivemind.DHT(start=True)]
     dhts.append(hivemind.DHT(initial_peers=dhts[0].get_visible_maddrs(), start=True))
     averagers = []
     try:
-        for dht, tensor in zip(dhts, peer_tensors(), strict=True):
+        for dht, tensor, kwargs in zip(dhts, peer_tensors(), peer_kwargs, strict=True):
             averagers.append(
                 averager_type(
+                    **kwargs,
                     averaged_tensors=[tensor],
                     dht=dht,
                     prefix="exact_test",
                     target_group_size=2,
                     min_matchmaking_time=2.0,
                     request_timeout=1.0,
+                    # A sender silent this long is left out (as trainers set it).
+                    next_chunk_timeout=3.0,
                     compression=compression,
                     # Many parts, so that each peer reduces some and receives the others.
                     part_size_bytes=1 << 14,
@@ -51,13 +73,13 @@ def average_once(averager_type: type, compression: CompressionBase) -> list[torc
                 )
             )
         controls = [averager.step(wait=False) for averager in averagers]
-        for control in controls:
-            assert control.result(timeout=60) is not None, "the two peers formed no round"
+        outcomes = [control.result(timeout=60) for control in controls]
+        assert all(outcome is not None for outcome in outcomes), "the peers formed no round"
         results = []
         for averager in averagers:
             with averager.get_tensors() as (tensor,):
                 results.append(tensor.clone())
-        return results
+        return results, outcomes
     finally:
         for averager in averagers:
             averager.shutdown()
@@ -69,8 +91,9 @@ def average_once(averager_type: type, compression: CompressionBase) -> list[torc
     "compression", [NoCompression(), Float16Compression()], ids=["float32", "fp16"]
 )
 def test_both_peers_end_a_round_with_the_same_bits(compression: CompressionBase) -> None:
-    first, second = average_once(ExactAverager, compression)
+    (first, second), outcomes = average_once(ExactAverager, compression)
     assert torch.equal(first, second)
+    assert not any(incomplete(outcome) for outcome in outcomes)
     a, b = peer_tensors()
     mean = (a + b) / 2
     if isinstance(compression, NoCompression):
@@ -87,7 +110,23 @@ def test_hivemind_alone_leaves_the_peers_with_different_roundings() -> None:
     """Why node/allreduce.py exists: on the same inputs, stock hivemind's peers disagree,
     by float rounding of the inputs (measured: 6,592 of 50,000 values; with fp16 on the
     wire, 49,994 of them, by up to 72% of the inputs' size)."""
-    first, second = average_once(DecentralizedAverager, NoCompression())
+    (first, second), _ = average_once(DecentralizedAverager, NoCompression())
     assert not torch.equal(first, second)
     a, b = peer_tensors()
     assert ((first - second).abs() <= (a.abs() + b.abs()) * 2.0**-23).all()
+
+
+def test_a_peer_that_a_reducer_failed_is_told_its_round_is_incomplete() -> None:
+    """hivemind ends a round as a success when a reducer fails, leaving the parts it should
+    have averaged at the peer's own values; a trainer stepping on that would differ from
+    the others at the same version. The peer's result says so instead."""
+    (healthy, faulty), (told_healthy, _) = average_once(
+        PeerWithFaultyReducer, NoCompression(), ({}, {"faulty": True})
+    )
+    # (The faulty peer may be told too: the healthy one, its own outputs complete, can
+    # stop serving it before the last averages reach it.)
+    assert incomplete(told_healthy) and 0 < told_healthy.missing < 1
+    assert not torch.equal(healthy, faulty)
+    own, _ = peer_tensors()
+    # The share the faulty reducer held is the healthy peer's own input, untouched.
+    assert (healthy == own).float().mean().item() >= told_healthy.missing

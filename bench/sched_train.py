@@ -20,10 +20,10 @@ differ by about 3 points from run to run (bench/LOG.md, third run). So each seed
 seed by seed, so slow phases of the machine fall on both; the result gives every seed's
 figures, the mean of each arm and the paired difference with its standard error.
 
-Held-out accuracy is measured two ways because on this model they disagree: greedy decoding
-already solves 94% of 1-digit problems that temperature-1 sampling gets right only about
-half the time (bench/LOG.md). Training raises the sampled figure (the RL objective); the
-greedy one shows only what moves the argmax.
+Held-out accuracy is measured two ways, greedy and sampled at the rollouts' temperature:
+training raises the sampled figure (the RL objective), and the greedy one shows only what
+moves the argmax. On this model they differ most on 1-digit problems, which greedy
+decoding already solves (bench/LOG.md).
 """
 
 from __future__ import annotations

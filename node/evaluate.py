@@ -6,9 +6,8 @@
 
 By default one greedy answer per task. With `samples` > 0, that many answers per task are
 sampled as rollouts sample them (`rollout.sampling`: temperature, top-p), so the figure is
-the policy's expected success, the quantity RL training raises. The two differ: SmolLM2-135M
-answers 94% of 1-digit problems right greedily but about half at temperature 1
-(bench/LOG.md).
+the policy's expected success, the quantity RL training raises. The two differ (README,
+"Evaluate a checkpoint").
 
 The same environment code that plays training episodes scores evaluation ones, so the
 numbers mean the same thing in both places.

@@ -112,7 +112,7 @@ class Oracle:
         counts = apportion(k, self.inner.base_weights, {}, rng)
         tasks: list[Task] = []
         for env in sorted(counts):
-            ((source, _, _),) = self.inner.sources[env]
+            source = self.inner.sources[env][0].source
             pool = {
                 t.id: t for t in (source.sample(rng) for _ in range(self.pool_factor * counts[env]))
             }

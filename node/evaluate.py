@@ -19,6 +19,8 @@ import contextlib
 import os
 import time
 from collections import defaultdict
+from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -69,20 +71,19 @@ def evaluate_checkpoint(
         if env_name in SANDBOXED_ENVS:
             pool = open_pool(config.sandbox, f"eval-{os.getpid()}")
             cleanup.callback(pool.close)
+        play: Callable[[list[Any]], Sequence[Sequence[Any]]]  # tasks -> episodes per task
         if env_name in AGENT_ENVS:
             factory = ProcessSandbox if pool is None else pool.lease
             agent_env = make_agent_env(env_config, config.rollout, factory)
             cleanup.callback(agent_env.close)
-            for i in range(0, len(tasks), chunk_size):
-                chunk = tasks[i : i + chunk_size]
-                played = agent_env.play(engine, chunk, n, params, training=False)
-                successes += [success([e.reward for e in group], n) for group in played]
+            play = partial(agent_env.play, engine, n=n, params=params, training=False)
         else:
-            env = make_env(env_config, pool)
-            for i in range(0, len(tasks), chunk_size):
-                chunk = tasks[i : i + chunk_size]
-                episodes = env.run_group(engine, chunk, n, params)
-                successes += [success([e.reward for e in eps], n) for eps in episodes]
+            play = partial(make_env(env_config, pool).run_group, engine, n=n, params=params)
+        for i in range(0, len(tasks), chunk_size):
+            episodes = play(tasks[i : i + chunk_size])
+            successes += [
+                success([e.reward for e in task_episodes], n) for task_episodes in episodes
+            ]
     return summarize(tasks, successes) | {
         "decoding": decoding(env_name, samples, sampling.temperature),
         "checkpoint": checkpoint,

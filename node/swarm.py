@@ -511,7 +511,9 @@ def _incomplete(control: Any) -> bool:
 
 def _failed(control: Any) -> bool:
     """Whether a hivemind averaging round ended in an error, or incomplete."""
-    return _ended(control) and (control.exception() is not None or _incomplete(control))
+    if not _ended(control):
+        return False
+    return control.exception() is not None or incomplete(control.result())
 
 
 class RoundFailed(Exception):

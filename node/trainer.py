@@ -394,6 +394,14 @@ class Trainer:
             await self.directory_settled.wait()
         last = time.perf_counter()
         while True:
+            if cfg.run.max_steps and self.version >= cfg.run.max_steps:
+                # Checked before the first step too: a run resumed at or past the bound
+                # trains nothing more.
+                log.info(
+                    "reached max_steps=%d at policy version %d", cfg.run.max_steps, self.version
+                )
+                stop.set()
+                return
             if not self.connected.is_set():
                 await self._sit_out_isolation()
             await self.batch_ready.wait()
@@ -416,10 +424,6 @@ class Trainer:
             # recorded): the step runs shielded and `run` waits for it before cleanup.
             self.step_task = asyncio.create_task(self._step(batch, last), name="trainer-step")
             last = await asyncio.shield(self.step_task)
-            if cfg.run.max_steps and self.version >= cfg.run.max_steps:
-                log.info("reached max_steps=%d", cfg.run.max_steps)
-                stop.set()
-                return
             if len(self.queue) < cfg.trainer.groups_per_step:
                 self.batch_ready.clear()
 

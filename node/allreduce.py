@@ -18,11 +18,15 @@ Here the reducer of a part replies with the average itself, and keeps for itself
 value as it would arrive on the wire. A part whose reducer fails keeps the peer's own
 values, as hivemind's zero delta does, and hivemind still reports the round a success
 (it only logs "received N% results"). Then this peer's tensors are no average, and its
-step would differ from its peers' at the same version, so the round's result says so:
-an `IncompleteRound` instead of the plain gathered data, for the caller to treat as a
-failed round. A stock hivemind peer, which would add the average to its own tensor as if
-it were a difference, never joins these rounds: hivemind names its RPC handlers after the
-averager's class, and these classes are agentjet's.
+step would differ from its peers' at the same version, so the round's result says so
+(`RoundResult.missing`), for the caller to treat as a failed round. A stock hivemind
+peer, which would add the average to its own tensor as if it were a difference, never
+joins these rounds: hivemind names its RPC handlers after the averager's class, and
+these classes are agentjet's.
+
+A round's result also names the peers whose whole tensors, with a weight above zero, are
+in this peer's average as far as it can tell (`RoundResult.contributors`): a trainer
+vouches for those peers' gradients (node/swarm.py, "trained" marks).
 """
 
 from __future__ import annotations
@@ -43,21 +47,40 @@ from hivemind.utils.asyncio import amap_in_executor, as_aiter, azip
 from hivemind.utils.timed_storage import get_dht_time
 
 
-class IncompleteRound(dict):  # type: ignore[type-arg]
-    """A round's gathered data (peer -> data) when some reducer failed this peer: the parts
-    it should have averaged hold this peer's own values. `missing` is their share."""
+class RoundResult(dict):  # type: ignore[type-arg]
+    """A round's gathered data (peer -> what it sent with its join request), and:
+    `missing`: the share of the average that never came (a reducer failed this peer; those
+    parts hold its own values); `contributors`: the other peers whose tensors are all in
+    this peer's average with a weight above zero (`complete_contributors`)."""
 
-    def __init__(self, gathered: dict[Any, Any], missing: float) -> None:
+    def __init__(
+        self, gathered: dict[Any, Any], missing: float, contributors: frozenset[Any]
+    ) -> None:
         super().__init__(gathered)
         self.missing = missing
+        self.contributors = contributors
 
     def __reduce__(self) -> tuple[Any, ...]:  # crosses from the averager's process
-        return IncompleteRound, (dict(self), self.missing)
+        return RoundResult, (dict(self), self.missing, self.contributors)
 
 
 def incomplete(result: object) -> bool:
     """Whether an averaging round's result says this peer did not get the whole average."""
-    return isinstance(result, IncompleteRound)
+    return isinstance(result, RoundResult) and result.missing > 0
+
+
+def complete_contributors(
+    weights: dict[Any, float], banned: set[Any], some_reducer_failed: bool
+) -> frozenset[Any]:
+    """The peers whose whole tensors are in this peer's average: `weights` holds the weight
+    each other peer sent with its parts to this peer's reducer. hivemind finishes a round
+    without a peer that stops sending (`banned`: averaged without it from where it
+    stopped), and a peer that tags along sends weight zero. After a failed reducer this
+    peer holds its own values for that reducer's parts: no other peer is all in. Whether a
+    third peer's reducer got a sender's parts only that peer knows; it is not checked."""
+    if some_reducer_failed:
+        return frozenset()
+    return frozenset(p for p, w in weights.items() if w > 0 and p not in banned)
 
 
 class ExactAllReduceRunner(AllReduceRunner):  # type: ignore[misc]
@@ -70,6 +93,8 @@ class ExactAllReduceRunner(AllReduceRunner):  # type: ignore[misc]
         container.return_deltas = False
         # How averages travel; a reducer rounds every reply, and its own copy, this one way.
         self.wire = container.compression.compression_type
+        # The weight each other peer sent with its parts to this peer's reducer.
+        self.sender_weights: dict[PeerID, float] = {}
 
     def _as_sent(self, average: torch.Tensor) -> Any:
         return serialize_torch_tensor(average, self.wire)
@@ -101,6 +126,7 @@ class ExactAllReduceRunner(AllReduceRunner):  # type: ignore[misc]
                 stream,
                 max_prefetch=self.tensor_part_container.prefetch,
             ):
+                self.sender_weights[self.sender_peer_ids[sender_index]] = weight
                 try:
                     average = await self.tensor_part_reducer.accumulate_part(
                         sender_index, received, part, weight=weight
@@ -119,16 +145,18 @@ class ExactAllReduceRunner(AllReduceRunner):  # type: ignore[misc]
 
 class ExactAverager(DecentralizedAverager):  # type: ignore[misc]
     """A DecentralizedAverager whose rounds use ExactAllReduceRunner and copy the average
-    into the averaged tensors (hivemind adds a difference to them), and whose results say
-    when a reducer failed (`IncompleteRound`)."""
+    into the averaged tensors (hivemind adds a difference to them), and whose results are
+    `RoundResult`s."""
 
     async def _aggregate_with_group(self, group_info: GroupInfo, **kwargs: Any) -> Any:
         gathered = await super()._aggregate_with_group(group_info, **kwargs)
         # The group stays registered (with its runner) until this returns.
-        container = self._running_groups[group_info.group_id].result().tensor_part_container
-        if container.failed_size:
-            return IncompleteRound(gathered, container.failed_size / container.total_size)
-        return gathered
+        runner = self._running_groups[group_info.group_id].result()
+        container = runner.tensor_part_container
+        contributors = complete_contributors(
+            runner.sender_weights, set(runner.banned_senders), container.failed_size > 0
+        )
+        return RoundResult(gathered, container.failed_size / container.total_size, contributors)
 
     async def _run_allreduce_inplace_(
         self,

@@ -7,6 +7,7 @@
                   │     unsure(T): offered again to T only            │  and lost its queue)
                   ├───────────────────────────────────────────────────┘
                   └── T gone (its directory record expired) and no trained mark in the DHT
+                      (T's own, or a peer's of a gradient batch that held the group)
 
 A group goes to another trainer only when the one that may hold it is gone, so no group is
 trained twice by two live trainers; a trainer that dies with groups in its queue loses

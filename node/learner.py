@@ -93,6 +93,8 @@ class Learner:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm))
         # Counted in samples with gradient (informative_samples_per_step) or in all samples.
         counted = len(rows) if self.config.informative_samples_per_step else num_samples
+        # Named even when they add no gradient: they are trained with the batch they join.
+        self.swarm.name_groups(g.group_id for g in groups)
         if counted == 0:
             # No sample with gradient, or every group rejected: the batch adds nothing.
             outcome = StepOutcome(self.swarm.epoch, applied=False, discarded=False)
@@ -104,6 +106,7 @@ class Learner:
             "policy_version": outcome.epoch,
             "optimizer_stepped": outcome.applied,
             "optimizer_discarded": outcome.discarded,
+            "peer_batch_ids": list(outcome.peer_batches),
             "rejected_group_ids": sorted(rejected),
             "logprob_gaps": gap_of,
             "losses/policy": done.loss,

@@ -197,7 +197,7 @@ class Rollout:
         cleanup.callback(spool.close)
         self.ledger.spool = spool
         groups = spool.load()
-        trained = set()
+        trained: dict[str, str | None] = {}
         if groups and self.directory is not None:
             trained = self.directory.trained([g.group_id for g, _ in groups])
         for group, holder in groups:
@@ -553,13 +553,15 @@ class Rollout:
         for trainer_id in self._apply_trainers(records, now=time.monotonic()):
             ids = [p.group.group_id for p in self.ledger.held_by(trainer_id)]
             assert self.directory is not None
-            trained = await asyncio.to_thread(self.directory.trained, ids) if ids else set()
-            counts = self.ledger.trainer_gone(trainer_id, trained)
+            trained = await asyncio.to_thread(self.directory.trained, ids) if ids else {}
+            counts = self.ledger.trainer_gone(trainer_id, set(trained))
             self.metrics.write(
                 {
                     "event": "trainer_gone",
                     "node_id": trainer_id,
                     "trained_group_ids": sorted(trained),
+                    # those known trained only from a peer's mark of their batch
+                    "trained_through_batches": sorted(g for g, b in trained.items() if b),
                 }
             )
             self.counts["groups_trained"] += counts["trained"]

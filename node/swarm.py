@@ -3,7 +3,8 @@
 
     start_dht(config) ──▶ hivemind.DHT (joins `initial_peers`, retried with backoff)
         ├── Directory: each node's NodeRecord under the swarm's key, refreshed by heartbeat,
-        │              expiring after record_ttl_s; marks of trained group ids
+        │              expiring after record_ttl_s; marks of trained group ids, and of
+        │              trained gradient batches (below)
         └── SwarmOptimizer: learner grads ──step(samples)──▶ averaged with the other
                             trainers ──▶ AdamW; the epoch (= policy version) advances when
                             the swarm's target batch is reached; a lone peer advances at once.
@@ -16,6 +17,17 @@ hivemind's averaging and state-download calls are not covered by its authorizer:
 "Security" in docs/ARCHITECTURE.md for what that leaves open.
 
 Local mode uses this exact path with a single peer, so the swarm code is always exercised.
+
+"Trained" survives a trainer cut off (or killed) right after a step, before its marks reach
+the DHT. The gradients a trainer accumulates between two resets are one batch, with an id
+of its own (`_ExactGradientAverager.batch_id`). As each group joins the batch, the trainer
+stores in the DHT, in the background, that the batch holds it (an intent), and the batch
+id rides along with the trainer's gradient round (hivemind's all-gather data). After a
+step, a trainer marks trained the batches of its round's other peers whose whole
+gradients it averaged in (node/allreduce.py `RoundResult.contributors`). A group counts
+as trained when it is marked itself or when a batch that held it is (`Directory.trained`),
+so one peer's marks cover another's lost ones.
+
 Lessons from DESIGN.md §8 live here: request_timeout passed to the gradient averager too,
 explicit ordered shutdown (optimizer, then DHT) so no `p2pd` is orphaned, and hivemind's
 own logging kept quiet. Records read from the DHT are input from strangers: each one is
@@ -32,6 +44,7 @@ import os
 import signal
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -58,12 +71,17 @@ from agentjet import protocol
 from agentjet.config import SwarmConfig
 from agentjet.errors import AgentjetError
 from agentjet.keys import SwarmKeys
-from node.allreduce import ExactAverager, incomplete
+from node.allreduce import ExactAverager, RoundResult, incomplete
 
 log = logging.getLogger(__name__)
 
 # A trained group's mark stays in the DHT this long: far longer than any re-send takes.
 TRAINED_MARK_TTL_S = 3600.0
+# Longest batch id accepted from a peer or read from the DHT (ours are about 15 characters).
+MAX_BATCH_ID_CHARS = 128
+# A trainer about to average its gradients waits at most this long for the intents naming
+# their groups to be stored (they usually are, long before); then it goes on without.
+INTENT_WAIT_S = 1.0
 # A stopping node waits at most this long to withdraw its directory record.
 WITHDRAW_TIMEOUT_S = 3.0
 # Seconds between attempts to start the DHT (doubled each time).
@@ -181,6 +199,11 @@ class Directory:
         self.ttl_s = config.record_ttl_s
         self.key = f"{config.run_id}.agentjet.nodes"
         self.trained_prefix = f"{config.run_id}.agentjet.trained."
+        # One key per group (subkeys: the batches that held it) and one per marked batch,
+        # like the trained marks: one key with a subkey per group is fetched whole, and
+        # would grow with the run.
+        self.intent_prefix = f"{config.run_id}.agentjet.intent."
+        self.trained_batch_prefix = f"{config.run_id}.agentjet.trained_batch."
         self.bad_records = 0
 
     def publish(self, record: protocol.NodeRecord) -> bool:
@@ -244,23 +267,81 @@ class Directory:
             log.info("could not ping the swarm's initial peers: %r", e)
             return 0
 
-    def mark_trained(self, group_ids: Iterable[str], node_id: str) -> None:
-        """Say in the DHT that these groups' gradients are in the swarm's weights."""
+    def mark_trained(
+        self, group_ids: Iterable[str], node_id: str, batch_ids: Iterable[str] = ()
+    ) -> None:
+        """Say in the DHT that these groups' gradients are in the swarm's weights, and so
+        are those of every group the batches `batch_ids` hold (`name_batch`)."""
         expires = get_dht_time() + TRAINED_MARK_TTL_S
+        keys = [self.trained_prefix + g for g in group_ids]
+        keys += [self.trained_batch_prefix + b for b in batch_ids]
         futures = [
-            self.dht.store(
-                self.trained_prefix + g, node_id, expiration_time=expires, return_future=True
-            )
-            for g in group_ids
+            self.dht.store(key, node_id, expiration_time=expires, return_future=True)
+            for key in keys
         ]
         for future in futures:
             future.result()
 
-    def trained(self, group_ids: Iterable[str]) -> set[str]:
-        """The ones among `group_ids` some trainer has marked trained."""
+    def name_batch(self, batch_id: str, group_ids: Iterable[str]) -> list[Any]:
+        """Start storing that the gradient batch `batch_id` holds these groups; returns the
+        stores' futures (each True once some DHT peer holds it)."""
+        expires = get_dht_time() + TRAINED_MARK_TTL_S
+        return [
+            self.dht.store(
+                self.intent_prefix + g,
+                True,
+                expiration_time=expires,
+                subkey=batch_id,
+                return_future=True,
+            )
+            for g in group_ids
+        ]
+
+    def trained(self, group_ids: Iterable[str]) -> dict[str, str | None]:
+        """The ones among `group_ids` some trainer has marked trained, each with the mark
+        that says so: None for the group's own, else the id of a marked batch that held it."""
         ids = list(group_ids)
-        futures = [self.dht.get(self.trained_prefix + g, return_future=True) for g in ids]
-        return {g for g, f in zip(ids, futures, strict=True) if f.result() is not None}
+        marks: dict[str, str | None] = dict.fromkeys(self._found(self.trained_prefix, ids))
+        rest = [g for g in ids if g not in marks]
+        futures = [self.dht.get(self.intent_prefix + g, return_future=True) for g in rest]
+        intents = {g: batches_named(f.result()) for g, f in zip(rest, futures, strict=True)}
+        marked = self._found(self.trained_batch_prefix, sorted(set().union(*intents.values())))
+        through = trained_through_batches(intents, marked)
+        if through:
+            log.info("%d groups are trained by a peer's mark of their batch", len(through))
+        return marks | {g: min(intents[g] & marked) for g in through}
+
+    def _found(self, prefix: str, names: list[str]) -> set[str]:
+        """The names whose key `prefix + name` holds a value in the DHT."""
+        futures = [self.dht.get(prefix + n, return_future=True) for n in names]
+        return {n for n, f in zip(names, futures, strict=True) if f.result() is not None}
+
+
+def is_batch_id(value: object) -> bool:
+    """Whether `value` (a peer's all-gather data, a DHT subkey) can be a batch id."""
+    return isinstance(value, str) and 0 < len(value) <= MAX_BATCH_ID_CHARS
+
+
+def batches_named(found: Any) -> set[str]:
+    """The batch ids of a group's intent read from the DHT (None when there is none);
+    anything else a stranger stored there is ignored."""
+    value = getattr(found, "value", None)
+    if not isinstance(value, dict):
+        return set()
+    return {b for b in value if is_batch_id(b)}
+
+
+def trained_through_batches(intents: dict[str, set[str]], marked: set[str]) -> set[str]:
+    """The groups some batch of which is marked trained: `intents` maps a group to the
+    batches that held it, `marked` holds the batches marked trained."""
+    return {g for g, batches in intents.items() if batches & marked}
+
+
+def vouched_batches(result: RoundResult) -> tuple[str, ...]:
+    """The batch ids of a gradient round's peers whose whole gradients are in this peer's
+    result (what each sent as its all-gather data; anything but a batch id is ignored)."""
+    batches = (b for peer, b in result.items() if peer in result.contributors)
+    return tuple(sorted(b for b in batches if is_batch_id(b)))
 
 
 async def _ping_peers(dht: hivemind.DHT, node: Any, maddrs: list[str]) -> int:
@@ -288,7 +369,30 @@ def read_directory(config: SwarmConfig, keys: SwarmKeys | None) -> list[protocol
 
 
 class _ExactGradientAverager(GradientAverager, ExactAverager):  # type: ignore[misc]
-    """hivemind's gradient averager, with rounds that leave every trainer the same bits."""
+    """hivemind's gradient averager, with rounds that leave every trainer the same bits,
+    and a batch id for the gradients it accumulates: new at each reset (a step took them,
+    or they were thrown away), unique to this process (a restarted trainer, same peer id,
+    must not reuse one a peer may have marked). Each gradient round carries it as its
+    all-gather data. A round is scheduled while the gradients accumulate, and every reset
+    comes with the scheduled round triggered, cancelled or joined with weight zero."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.process_tag = uuid.uuid4().hex[:12]
+        self.batches = 0
+        super().__init__(*args, **kwargs)
+
+    @property
+    def batch_id(self) -> str:
+        return f"{self.process_tag}/{self.batches}"
+
+    def reset_accumulated_grads_(self) -> None:
+        super().reset_accumulated_grads_()
+        self.batches += 1
+
+    def schedule_step(self, scheduled_time: float | None = None, **kwargs: Any) -> Any:
+        if kwargs.get("gather") is None:
+            kwargs["gather"] = self.batch_id
+        return super().schedule_step(scheduled_time, **kwargs)
 
 
 class _AveragerWatch(ExactAverager):
@@ -379,11 +483,17 @@ class _Optimizer(hivemind.Optimizer):  # type: ignore[misc]
     # Rounds hivemind called a success though a reducer failed this peer (IncompleteRound):
     # gradient rounds count as failed rounds too, parameter rounds as repairs.
     incomplete_rounds = 0
+    # Gradient rounds entered before the intents naming the batch's groups were stored.
+    late_intents = 0
 
     def __init__(self, *args: Any, other_trainers: Callable[[], int], **kwargs: Any) -> None:
         self.step_lock = threading.Lock()  # held by SwarmOptimizer for each whole step
         self.loading = threading.Event()  # set while this trainer downloads the swarm's state
         self._other_trainers = other_trainers
+        # A batch id, and the stores of the intents naming that batch's groups.
+        self.intents: tuple[str, list[Any]] = ("", [])
+        # Peers' batches the last gradient round vouches for (`vouched_batches`).
+        self.peer_batches: tuple[str, ...] = ()
         super().__init__(*args, **kwargs)
 
     def _make_state_averager(self, **kwargs: Any) -> TrainingStateAverager:
@@ -444,7 +554,20 @@ class _Optimizer(hivemind.Optimizer):  # type: ignore[misc]
     def _begin_averaging_gradients(self, grad_scaler: Any) -> bool:
         """hivemind's tracker may not know of a peer yet (it refreshes every few seconds)
         and step alone; the swarm's directory is fresher. With other trainers listed there,
-        a step without a round is a failed round."""
+        a step without a round is a failed round.
+
+        Before its gradients go in, the batch's intents must be stored, or a peer could
+        vouch for a batch nobody can find the groups of: wait for them, a little."""
+        batch_id, stores = self.intents
+        if batch_id == self.grad_averager.batch_id and self.tracker.global_progress.num_peers > 1:
+            deadline = time.monotonic() + INTENT_WAIT_S
+            try:
+                stored = [f.result(max(0.0, deadline - time.monotonic())) for f in stores]
+            except Exception as e:  # a timeout, or a DHT error
+                stored = [repr(e)]
+            if not all(s is True for s in stored):
+                self.late_intents += 1
+                log.info("averaging gradients before the batch's groups are named in the DHT")
         began = bool(super()._begin_averaging_gradients(grad_scaler))
         others = self._other_trainers()
         if not began and others:
@@ -468,6 +591,8 @@ class _Optimizer(hivemind.Optimizer):  # type: ignore[misc]
                 self.incomplete_rounds += 1
                 self.failed_rounds += 1
                 raise RoundFailed(f"{result.missing:.1%} of the average gradient never came")
+            if isinstance(result, RoundResult):
+                self.peer_batches = vouched_batches(result)
         super()._average_gradients_and_load_into_optimizer(control)
 
     def discard_round(self) -> None:
@@ -525,6 +650,9 @@ class StepOutcome:
     epoch: int
     applied: bool  # the accumulated gradients went into an optimizer step
     discarded: bool  # they were thrown away (a failed round, or this peer was out of sync)
+    # When applied after a round with peers: the batches of those peers whose whole
+    # gradients were in it (to mark trained: `Directory.mark_trained`).
+    peer_batches: tuple[str, ...] = ()
 
 
 class SwarmOptimizer:
@@ -543,6 +671,7 @@ class SwarmOptimizer:
         `other_trainers()`: how many other live trainers the directory lists now."""
         self.owns_dht = dht is None
         self.dht = dht or start_dht(config, keys=None)  # in-process use (tests, bench)
+        self.directory = Directory(self.dht, config)
         # Versions re-taken from a peer after this trainer's parameter round failed.
         self.repairs = 0
         compression = Float16Compression() if config.grad_compression == "fp16" else NoCompression()
@@ -591,6 +720,19 @@ class SwarmOptimizer:
         """Hand the accumulated `.grad`s of `batch_size` samples to the swarm; returns the epoch."""
         return self.step_outcome(batch_size).epoch
 
+    def name_groups(self, group_ids: Iterable[str]) -> str:
+        """Name in the DHT (in the background) the groups whose gradients the next
+        `step_outcome` adds, or that add none but are trained with them; returns the id of
+        the batch that holds them. Call it before that step."""
+        with self.optimizer.step_lock:
+            batch_id = str(self.optimizer.grad_averager.batch_id)
+            named, stores = self.optimizer.intents
+            if named != batch_id:
+                stores = []
+            stores += self.directory.name_batch(batch_id, group_ids)
+            self.optimizer.intents = (batch_id, stores)
+            return batch_id
+
     def step_outcome(self, batch_size: int) -> StepOutcome:
         """Like `step`, and say whether the gradients were applied, kept or thrown away."""
         with self.optimizer.step_lock:
@@ -604,6 +746,7 @@ class SwarmOptimizer:
             averager = self.optimizer.state_averager
             rounds = [self.optimizer.scheduled_state]
             averager.rounds = ()
+            self.optimizer.peer_batches = ()
             try:
                 self.optimizer.step(batch_size=batch_size)
             except RoundFailed as e:
@@ -623,8 +766,12 @@ class SwarmOptimizer:
                 self.repairs += 1
                 self.optimizer.take_swarm_state()
         discarded = self.optimizer.discards > discards
+        applied = not discarded and self.epoch > epoch
         return StepOutcome(
-            self.epoch, applied=not discarded and self.epoch > epoch, discarded=discarded
+            self.epoch,
+            applied=applied,
+            discarded=discarded,
+            peer_batches=self.optimizer.peer_batches if applied else (),
         )
 
     def counts(self) -> dict[str, int]:
@@ -633,6 +780,7 @@ class SwarmOptimizer:
         return {
             "failed_rounds": optimizer.failed_rounds,
             "incomplete_rounds": optimizer.incomplete_rounds,
+            "late_intents": optimizer.late_intents,
             "state_downloads": optimizer.reloads,
             "repairs": self.repairs,
         }

@@ -521,7 +521,9 @@ class Trainer:
                 self.trained_log.write(f"{version}\t{group.group_id}\n")
             self.trained_log.flush()
             ids = [g.group_id for g in trained]
-            await asyncio.to_thread(self.directory.mark_trained, ids, self.node_id)
+            await asyncio.to_thread(
+                self.directory.mark_trained, ids, self.node_id, row["peer_batch_ids"]
+            )
         # hivemind may also keep a step's gradients for the next epoch (the swarm's target
         # batch is not reached yet); those groups stay accumulated.
         changed = int(row["policy_version"]) != self.version

@@ -47,9 +47,13 @@ class PeerWithFaultyReducer(ExactAverager):
 
 
 def average_once(
-    averager_type: type, compression: CompressionBase, peer_kwargs: Sequence[dict] = ({}, {})
-) -> tuple[list[torch.Tensor], list[Any]]:
-    """One averaging round of two peers; each peer's tensor afterwards, and its result."""
+    averager_type: type,
+    compression: CompressionBase,
+    peer_kwargs: Sequence[dict] = ({}, {}),
+    weights: Sequence[float] = (1.0, 1.0),
+) -> tuple[list[torch.Tensor], list[Any], list[Any]]:
+    """One averaging round of two peers; each peer's tensor afterwards, its result, and
+    its peer id."""
     dhts = [hivemind.DHT(start=True)]
     dhts.append(hivemind.DHT(initial_peers=dhts[0].get_visible_maddrs(), start=True))
     averagers = []
@@ -72,14 +76,17 @@ def average_once(
                     start=True,
                 )
             )
-        controls = [averager.step(wait=False) for averager in averagers]
+        controls = [
+            averager.step(weight=weight, wait=False)
+            for averager, weight in zip(averagers, weights, strict=True)
+        ]
         outcomes = [control.result(timeout=60) for control in controls]
         assert all(outcome is not None for outcome in outcomes), "the peers formed no round"
         results = []
         for averager in averagers:
             with averager.get_tensors() as (tensor,):
                 results.append(tensor.clone())
-        return results, outcomes
+        return results, outcomes, [averager.peer_id for averager in averagers]
     finally:
         for averager in averagers:
             averager.shutdown()
@@ -91,9 +98,11 @@ def average_once(
     "compression", [NoCompression(), Float16Compression()], ids=["float32", "fp16"]
 )
 def test_both_peers_end_a_round_with_the_same_bits(compression: CompressionBase) -> None:
-    (first, second), outcomes = average_once(ExactAverager, compression)
+    (first, second), outcomes, peers = average_once(ExactAverager, compression)
     assert torch.equal(first, second)
     assert not any(incomplete(outcome) for outcome in outcomes)
+    # each peer vouches that the other's whole tensor is in its average
+    assert [outcome.contributors for outcome in outcomes] == [{peers[1]}, {peers[0]}]
     a, b = peer_tensors()
     mean = (a + b) / 2
     if isinstance(compression, NoCompression):
@@ -110,7 +119,7 @@ def test_hivemind_alone_leaves_the_peers_with_different_roundings() -> None:
     """Why node/allreduce.py exists: on the same inputs, stock hivemind's peers disagree,
     by float rounding of the inputs (measured: 6,592 of 50,000 values; with fp16 on the
     wire, 49,994 of them, by up to 72% of the inputs' size)."""
-    (first, second), _ = average_once(DecentralizedAverager, NoCompression())
+    (first, second), _, _ = average_once(DecentralizedAverager, NoCompression())
     assert not torch.equal(first, second)
     a, b = peer_tensors()
     assert ((first - second).abs() <= (a.abs() + b.abs()) * 2.0**-23).all()
@@ -120,13 +129,26 @@ def test_a_peer_that_a_reducer_failed_is_told_its_round_is_incomplete() -> None:
     """hivemind ends a round as a success when a reducer fails, leaving the parts it should
     have averaged at the peer's own values; a trainer stepping on that would differ from
     the others at the same version. The peer's result says so instead."""
-    (healthy, faulty), (told_healthy, _) = average_once(
+    (healthy, faulty), (told_healthy, _), _ = average_once(
         PeerWithFaultyReducer, NoCompression(), ({}, {"faulty": True})
     )
     # (The faulty peer may be told too: the healthy one, its own outputs complete, can
     # stop serving it before the last averages reach it.)
     assert incomplete(told_healthy) and 0 < told_healthy.missing < 1
+    assert told_healthy.contributors == set()  # it can vouch for no one
     assert not torch.equal(healthy, faulty)
     own, _ = peer_tensors()
     # The share the faulty reducer held is the healthy peer's own input, untouched.
     assert (healthy == own).float().mean().item() >= told_healthy.missing
+
+
+def test_a_peer_that_tags_along_with_weight_zero_is_no_contributor() -> None:
+    """hivemind joins a scheduled gradient round with weight zero once it has thrown its
+    gradients away; the other peer must not vouch for them."""
+    (first, second), outcomes, peers = average_once(
+        ExactAverager, NoCompression(), weights=(1.0, 0.0)
+    )
+    assert torch.equal(first, second)
+    own, _ = peer_tensors()
+    assert torch.equal(first, own)  # the average of one weighted tensor
+    assert [outcome.contributors for outcome in outcomes] == [set(), {peers[0]}]

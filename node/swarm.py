@@ -480,7 +480,7 @@ class _Optimizer(hivemind.Optimizer):  # type: ignore[misc]
     discards = 0
     reloads = 0  # state downloads: the part of `discards` that cost the whole state in bytes
     failed_rounds = 0
-    # Rounds hivemind called a success though a reducer failed this peer (IncompleteRound):
+    # Rounds hivemind called a success though a reducer failed this peer (RoundResult.missing):
     # gradient rounds count as failed rounds too, parameter rounds as repairs.
     incomplete_rounds = 0
     # Gradient rounds entered before the intents naming the batch's groups were stored.
@@ -630,7 +630,7 @@ def _ended(control: Any) -> bool:
 
 def _incomplete(control: Any) -> bool:
     """Whether a hivemind averaging round (StepControl) left this peer without part of the
-    average, though hivemind calls it a success (node/allreduce.py `IncompleteRound`)."""
+    average, though hivemind calls it a success (node/allreduce.py `RoundResult.missing`)."""
     return _ended(control) and control.exception() is None and incomplete(control.result())
 
 

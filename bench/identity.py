@@ -21,6 +21,7 @@ all-reduce instead of node/allreduce.py's exact one, for comparison.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import shutil
 import subprocess
@@ -28,6 +29,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -80,13 +82,25 @@ def trainer(role: str, workdir: Path, args: argparse.Namespace) -> None:
             time.sleep(STEP_PAUSE_S)
             before = swarm.epoch
             outcome = swarm.step_outcome(batch_size=1)
+            optimizer = swarm.optimizer
             row = {
                 "time": time.time(),
                 "before": before,
                 "after": outcome.epoch,
                 "applied": outcome.applied,
                 "discarded": outcome.discarded,
-                "swarm_epoch": swarm.optimizer.tracker.global_epoch,
+                "swarm_epoch": optimizer.tracker.global_epoch,
+                "swarm_peers": optimizer.tracker.global_progress.num_peers,
+                # the parameter rounds this step began, and how each ended
+                "state_rounds": [repr(r) for r in optimizer.state_averager.rounds],
+                # where a divergence starts: in the weights, or in Adam's state first
+                "params_sha": digest(model.parameters()),
+                "adam_sha": digest(
+                    t
+                    for state in optimizer.state_averager.optimizer.state.values()
+                    for t in state.values()
+                    if isinstance(t, torch.Tensor)
+                ),
                 **swarm.counts(),
             }
             trace.write(json.dumps(row) + "\n")
@@ -100,6 +114,14 @@ def trainer(role: str, workdir: Path, args: argparse.Namespace) -> None:
     finally:
         trace.close()
         swarm.shutdown()
+
+
+def digest(tensors: Any) -> str:
+    """A short hash of tensors' bits, in order."""
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
 
 
 def compare(workdir: Path) -> dict[str, object]:

@@ -337,11 +337,28 @@ def trained_through_batches(intents: dict[str, set[str]], marked: set[str]) -> s
     return {g for g, batches in intents.items() if batches & marked}
 
 
+def round_data(value: object) -> tuple[str | None, int | None]:
+    """What a peer sent as its all-gather data in a gradient round: (its batch id, its
+    epoch); None for a part that is not one."""
+    if not isinstance(value, list | tuple) or len(value) != 2:
+        return None, None
+    batch_id, epoch = value
+    return (
+        batch_id if is_batch_id(batch_id) else None,
+        epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else None,
+    )
+
+
 def vouched_batches(result: RoundResult) -> tuple[str, ...]:
     """The batch ids of a gradient round's peers whose whole gradients are in this peer's
-    result (what each sent as its all-gather data; anything but a batch id is ignored)."""
-    batches = (b for peer, b in result.items() if peer in result.contributors)
-    return tuple(sorted(b for b in batches if is_batch_id(b)))
+    result."""
+    batches = (round_data(d)[0] for peer, d in result.items() if peer in result.contributors)
+    return tuple(sorted(b for b in batches if b is not None))
+
+
+def round_epochs(result: RoundResult) -> set[int | None]:
+    """The epochs the peers of a gradient round said they were at (None: not said)."""
+    return {round_data(d)[1] for d in result.values()}
 
 
 async def _ping_peers(dht: hivemind.DHT, node: Any, maddrs: list[str]) -> int:
@@ -372,13 +389,15 @@ class _ExactGradientAverager(GradientAverager, ExactAverager):  # type: ignore[m
     """hivemind's gradient averager, with rounds that leave every trainer the same bits,
     and a batch id for the gradients it accumulates: new at each reset (a step took them,
     or they were thrown away), unique to this process (a restarted trainer, same peer id,
-    must not reuse one a peer may have marked). Each gradient round carries it as its
-    all-gather data. A round is scheduled while the gradients accumulate, and every reset
-    comes with the scheduled round triggered, cancelled or joined with weight zero."""
+    must not reuse one a peer may have marked). Each gradient round carries it, and the
+    trainer's epoch, as its all-gather data (`round_data`). A round is scheduled while the
+    gradients accumulate, and every reset comes with the scheduled round triggered,
+    cancelled or joined with weight zero."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.process_tag = uuid.uuid4().hex[:12]
         self.batches = 0
+        self.epoch: Callable[[], int] = lambda: 0  # the optimizer's, set by _Optimizer
         super().__init__(*args, **kwargs)
 
     @property
@@ -391,7 +410,7 @@ class _ExactGradientAverager(GradientAverager, ExactAverager):  # type: ignore[m
 
     def schedule_step(self, scheduled_time: float | None = None, **kwargs: Any) -> Any:
         if kwargs.get("gather") is None:
-            kwargs["gather"] = self.batch_id
+            kwargs["gather"] = [self.batch_id, int(self.epoch())]
         return super().schedule_step(scheduled_time, **kwargs)
 
 
@@ -495,6 +514,7 @@ class _Optimizer(hivemind.Optimizer):  # type: ignore[misc]
         # Peers' batches the last gradient round vouches for (`vouched_batches`).
         self.peer_batches: tuple[str, ...] = ()
         super().__init__(*args, **kwargs)
+        self.grad_averager.epoch = lambda: self.local_epoch
 
     def _make_state_averager(self, **kwargs: Any) -> TrainingStateAverager:
         # hivemind binds the serving method at construction: the subclass must be built here.
@@ -592,6 +612,16 @@ class _Optimizer(hivemind.Optimizer):  # type: ignore[misc]
                 self.failed_rounds += 1
                 raise RoundFailed(f"{result.missing:.1%} of the average gradient never came")
             if isinstance(result, RoundResult):
+                epochs = round_epochs(result)
+                if epochs != {self.local_epoch}:
+                    # A trainer behind whose tracker had not yet seen the swarm move on:
+                    # each would step its own weights and name them its own next version
+                    # (seen in bench-identity: one trainer's v1-v3 were the other's v2-v4).
+                    self.failed_rounds += 1
+                    raise RoundFailed(
+                        f"peers at epochs {sorted(map(str, epochs))} in one gradient round, "
+                        f"this trainer at {self.local_epoch}"
+                    )
                 self.peer_batches = vouched_batches(result)
         super()._average_gradients_and_load_into_optimizer(control)
 

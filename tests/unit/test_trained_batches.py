@@ -13,6 +13,8 @@ from node.swarm import (
     MAX_BATCH_ID_CHARS,
     batches_named,
     is_batch_id,
+    round_data,
+    round_epochs,
     trained_through_batches,
     vouched_batches,
 )
@@ -41,7 +43,7 @@ def test_after_a_failed_reducer_no_other_peer_is_all_in() -> None:
 
 def test_a_round_vouches_for_the_batches_of_its_contributors_only() -> None:
     result = RoundResult(
-        {"me": "m/3", "a": "a/1", "b": "b/7", "c": None, "d": 12},
+        {"me": ["m/3", 5], "a": ["a/1", 5], "b": ["b/7", 5], "c": None, "d": [12, 5]},
         missing=0.0,
         contributors=frozenset({"a", "c", "d"}),
     )
@@ -49,6 +51,33 @@ def test_a_round_vouches_for_the_batches_of_its_contributors_only() -> None:
     assert vouched_batches(result) == ("a/1",)
     assert not incomplete(result)
     assert incomplete(RoundResult({}, missing=0.25, contributors=frozenset()))
+
+
+@pytest.mark.parametrize(
+    ("value", "parsed"),
+    [
+        (["a/1", 7], ("a/1", 7)),
+        (("a/1", 0), ("a/1", 0)),
+        (["a/1", True], ("a/1", None)),  # a bool is no epoch
+        (["a/1", "7"], ("a/1", None)),
+        ([b"a/1", 7], (None, 7)),
+        (["a/1"], (None, None)),
+        ("a/1", (None, None)),
+        (None, (None, None)),
+    ],
+)
+def test_what_a_peer_sends_with_its_gradient_round(value: object, parsed: tuple) -> None:
+    assert round_data(value) == parsed
+
+
+def test_a_round_says_which_epochs_its_peers_were_at() -> None:
+    # a trainer one version behind, whose tracker had not seen the swarm move on
+    result = RoundResult({"me": ["m/3", 5], "a": ["a/1", 6]}, 0.0, frozenset({"a"}))
+    assert round_epochs(result) == {5, 6}
+    assert round_epochs(RoundResult({"me": ["m/3", 5], "x": "junk"}, 0.0, frozenset())) == {
+        5,
+        None,
+    }
 
 
 @pytest.mark.parametrize(

@@ -63,6 +63,14 @@ class Progress:
     last_version: int = 0
     started: float = field(default_factory=time.monotonic)
 
+    def skip_existing(self, run_dir: Path) -> None:
+        """Show nothing of what an earlier run on this run dir wrote (a continued run)."""
+        for role in ("rollout", "trainer"):
+            path = run_dir / "metrics" / f"{role}.jsonl"
+            if path.exists():
+                data = path.read_bytes()
+                self.offsets[role] = data.rfind(b"\n") + 1  # a cut run may end mid-row
+
     def poll(self, run_dir: Path) -> None:
         """Show the rows appended since the last poll (whole lines only; files only grow)."""
         for role in ("rollout", "trainer"):
@@ -75,7 +83,11 @@ class Progress:
             complete = data[: data.rfind(b"\n") + 1]
             self.offsets[role] = self.offsets.get(role, 0) + len(complete)
             for line in complete.splitlines():
-                self._show(json.loads(line))
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a row a power cut left half-written, then appended to
+                self._show(row)
 
     def _show(self, row: dict[str, Any]) -> None:
         elapsed = time.monotonic() - self.started
@@ -265,6 +277,7 @@ def run_local(config: Config, run_dir: Path, out: TextIO = sys.stdout) -> int:
     signal.signal(signal.SIGINT, request_stop)
     signal.signal(signal.SIGTERM, request_stop)
     progress = Progress(out)
+    progress.skip_existing(run_dir)
     code = 0
     try:
         for role in ROLES:

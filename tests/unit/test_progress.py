@@ -1,0 +1,36 @@
+"""The progress lines `agentjet local` prints from the run's metrics files."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+from agentjet.local import Progress
+
+pytestmark = pytest.mark.unit
+
+
+def switched(version: int) -> bytes:
+    return (json.dumps({"event": "weights_loaded", "policy_version": version}) + "\n").encode()
+
+
+def test_a_continued_run_shows_only_its_own_rows_and_skips_a_torn_one(tmp_path: Path) -> None:
+    metrics = tmp_path / "metrics"
+    metrics.mkdir()
+    rollout = metrics / "rollout.jsonl"
+    # the earlier run: two rows, and a third cut off by a power cut
+    rollout.write_bytes(switched(1) + switched(2) + b'{"event": "weights_lo')
+    out = io.StringIO()
+    progress = Progress(out)
+    progress.skip_existing(tmp_path)
+    progress.poll(tmp_path)
+    assert out.getvalue() == ""
+    # this run appends to the torn row (one undecodable line), then writes its own
+    with rollout.open("ab") as f:
+        f.write(switched(3) + switched(4))
+    progress.poll(tmp_path)
+    [line] = out.getvalue().splitlines()
+    assert line.endswith("s] rollout node switched to policy v4")

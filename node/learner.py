@@ -107,6 +107,7 @@ class Learner:
             "optimizer_stepped": outcome.applied,
             "optimizer_discarded": outcome.discarded,
             "peer_batch_ids": list(outcome.peer_batches),
+            "batch_in_doubt": outcome.in_doubt,
             "rejected_group_ids": sorted(rejected),
             "logprob_gaps": gap_of,
             "losses/policy": done.loss,

@@ -118,6 +118,12 @@ def build_group(
     )
 
 
+def through_batches(trained: dict[str, str | None]) -> dict[str, str]:
+    """Of `Directory.trained`'s answer: the groups known trained only from a peer's mark
+    of a batch that held them, each with that batch (for the metrics)."""
+    return {g: b for g, b in sorted(trained.items()) if b}
+
+
 class Rollout:
     def __init__(self, config: Config) -> None:
         self.config = config
@@ -224,6 +230,7 @@ class Rollout:
                 "event": "restored",
                 "group_ids": list(self.ledger.pending),
                 "trained_group_ids": sorted(trained),  # per the DHT's marks: not offered
+                "trained_through_batches": through_batches(trained),
                 **self.counts,
             }
         )
@@ -560,8 +567,7 @@ class Rollout:
                     "event": "trainer_gone",
                     "node_id": trainer_id,
                     "trained_group_ids": sorted(trained),
-                    # those known trained only from a peer's mark of their batch
-                    "trained_through_batches": sorted(g for g, b in trained.items() if b),
+                    "trained_through_batches": through_batches(trained),
                 }
             )
             self.counts["groups_trained"] += counts["trained"]

@@ -26,7 +26,9 @@ id rides along with the trainer's gradient round (hivemind's all-gather data). A
 step, a trainer marks trained the batches of its round's other peers whose whole
 gradients it averaged in (node/allreduce.py `RoundResult.contributors`). A group counts
 as trained when it is marked itself or when a batch that held it is (`Directory.trained`),
-so one peer's marks cover another's lost ones.
+so one peer's marks cover another's lost ones. The same mark tells a trainer whose round
+failed on its side only (`RoundFailed.sent`: it gave up waiting, or a reducer failed it)
+that a peer stepped with its batch all the same (node/trainer.py, doubtful batches).
 
 Lessons from DESIGN.md §8 live here: request_timeout passed to the gradient averager too,
 explicit ordered shutdown (optimizer, then DHT) so no `p2pd` is orphaned, and hivemind's
@@ -305,11 +307,15 @@ class Directory:
         rest = [g for g in ids if g not in marks]
         futures = [self.dht.get(self.intent_prefix + g, return_future=True) for g in rest]
         intents = {g: batches_named(f.result()) for g, f in zip(rest, futures, strict=True)}
-        marked = self._found(self.trained_batch_prefix, sorted(set().union(*intents.values())))
+        marked = self.marked_batches(sorted(set().union(*intents.values())))
         through = trained_through_batches(intents, marked)
         if through:
             log.info("%d groups are trained by a peer's mark of their batch", len(through))
         return marks | {g: min(intents[g] & marked) for g in through}
+
+    def marked_batches(self, batch_ids: Iterable[str]) -> set[str]:
+        """The ones among `batch_ids` some trainer has marked trained."""
+        return self._found(self.trained_batch_prefix, list(batch_ids))
 
     def _found(self, prefix: str, names: list[str]) -> set[str]:
         """The names whose key `prefix + name` holds a value in the DHT."""
@@ -502,6 +508,8 @@ class _Optimizer(hivemind.Optimizer):  # type: ignore[misc]
     # Rounds hivemind called a success though a reducer failed this peer (RoundResult.missing):
     # gradient rounds count as failed rounds too, parameter rounds as repairs.
     incomplete_rounds = 0
+    # Gradient rounds in which a reducer left a sender out midway (RoundResult.partial).
+    partial_rounds = 0
     # Gradient rounds entered before the intents naming the batch's groups were stored.
     late_intents = 0
 
@@ -604,13 +612,26 @@ class _Optimizer(hivemind.Optimizer):  # type: ignore[misc]
             try:
                 result = control.result(self.averaging_timeout)
             except BaseException as e:
+                # No group found: nothing was sent. Else the round broke on this side, or
+                # this trainer gave up waiting for it (it may go on: a round past
+                # matchmaking cannot be called off).
                 self.failed_rounds += 1
-                raise RoundFailed(repr(e)) from None
+                sent = bool(control.began_allreduce) or not control.done()
+                raise RoundFailed(repr(e), sent=sent) from None
             if incomplete(result):
                 # A reducer failed this peer: part of its "average" is its own gradients.
+                # The peers may have got all of this peer's gradients and stepped.
                 self.incomplete_rounds += 1
                 self.failed_rounds += 1
-                raise RoundFailed(f"{result.missing:.1%} of the average gradient never came")
+                raise RoundFailed(
+                    f"{result.missing:.1%} of the average gradient never came", sent=True
+                )
+            if isinstance(result, RoundResult) and result.partial:
+                # A reducer left a sender out from where it stopped: every peer that got
+                # the whole average sees it, and none steps on it.
+                self.partial_rounds += 1
+                self.failed_rounds += 1
+                raise RoundFailed("a peer's gradients are in part of the average only")
             if isinstance(result, RoundResult):
                 epochs = round_epochs(result)
                 if epochs != {self.local_epoch}:
@@ -672,7 +693,17 @@ def _failed(control: Any) -> bool:
 
 
 class RoundFailed(Exception):
-    """A gradient all-reduce with other trainers failed; the step did not happen."""
+    """A gradient all-reduce with other trainers failed; the step did not happen here.
+
+    `sent`: the round failed on this side only, as far as this trainer can tell (it gave
+    up waiting, or a reducer failed it), so a peer may have stepped with all of its
+    gradients. Whether one did is in the DHT: that peer marks the batch trained
+    (`Directory.marked_batches`). Otherwise no peer stepped with them: no round formed,
+    or every peer of it sees what failed it (peers at two epochs, a partial average)."""
+
+    def __init__(self, reason: str, sent: bool = False) -> None:
+        super().__init__(reason)
+        self.sent = sent
 
 
 @dataclass(frozen=True)
@@ -683,6 +714,9 @@ class StepOutcome:
     # When applied after a round with peers: the batches of those peers whose whole
     # gradients were in it (to mark trained: `Directory.mark_trained`).
     peer_batches: tuple[str, ...] = ()
+    # When discarded after a round that may have gone on without this trainer
+    # (`RoundFailed.sent`): the id of the batch a peer may have stepped with.
+    in_doubt: str | None = None
 
 
 class SwarmOptimizer:
@@ -777,11 +811,13 @@ class SwarmOptimizer:
             rounds = [self.optimizer.scheduled_state]
             averager.rounds = ()
             self.optimizer.peer_batches = ()
+            batch_id, in_doubt = str(self.optimizer.grad_averager.batch_id), None
             try:
                 self.optimizer.step(batch_size=batch_size)
             except RoundFailed as e:
                 log.info("gradient round with peers failed (%s); its gradients are dropped", e)
                 self.optimizer.discard_round()
+                in_doubt = batch_id if e.sent else None
             self.optimizer.zero_grad()
             rounds += averager.rounds
             self.optimizer.incomplete_rounds += sum(_incomplete(r) for r in rounds)
@@ -802,6 +838,7 @@ class SwarmOptimizer:
             applied=applied,
             discarded=discarded,
             peer_batches=self.optimizer.peer_batches if applied else (),
+            in_doubt=in_doubt,
         )
 
     def counts(self) -> dict[str, int]:
@@ -810,6 +847,7 @@ class SwarmOptimizer:
         return {
             "failed_rounds": optimizer.failed_rounds,
             "incomplete_rounds": optimizer.incomplete_rounds,
+            "partial_rounds": optimizer.partial_rounds,
             "late_intents": optimizer.late_intents,
             "state_downloads": optimizer.reloads,
             "repairs": self.repairs,

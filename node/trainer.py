@@ -14,7 +14,10 @@ swarm loads the swarm's weights, optimizer state and version before its first st
 started on a run dir with checkpoints (and no peer to load from) resumes from the newest.
 A group is "trained" only once its gradients are in an optimizer step: gradients that
 are thrown away (a failed round with peers, or this trainer fell out of sync) put their
-groups back in the queue. Rollout nodes hold every group until it is trained, so a
+groups back in the queue. When the round failed on this side only (a timeout; a reducer
+failed this trainer), a peer may have stepped with them all the same: such a batch waits
+aside (`DoubtfulBatch`) until that peer's mark of it says so (trained) or no peer can
+still take it (back to the queue). Rollout nodes hold every group until it is trained, so a
 trainer that dies loses nothing. Rollout nodes hear "trained" only once a checkpoint holds
 the step (trained_groups.log names each group's version), so a trainer killed and resumed
 from its last checkpoint trains again exactly the groups whose steps it lost. Groups
@@ -35,14 +38,16 @@ import socket
 import time
 import uuid
 from collections import Counter, deque
-from contextlib import ExitStack
+from collections.abc import Iterable
+from contextlib import ExitStack, suppress
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from agentjet import protocol, rl
-from agentjet.config import Config
+from agentjet.config import Config, SwarmConfig
 from agentjet.errors import ModelError
 from agentjet.keys import swarm_keys
 from agentjet.metrics import MetricsWriter, Rate
@@ -82,6 +87,54 @@ MAX_SEQUENCE_TOKENS = 8192
 SAMPLE_RATE_WINDOW_S = 60.0
 
 
+@dataclass
+class DoubtfulBatch:
+    """Groups whose gradients went into a round that failed on this trainer's side only
+    (`RoundFailed.sent`): a peer may have stepped with them. The peer's mark of the batch
+    (node/swarm.py, round marks) settles it (`settle`)."""
+
+    batch_id: str
+    epoch: int  # the version of the round: a peer that took the batch stepped from it
+    groups: list[protocol.TrajectoryGroup]
+    deadline: float  # time.monotonic(): not settled by then, its groups are trained again
+
+
+def doubt_wait_s(swarm: SwarmConfig) -> float:
+    """How long a doubtful batch may wait for its mark at most. A peer that stepped with
+    the batch marks it after its parameter round (a matchmaking time and an averaging
+    timeout at most), and a peer that died meanwhile leaves the directory within
+    record_ttl_s; `settle` mostly decides well before."""
+    return swarm.matchmaking_time_s + swarm.averaging_timeout_s + swarm.record_ttl_s
+
+
+def settle(
+    doubtful: list[DoubtfulBatch],
+    marked: set[str],
+    version: int,
+    other_versions: Iterable[int],
+    now: float,
+) -> tuple[list[DoubtfulBatch], list[DoubtfulBatch], list[DoubtfulBatch]]:
+    """Split doubtful batches into (trained by a peer, to train again, still in doubt).
+
+    A marked batch is trained once this trainer holds a version past its round's (it
+    catches up to get the peer's weights). An unmarked one is trained again once no other
+    live trainer can still be in the step that would take it: each lists a version past
+    the round's (a trainer stores its marks before its record shows the step's version),
+    or none is listed. At its deadline a batch not settled is trained again: training a
+    group twice is the lesser harm than holding it in no weights."""
+    others = list(other_versions)
+    trained, again, waiting = [], [], []
+    for batch in doubtful:
+        untaken = batch.batch_id not in marked and all(v > batch.epoch for v in others)
+        if batch.batch_id in marked and version > batch.epoch:
+            trained.append(batch)
+        elif untaken or now >= batch.deadline:
+            again.append(batch)
+        else:
+            waiting.append(batch)
+    return trained, again, waiting
+
+
 def take_batch(
     queue: deque[protocol.TrajectoryGroup], size: int, version: int, max_policy_lag: int
 ) -> tuple[list[protocol.TrajectoryGroup], list[protocol.TrajectoryGroup]]:
@@ -103,6 +156,8 @@ class Trainer:
         self.queue: deque[protocol.TrajectoryGroup] = deque()
         # Groups whose gradients wait in the accumulator for the swarm's next step.
         self.accumulated: list[protocol.TrajectoryGroup] = []
+        # Batches whose round failed on this side only: a peer may have trained them.
+        self.doubtful: list[DoubtfulBatch] = []
         # Every group id seen (insertion-ordered, bounded): "queued" until its gradients
         # are in an optimizer step, then "trained"; "dropped" when stale or failing a check.
         self.seen: dict[str, str] = {}
@@ -404,6 +459,12 @@ class Trainer:
                 return
             if not self.connected.is_set():
                 await self._sit_out_isolation()
+            if self.doubtful:
+                await self._settle_doubtful()
+                with suppress(TimeoutError):  # look at the doubtful batches again soon
+                    await asyncio.wait_for(self.batch_ready.wait(), cfg.swarm.heartbeat_s)
+                if not self.batch_ready.is_set():
+                    continue
             await self.batch_ready.wait()
             batch, stale = take_batch(
                 self.queue, cfg.trainer.groups_per_step, self.version, cfg.trainer.max_policy_lag
@@ -450,8 +511,8 @@ class Trainer:
         Back in touch, it drops what it held (rollout nodes have sent those groups to the
         trainers they could still reach, when its record expired) and catches up."""
         await self.connected.wait()
-        dropped = [*self.accumulated, *self.queue]
-        self.accumulated, self.queue = [], deque()
+        dropped = [*self.accumulated, *self.queue, *(g for b in self.doubtful for g in b.groups)]
+        self.accumulated, self.queue, self.doubtful = [], deque(), []
         for group in dropped:
             self.seen.pop(group.group_id, None)  # "unknown" to a rollout node that asks
         self.counts["groups_dropped_isolated"] += len(dropped)
@@ -477,6 +538,51 @@ class Trainer:
                     "policy_sha256": self.published.sha256,
                 }
             )
+
+    async def _settle_doubtful(self) -> None:
+        """Look up the marks of the doubtful batches; mark trained the groups of those a
+        peer stepped with, queue again those no peer took (`settle`)."""
+        ids = [batch.batch_id for batch in self.doubtful]
+        try:
+            marked = await asyncio.to_thread(self.directory.marked_batches, ids)
+        except Exception as e:  # a DHT error: look again at the next turn
+            log.info("could not read the marks of doubtful batches: %r", e)
+            return
+        if any(b.batch_id in marked and self.version <= b.epoch for b in self.doubtful):
+            await self._catch_up()  # the peer's weights hold them: take those first
+        trained, again, self.doubtful = settle(
+            self.doubtful, marked, self.version, self.other_trainers.values(), time.monotonic()
+        )
+        for batch in trained:
+            self._trained_by_peer(batch)
+        for batch in again:
+            self.counts["groups_requeued"] += len(batch.groups)
+            log.info("batch %s: no peer took it; its groups go back", batch.batch_id)
+            self.queue.extendleft(reversed(batch.groups))
+            self.batch_ready.set()
+
+    def _trained_by_peer(self, batch: DoubtfulBatch) -> None:
+        """A peer stepped with this batch, and this trainer's weights (version
+        `self.version`) hold that step: its groups are trained, as if by a step here."""
+        for group in batch.groups:
+            self._remember(group.group_id, "trained")
+            self.undurable[group.group_id] = self.version
+            self.trained_log.write(f"{self.version}\t{group.group_id}\n")
+        self.trained_log.flush()
+        self.counts["groups_trained_by_peer"] += len(batch.groups)
+        log.info(
+            "batch %s: a peer stepped with it; %d groups are trained",
+            batch.batch_id,
+            len(batch.groups),
+        )
+        self.metrics.write(
+            {
+                "event": "trained_by_peer",
+                "batch_id": batch.batch_id,
+                "policy_version": self.version,
+                "trained_group_ids": [g.group_id for g in batch.groups],
+            }
+        )
 
     def _drop_stale(self, stale: list[protocol.TrajectoryGroup]) -> None:
         if not stale:
@@ -507,7 +613,13 @@ class Trainer:
         self._reject_for_logprobs(batch, row)
         self.accumulated += [g for g in batch if g.group_id not in row["rejected_group_ids"]]
         trained: list[protocol.TrajectoryGroup] = []
-        if row["optimizer_discarded"]:
+        if row["optimizer_discarded"] and row["batch_in_doubt"]:
+            held, self.accumulated = self.accumulated, []
+            deadline = time.monotonic() + doubt_wait_s(cfg.swarm)
+            self.doubtful.append(DoubtfulBatch(row["batch_in_doubt"], self.version, held, deadline))
+            self.counts["groups_in_doubt"] += len(held)
+            log.info("step not taken here, maybe by a peer: %d groups wait aside", len(held))
+        elif row["optimizer_discarded"]:
             requeue, self.accumulated = self.accumulated, []
             self.counts["groups_requeued"] += len(requeue)
             log.info("step not taken: %d groups go back to the queue", len(requeue))

@@ -1,4 +1,4 @@
-"""Two real hivemind averagers (each with its own DHT and p2pd) average one tensor.
+"""Real hivemind averagers (each with its own DHT and p2pd) average one tensor.
 
 hivemind's own all-reduce leaves each peer with `own + (mean - own)`, rounded its own way;
 node/allreduce.py makes every peer end with the reducer's average, bit for bit. This is
@@ -16,20 +16,20 @@ import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.compression import CompressionBase, Float16Compression, NoCompression
 
-from node.allreduce import ExactAverager, incomplete
+from node.allreduce import ExactAllReduceRunner, ExactAverager, incomplete
 
 SIZE = 50_000
 
 
-def peer_tensors() -> list[torch.Tensor]:
-    """Two far-apart tensors, as two trainers' gradients of different samples are: values
-    of both signs, spread over several orders of magnitude."""
+def peer_tensors(peers: int = 2) -> list[torch.Tensor]:
+    """Far-apart tensors, as trainers' gradients of different samples are: values of both
+    signs, spread over several orders of magnitude."""
     generator = torch.Generator().manual_seed(7)
 
     def draw() -> torch.Tensor:
         return torch.randn(SIZE, generator=generator)
 
-    return [draw() * torch.exp(3 * draw()) for _ in range(2)]
+    return [draw() * torch.exp(3 * draw()) for _ in range(peers)]
 
 
 class PeerWithFaultyReducer(ExactAverager):
@@ -46,26 +46,51 @@ class PeerWithFaultyReducer(ExactAverager):
             yield message
 
 
+class SenderThatStops(ExactAllReduceRunner):
+    """Sends its first part to the first other peer's reducer, then stops (as a peer whose
+    link is cut mid-round); every other reducer gets all its parts."""
+
+    async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[Any]:
+        first_other = next(i for i, p in enumerate(self.ordered_peer_ids) if p != self.peer_id)
+        sent = 0
+        async for message in super()._generate_input_for_peer(peer_index):
+            if peer_index == first_other and sent == 1:
+                return
+            yield message
+            sent += 1
+
+
+class PeerThatMayStopSending(ExactAverager):
+    """An exact averager whose rounds use `SenderThatStops` when `stops`. (All peers of a
+    round must be of one class: hivemind names its RPC handlers after it.)"""
+
+    def __init__(self, *args: Any, stops: bool = False, **kwargs: Any) -> None:
+        self.runner_type = SenderThatStops if stops else ExactAllReduceRunner
+        super().__init__(*args, **kwargs)
+
+
 def average_once(
     averager_type: type,
     compression: CompressionBase,
     peer_kwargs: Sequence[dict] = ({}, {}),
-    weights: Sequence[float] = (1.0, 1.0),
+    weights: Sequence[float] | None = None,
 ) -> tuple[list[torch.Tensor], list[Any], list[Any]]:
-    """One averaging round of two peers; each peer's tensor afterwards, its result, and
-    its peer id."""
+    """One averaging round of `len(peer_kwargs)` peers; each peer's tensor afterwards, its
+    result, and its peer id."""
+    peers = len(peer_kwargs)
     dhts = [hivemind.DHT(start=True)]
-    dhts.append(hivemind.DHT(initial_peers=dhts[0].get_visible_maddrs(), start=True))
+    for _ in range(peers - 1):
+        dhts.append(hivemind.DHT(initial_peers=dhts[0].get_visible_maddrs(), start=True))
     averagers = []
     try:
-        for dht, tensor, kwargs in zip(dhts, peer_tensors(), peer_kwargs, strict=True):
+        for dht, tensor, kwargs in zip(dhts, peer_tensors(peers), peer_kwargs, strict=True):
             averagers.append(
                 averager_type(
                     **kwargs,
                     averaged_tensors=[tensor],
                     dht=dht,
                     prefix="exact_test",
-                    target_group_size=2,
+                    target_group_size=peers,
                     min_matchmaking_time=2.0,
                     request_timeout=1.0,
                     # A sender silent this long is left out (as trainers set it).
@@ -78,10 +103,11 @@ def average_once(
             )
         controls = [
             averager.step(weight=weight, wait=False)
-            for averager, weight in zip(averagers, weights, strict=True)
+            for averager, weight in zip(averagers, weights or [1.0] * peers, strict=True)
         ]
         outcomes = [control.result(timeout=60) for control in controls]
         assert all(outcome is not None for outcome in outcomes), "the peers formed no round"
+        assert all(len(outcome) == peers for outcome in outcomes), "not all peers in one round"
         results = []
         for averager in averagers:
             with averager.get_tensors() as (tensor,):
@@ -152,3 +178,27 @@ def test_a_peer_that_tags_along_with_weight_zero_is_no_contributor() -> None:
     own, _ = peer_tensors()
     assert torch.equal(first, own)  # the average of one weighted tensor
     assert [outcome.contributors for outcome in outcomes] == [set(), {peers[0]}]
+
+
+def test_a_sender_that_stops_midway_makes_the_round_partial_for_every_peer() -> None:
+    """Three peers; one stops sending to one reducer after a part. hivemind averages that
+    reducer's later parts without it and calls the round a success, so the others' averages
+    hold its tensor in some parts only. The third peer's own reducer got all of it: only
+    the parts' total weights, which every reply carries, tell it. Both are told the round
+    is partial and vouch for no one; the peer that stopped is told its round is incomplete."""
+    (first, second, _), outcomes, _ = average_once(
+        PeerThatMayStopSending, NoCompression(), peer_kwargs=({}, {}, {"stops": True})
+    )
+    for outcome in outcomes[:2]:
+        assert outcome.partial and not incomplete(outcome)
+        assert outcome.contributors == set()
+    assert incomplete(outcomes[2])
+    assert torch.equal(first, second)  # partial, but the same parts for both
+
+
+def test_a_round_every_sender_finishes_is_whole() -> None:
+    """The same three peers without the fault: one set of peers in every part."""
+    _, outcomes, peers = average_once(ExactAverager, NoCompression(), peer_kwargs=({}, {}, {}))
+    for outcome, peer in zip(outcomes, peers, strict=True):
+        assert not outcome.partial and not incomplete(outcome)
+        assert outcome.contributors == set(peers) - {peer}

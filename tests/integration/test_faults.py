@@ -32,7 +32,14 @@ from typing import Any
 import pytest
 
 from tests.fault_results import merge_results
-from tests.integration.test_swarm import Swarm, free_listen, leftovers, settled_by_marks
+from tests.integration.test_swarm import (
+    Swarm,
+    free_listen,
+    leftovers,
+    settled_by_marks,
+    trained_by_peers,
+    trained_groups,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -268,7 +275,7 @@ def account(swarm: Swarm) -> dict[str, Any]:
         for g in r.get("group_ids", [])
     }
     trainers = ("trainer-a", "trainer-b")
-    trained = [g for t in trainers for r in swarm.steps(t) for g in r["trained_group_ids"]]
+    trained = trained_groups(swarm, list(trainers))
     stale = {
         g
         for t in trainers
@@ -290,6 +297,7 @@ def account(swarm: Swarm) -> dict[str, Any]:
         "groups_created": len(created),
         "groups_trained": len(set(trained) | settled),
         "groups_trained_without_step_row": len(settled),
+        "groups_trained_by_peer": sum(len(trained_by_peers(swarm, t)) for t in trainers),
         "groups_stale": len(stale),
         "groups_rejected": len(rejected),
         "groups_held_at_end": len(held - set(trained) - stale),  # untrained, on disk

@@ -101,10 +101,13 @@ class Swarm:
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.spawned: set[int] = set()
 
-    def start(self, name: str, *args: str, host: Node | None = None) -> subprocess.Popen[bytes]:
-        """Start `agentjet ARGS` on loopback, or inside `host`'s network namespace."""
+    def start(
+        self, name: str, *args: str, host: Node | None = None, module: str = "agentjet.cli"
+    ) -> subprocess.Popen[bytes]:
+        """Start `agentjet ARGS` on loopback, or inside `host`'s network namespace (`module`:
+        another entry point that runs agentjet, with a fault)."""
         run_dir = self.dir / name
-        argv = [sys.executable, "-m", "agentjet.cli", *args]
+        argv = [sys.executable, "-m", module, *args]
         argv += ["--config", str(self.config_path), "--run-dir", str(run_dir)]
         argv += ["--keys", str(self.keys_file)]
         with (
@@ -112,7 +115,9 @@ class Swarm:
             open(self.dir / f"{name}.log", "wb") as log,
         ):
             if host is None:
-                proc = subprocess.Popen(argv, stdout=out, stderr=log, start_new_session=True)
+                proc = subprocess.Popen(
+                    argv, stdout=out, stderr=log, start_new_session=True, cwd=REPO_ROOT
+                )
             else:
                 proc = host.popen(argv, stdout=out, stderr=log, cwd=REPO_ROOT)
         self.procs[name] = proc
@@ -200,16 +205,17 @@ def swarm_factory(tmp_path: Path, tiny_model_dir: Path) -> Iterator[Callable[...
         swarm.reap()
 
 
-def start_trainer(swarm: Swarm, name: str, join: str) -> None:
+def start_trainer(swarm: Swarm, name: str, join: str, module: str = "agentjet.cli") -> None:
     listen = free_listen()
-    swarm.start(name, "node", "--role", "trainer", "--join", join, "--listen", listen)
+    args = ("node", "--role", "trainer", "--join", join, "--listen", listen)
+    swarm.start(name, *args, module=module)
 
 
-def start_swarm(swarm: Swarm, trainers: list[str]) -> str:
+def start_swarm(swarm: Swarm, trainers: list[str], modules: dict[str, str] | None = None) -> str:
     swarm.start("coordinator", "coordinator", "--listen", free_listen())
     join = swarm.join_address()
     for name in trainers:
-        start_trainer(swarm, name, join)
+        start_trainer(swarm, name, join, (modules or {}).get(name, "agentjet.cli"))
     swarm.start("rollout", "node", "--role", "rollout", "--join", join)
     return join
 
@@ -252,22 +258,48 @@ def leftovers(swarm: Swarm) -> dict[int, str]:
 
 
 def settled_by_marks(swarm: Swarm, trainers: list[str], trained: set[str]) -> set[str]:
-    """Groups trained by a trainer SIGKILLed between its step and its step row: the rollout
-    node dropped them on the trainer's DHT marks (rows `trainer_gone`, `restored`), and the
-    trainer's trained_groups.log confirms them."""
+    """Groups trained without a step row that lists them, which the rollout node dropped on
+    the DHT's marks (rows `trainer_gone`, `restored`): trained by a trainer SIGKILLed
+    between its step and its step row (its trained_groups.log confirms them), or held by a
+    trainer gone before it learned that a peer stepped with their batch (that peer's step
+    row vouches for the batch)."""
     logged = {
         line.partition("\t")[2]
         for t in trainers
         if (swarm.dir / t / "trained_groups.log").exists()
         for line in (swarm.dir / t / "trained_groups.log").read_text().splitlines()
     }
-    marked = {
-        g
+    rows = [
+        r
         for r in swarm.metrics("rollout", "rollout")
         if r.get("event") in ("trainer_gone", "restored")
-        for g in r.get("trained_group_ids", [])
+    ]
+    marked = {g for r in rows for g in r.get("trained_group_ids", [])}
+    vouched = {b for t in trainers for r in swarm.steps(t) for b in r.get("peer_batch_ids", [])}
+    through_vouched = {
+        g for r in rows for g, b in r.get("trained_through_batches", {}).items() if b in vouched
     }
-    return (marked & logged) - trained
+    return ((marked & logged) | through_vouched) - trained
+
+
+def trained_by_peers(swarm: Swarm, name: str) -> list[str]:
+    """The groups of trainer `name`'s batches that a peer stepped with, though the round
+    failed on `name`'s side (node/trainer.py, `DoubtfulBatch`): no step row of theirs."""
+    return [
+        g
+        for r in swarm.metrics(name, "trainer")
+        if r.get("event") == "trained_by_peer"
+        for g in r["trained_group_ids"]
+    ]
+
+
+def trained_groups(swarm: Swarm, trainers: list[str]) -> list[str]:
+    """Every group the trainers trained, once per time: their step rows' and those their
+    peers stepped with."""
+    return [
+        *(g for t in trainers for r in swarm.steps(t) for g in r["trained_group_ids"]),
+        *(g for t in trainers for g in trained_by_peers(swarm, t)),
+    ]
 
 
 def check_every_group_accounted_for(
@@ -275,7 +307,7 @@ def check_every_group_accounted_for(
 ) -> dict[str, int]:
     rollout = swarm.metrics("rollout", "rollout")
     created = [g for r in rollout if r.get("event") == "batch" for g in r["group_ids"]]
-    trained = [g for t in trainers for r in swarm.steps(t) for g in r["trained_group_ids"]]
+    trained = trained_groups(swarm, trainers)
     stale = [
         g
         for t in trainers
@@ -304,6 +336,8 @@ def trained_in_the_weights_that_go_on(swarm: Swarm, going_on: str, cut: str) -> 
     differently (a dead end: the cut trainer later took the swarm's state)."""
     made = {r["policy_version"]: r["policy_sha256"] for r in swarm.steps(going_on)}
     kept = [g for r in swarm.steps(going_on) for g in r["trained_group_ids"]]
+    # a doubtful batch is settled trained only once its trainer holds the peer's step
+    kept += trained_by_peers(swarm, going_on) + trained_by_peers(swarm, cut)
     for r in swarm.steps(cut):
         if made.get(r["policy_version"], r["policy_sha256"]) == r["policy_sha256"]:
             kept += r["trained_group_ids"]
@@ -367,6 +401,30 @@ def test_two_trainers_hold_identical_weights_and_lose_nothing(swarm_factory: Cal
     # the rollout node found the coordinator in the swarm's directory
     assert "coordinator at tcp://127.0.0.1" in (swarm.dir / "rollout.log").read_text()
     # every process they started (hivemind DHTs, p2pd, the coordinator's beacon) is gone
+    assert leftovers(swarm) == {}
+
+
+def test_a_trainer_that_gives_up_on_rounds_its_peer_completes_trains_nothing_twice(
+    swarm_factory: Callable[..., Swarm],
+):
+    """trainer-b gives up on every gradient round just as it completes (tests/gives_up.py):
+    trainer-a steps with b's gradients each time, and b neither steps nor trains those
+    groups again. It finds a's marks of its batches and counts their groups trained."""
+    swarm = swarm_factory(f"swarm.target_batch_size={2 * SAMPLES_PER_TRAINER_BATCH}")
+    start_swarm(swarm, ["trainer-a", "trainer-b"], modules={"trainer-b": "tests.gives_up"})
+    swarm.wait_for(
+        "trainer-b to settle two batches trained by trainer-a",
+        lambda: len(trained_by_peers(swarm, "trainer-b")) >= 2 * 2,  # groups_per_step=2
+    )
+    codes = swarm.stop()
+    assert set(codes.values()) == {0}, swarm.logs()
+    assert not any(r["trained_group_ids"] for r in swarm.steps("trainer-b"))
+    check_every_group_accounted_for(swarm, ["trainer-a", "trainer-b"])  # none twice
+    # each settled at a version that holds trainer-a's step (it caught up first)
+    a_versions = {r["policy_version"] for r in swarm.steps("trainer-a")}
+    rows = swarm.metrics("trainer-b", "trainer")
+    settled = [r for r in rows if r.get("event") == "trained_by_peer"]
+    assert all(r["policy_version"] in a_versions for r in settled), settled
     assert leftovers(swarm) == {}
 
 

@@ -4,7 +4,8 @@ Two trainer processes (`SwarmOptimizer`s, their own peer keys, loopback) average
 gradients; only trainer A marks anything trained, as when trainer B's link is cut right
 after each step and its marks reach no one. The test process is a third DHT peer, like a
 rollout node: once B is gone it asks `Directory.trained` about B's groups, and must find
-exactly those of B's batches that A vouched for.
+exactly those of B's batches that A vouched for. In the second test B also gives up on
+every round just as it completes, and must be told which of its batches are in doubt.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -55,11 +58,11 @@ def test_a_directory_resolves_trained_groups_through_marked_batches() -> None:
         dht.shutdown()
 
 
-@pytest.mark.timeout(300)
-def test_a_peers_marks_cover_the_groups_of_a_trainer_whose_marks_were_lost(
-    tmp_path: Path,
-) -> None:
-    from node.swarm import Directory, start_dht, visible_maddrs
+@contextlib.contextmanager
+def two_trainers(tmp_path: Path, b_gives_up: bool = False) -> Iterator[tuple[Any, SwarmConfig]]:
+    """Trainers A and B (`trainer` below) in a swarm whose DHT this process also serves;
+    yields that DHT and the config once B is gone and A is done (A stays until the end)."""
+    from node.swarm import start_dht, visible_maddrs
 
     config = SwarmConfig(run_id=f"test-batches-{time.monotonic_ns()}", averaging_timeout_s=10.0)
     dht = start_dht(config, keys=None)
@@ -69,8 +72,9 @@ def test_a_peers_marks_cover_the_groups_of_a_trainer_whose_marks_were_lost(
             json.dumps({"run_id": config.run_id, "initial_peers": visible_maddrs(dht)})
         )
         for role in ("a", "b"):
+            fault = ["gives-up"] if role == "b" and b_gives_up else []
             children[role] = subprocess.Popen(
-                [sys.executable, __file__, role, str(tmp_path)],
+                [sys.executable, __file__, role, str(tmp_path), *fault],
                 stdout=subprocess.DEVNULL,
                 stderr=(tmp_path / f"{role}.log").open("wb"),
                 start_new_session=True,  # its hivemind daemons in its process group
@@ -82,9 +86,31 @@ def test_a_peers_marks_cover_the_groups_of_a_trainer_whose_marks_were_lost(
             assert children["a"].poll() is None, (tmp_path / "a.log").read_text()
             assert time.monotonic() < deadline, "trainer A did not finish"
             time.sleep(POLL_S)
+        yield dht, config
+    finally:
+        (tmp_path / "quit").touch()
+        for child in children.values():
+            try:
+                child.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(child.pid, signal.SIGKILL)
+                child.wait()
+        dht.shutdown()
 
-        a_steps = [json.loads(line) for line in (tmp_path / "a.jsonl").read_text().splitlines()]
-        b_steps = [json.loads(line) for line in (tmp_path / "b.jsonl").read_text().splitlines()]
+
+def steps_of(tmp_path: Path, role: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (tmp_path / f"{role}.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.timeout(300)
+def test_a_peers_marks_cover_the_groups_of_a_trainer_whose_marks_were_lost(
+    tmp_path: Path,
+) -> None:
+    from node.swarm import Directory
+
+    with two_trainers(tmp_path) as (dht, config):
+        a_steps, b_steps = steps_of(tmp_path, "a"), steps_of(tmp_path, "b")
         vouched_by_a = {b for step in a_steps for b in step["peer_batches"]}
         # B's batches are B's own: A never vouches for one of its own
         assert not vouched_by_a & {s["batch_id"] for s in a_steps}
@@ -99,27 +125,41 @@ def test_a_peers_marks_cover_the_groups_of_a_trainer_whose_marks_were_lost(
         assert set(trained.values()) <= vouched_by_a  # each through a batch A marked
         a_groups = [g for s in a_steps for g in s["group_ids"]]
         assert Directory(dht, config).trained(a_groups) == dict.fromkeys(a_groups)
-    finally:
-        (tmp_path / "quit").touch()
-        for child in children.values():
-            try:
-                child.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(child.pid, signal.SIGKILL)
-                child.wait()
-        dht.shutdown()
 
 
-def trainer(role: str, workdir: Path) -> None:
+@pytest.mark.timeout(300)
+def test_a_trainer_that_gives_up_on_a_round_its_peer_completed_finds_its_batch_marked(
+    tmp_path: Path,
+) -> None:
+    """B gives up on every gradient round just as it completes (as when its averaging
+    timeout strikes then): B steps with none, A with each. B is told each such batch is
+    in doubt, and finds exactly those A stepped with marked (node/trainer.py settles them
+    trained, instead of training their groups again)."""
+    from node.swarm import Directory
+
+    with two_trainers(tmp_path, b_gives_up=True) as (dht, config):
+        a_steps, b_steps = steps_of(tmp_path, "a"), steps_of(tmp_path, "b")
+        assert not any(s["applied"] for s in b_steps)
+        vouched_by_a = {b for step in a_steps for b in step["peer_batches"]}
+        # (a batch of one sample waits for the next: two rows share its id)
+        taken = {s["batch_id"] for s in b_steps} & vouched_by_a
+        assert len(taken) >= EPOCHS - 1, (a_steps, b_steps)
+        in_doubt = {s["in_doubt"] for s in b_steps if s["in_doubt"]}
+        assert taken <= in_doubt
+
+        assert Directory(dht, config).marked_batches(in_doubt) == taken
+
+
+def trainer(role: str, workdir: Path, fault: str = "") -> None:
     """One trainer: a step of one sample each time (the swarm's target batch: two), each
     step's gradients named as a made-up group. A marks its steps trained; B marks nothing.
     Each applied step is a line: its groups, its batch id, the peers' batches it vouches
-    for."""
+    for. With `fault` "gives-up" every step is a line (B's: it applies none)."""
     import msgspec
     import torch
 
     from node.swarm import SwarmOptimizer
+    from tests.gives_up import give_up_on_every_round
 
     config = msgspec.convert(json.loads((workdir / "config.json").read_text()), SwarmConfig)
     # A first round tried before the other trainer is there fails after this long.
@@ -130,6 +170,8 @@ def trainer(role: str, workdir: Path) -> None:
         config, model.parameters(), lr=1e-2, weight_decay=0.0, target_batch_size=2,
         other_trainers=lambda: 1,
     )  # fmt: skip
+    if fault == "gives-up":
+        give_up_on_every_round(type(swarm.optimizer))
     generator = torch.Generator().manual_seed(ord(role))
     deadline = time.monotonic() + RUN_TIMEOUT_S
     pending: list[str] = []
@@ -143,16 +185,15 @@ def trainer(role: str, workdir: Path) -> None:
                     p.grad = torch.randn(p.shape, generator=generator)
                 time.sleep(STEP_PAUSE_S)
                 outcome = swarm.step_outcome(batch_size=1)
-                if outcome.discarded:
-                    pending = []  # a trainer would queue them again; here they are gone
-                if not outcome.applied:
-                    continue
-                if role == "a":
+                if outcome.applied and role == "a":
                     swarm.directory.mark_trained(pending, "trainer-a", outcome.peer_batches)
-                step = {"group_ids": pending, "batch_id": batch_id}
-                steps.write(json.dumps({**step, "peer_batches": outcome.peer_batches}) + "\n")
-                steps.flush()
-                pending = []
+                if outcome.applied or fault:
+                    step = {"group_ids": pending, "batch_id": batch_id}
+                    step |= {"peer_batches": outcome.peer_batches, "in_doubt": outcome.in_doubt}
+                    steps.write(json.dumps({**step, "applied": outcome.applied}) + "\n")
+                    steps.flush()
+                if outcome.applied or outcome.discarded:
+                    pending = []  # a trainer would queue discarded ones again; here: gone
         (workdir / f"{role}.done").touch()
         while role == "a" and not (workdir / "quit").exists() and time.monotonic() < deadline:
             time.sleep(POLL_S)  # A stays in the swarm while the test reads it
@@ -161,4 +202,5 @@ def trainer(role: str, workdir: Path) -> None:
 
 
 if __name__ == "__main__":
-    trainer(sys.argv[1], Path(sys.argv[2]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # for tests.gives_up
+    trainer(sys.argv[1], Path(sys.argv[2]), *sys.argv[3:])

@@ -1,6 +1,7 @@
 """How trainers vouch for each other's groups: which peers' gradients a round's result
-holds (node/allreduce.py), the batch ids their rounds carry, and "trained" through a
-marked batch (node/swarm.py)."""
+holds (node/allreduce.py), the batch ids their rounds carry, "trained" through a marked
+batch (node/swarm.py), and how a trainer settles a batch whose round failed on its side
+only (node/trainer.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from node.allreduce import RoundResult, complete_contributors, incomplete
+from node.allreduce import RoundResult, complete_contributors, incomplete, uneven
 from node.swarm import (
     MAX_BATCH_ID_CHARS,
     batches_named,
@@ -18,6 +19,7 @@ from node.swarm import (
     trained_through_batches,
     vouched_batches,
 )
+from node.trainer import DoubtfulBatch, settle
 
 pytestmark = pytest.mark.unit
 
@@ -39,6 +41,26 @@ def test_a_peer_that_stopped_sending_is_left_out() -> None:
 def test_after_a_failed_reducer_no_other_peer_is_all_in() -> None:
     # This peer kept its own values for the failed reducer's parts.
     assert complete_contributors({"a": 8.0, "b": 4.0}, set(), True) == frozenset()
+
+
+def test_in_a_partial_round_no_other_peer_is_all_in() -> None:
+    # some reducer left a sender out midway: its parts' total weights differ
+    assert complete_contributors({"a": 8.0, "b": 4.0}, set(), False, partial=True) == set()
+
+
+@pytest.mark.parametrize(
+    ("part_weights", "partial"),
+    [
+        ([], False),
+        ([12.0, 12.0, 12.0], False),
+        ([12.0, 12.0, 8.0], True),  # a sender of weight 4 stopped before the last part
+        ([0.1 + 0.2, 0.3], False),  # the same weights summed in another order
+    ],
+)
+def test_an_average_is_partial_when_its_parts_total_different_weights(
+    part_weights: list[float], partial: bool
+) -> None:
+    assert uneven(part_weights) is partial
 
 
 def test_a_round_vouches_for_the_batches_of_its_contributors_only() -> None:
@@ -100,3 +122,37 @@ def test_a_group_is_trained_when_any_batch_that_held_it_is_marked() -> None:
     assert trained_through_batches(intents, marked={"b/1"}) == {"g1", "g2"}
     assert trained_through_batches(intents, marked={"c/4"}) == {"g2", "g3"}
     assert trained_through_batches(intents, marked=set()) == set()
+
+
+def doubtful(batch_id: str, epoch: int = 5, deadline: float = 100.0) -> DoubtfulBatch:
+    return DoubtfulBatch(batch_id, epoch, groups=[], deadline=deadline)
+
+
+def test_a_marked_batch_is_trained_once_the_trainer_holds_a_later_version() -> None:
+    batch = doubtful("b/1", epoch=5)
+    # the peer stepped 5 -> 6 with it; this trainer is still at 5: catch up first
+    assert settle([batch], {"b/1"}, version=5, other_versions=[6], now=0.0) == ([], [], [batch])
+    assert settle([batch], {"b/1"}, version=6, other_versions=[6], now=0.0) == ([batch], [], [])
+
+
+def test_an_unmarked_batch_waits_while_a_peer_may_still_be_in_its_step() -> None:
+    batch = doubtful("b/1", epoch=5)
+    # a trainer at version 5 may be stepping with it now: its marks come before its record
+    # shows version 6
+    assert settle([batch], set(), version=5, other_versions=[6, 5], now=0.0) == ([], [], [batch])
+
+
+def test_an_unmarked_batch_is_trained_again_once_every_peer_moved_past_its_round() -> None:
+    batch = doubtful("b/1", epoch=5)
+    assert settle([batch], set(), version=5, other_versions=[6, 7], now=0.0) == ([], [batch], [])
+    # no other trainer is left to have taken it
+    assert settle([batch], set(), version=5, other_versions=[], now=0.0) == ([], [batch], [])
+
+
+def test_at_its_deadline_a_batch_not_settled_is_trained_again() -> None:
+    waiting = doubtful("b/1", epoch=5, deadline=10.0)
+    marked_but_out_of_reach = doubtful("b/2", epoch=5, deadline=10.0)
+    trained, again, still = settle(
+        [waiting, marked_but_out_of_reach], {"b/2"}, version=5, other_versions=[5], now=10.0
+    )
+    assert (trained, again, still) == ([], [waiting, marked_but_out_of_reach], [])

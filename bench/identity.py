@@ -9,9 +9,10 @@ the parent compares them version by version.
         [--average-state-every N] [--stock] [--keep-traces DIR]
 
 Prints one JSON object: per run, versions compared, versions bit-identical, the largest
-difference seen, the versions that differed, and each trainer's counters (failed rounds,
-incomplete rounds, state downloads, repairs); each trainer also logs every step
-(`--keep-traces` keeps the logs of a run that differed).
+difference seen, the versions that differed, the versions at which the two held the same
+Adam state, and each trainer's counters (failed rounds, incomplete rounds, state
+downloads, repairs); each trainer also logs every step (`--keep-traces` keeps the logs of
+a run that differed).
 
 `--average-state-every 1000` leaves the gradient rounds alone to keep the trainers in
 step (no parameter averaging to hide their disagreements); `--stock` runs hivemind's own
@@ -95,12 +96,7 @@ def trainer(role: str, workdir: Path, args: argparse.Namespace) -> None:
                 "state_rounds": [repr(r) for r in optimizer.state_averager.rounds],
                 # where a divergence starts: in the weights, or in Adam's state first
                 "params_sha": digest(model.parameters()),
-                "adam_sha": digest(
-                    t
-                    for state in optimizer.state_averager.optimizer.state.values()
-                    for t in state.values()
-                    if isinstance(t, torch.Tensor)
-                ),
+                "adam_sha": adam_digest(optimizer.state_averager.optimizer),
                 **swarm.counts(),
             }
             trace.write(json.dumps(row) + "\n")
@@ -124,6 +120,20 @@ def digest(tensors: Any) -> str:
     return h.hexdigest()[:16]
 
 
+def adam_digest(optimizer: Any) -> str:
+    """A short hash of an optimizer's state tensors, in parameter order and by name (a
+    state loaded from a peer is a dict built in another order)."""
+    import torch
+
+    return digest(
+        t
+        for group in optimizer.param_groups
+        for p in group["params"]
+        for _, t in sorted(optimizer.state.get(p, {}).items())
+        if isinstance(t, torch.Tensor)
+    )
+
+
 def compare(workdir: Path) -> dict[str, object]:
     import torch
 
@@ -140,11 +150,22 @@ def compare(workdir: Path) -> dict[str, object]:
         largest = max(largest, diff)
         if diff:
             differing.append(version)
+    # Adam's state at each version, as each trainer last held it there (its trace)
+    adam = [
+        {
+            row["after"]: row["adam_sha"]
+            for row in map(json.loads, (workdir / f"{r}-steps.jsonl").read_text().splitlines())
+        }
+        for r in "ab"
+    ]
+    adam_versions = sorted(set(adam[0]) & set(adam[1]) & set(versions))
     return {
         "versions_compared": len(versions),
         "versions_identical": identical,
         "max_abs_difference": largest,
         "differing_versions": differing,
+        "adam_versions_compared": len(adam_versions),
+        "adam_versions_identical": sum(adam[0][v] == adam[1][v] for v in adam_versions),
         **{f"trainer_{r}": json.loads((workdir / f"{r}.json").read_text()) for r in "ab"},
     }
 

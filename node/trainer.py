@@ -543,6 +543,9 @@ class Trainer:
         """Look up the marks of the doubtful batches; mark trained the groups of those a
         peer stepped with, queue again those no peer took (`settle`)."""
         ids = [batch.batch_id for batch in self.doubtful]
+        # The other trainers' versions as read before the marks: a trainer listed past a
+        # batch's round had stored its marks of that step by then.
+        others = list(self.other_trainers.values())
         try:
             marked = await asyncio.to_thread(self.directory.marked_batches, ids)
         except Exception as e:  # a DHT error: look again at the next turn
@@ -551,7 +554,7 @@ class Trainer:
         if any(b.batch_id in marked and self.version <= b.epoch for b in self.doubtful):
             await self._catch_up()  # the peer's weights hold them: take those first
         trained, again, self.doubtful = settle(
-            self.doubtful, marked, self.version, self.other_trainers.values(), time.monotonic()
+            self.doubtful, marked, self.version, others, time.monotonic()
         )
         for batch in trained:
             self._trained_by_peer(batch)

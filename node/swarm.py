@@ -579,6 +579,19 @@ class _Optimizer(hivemind.Optimizer):  # type: ignore[misc]
         # Else the tracker keeps its old view for seconds, and steps wait for it.
         self._refresh_progress(timeout=self.matchmaking_time)
 
+    def _maybe_schedule_gradient_averaging(self) -> None:
+        """hivemind starts matchmaking for the next gradient round ahead of the step, and
+        cancels it at the step when its tracker sees no other peer. A round cancelled in
+        matchmaking can leave the averager's matchmaking broken for good: seen in a swarm
+        test, a trainer that had just joined (its tracker not yet showing the other)
+        cancelled one; its averager's matchmaking tasks were destroyed while pending, and
+        every round of both trainers after that found no group, for minutes. And a round
+        already matched runs on though cancelled (`_begin_averaging_gradients`). Schedule
+        only with a peer to meet (a lone trainer, local mode included, has nothing to
+        match)."""
+        if self.tracker.global_progress.num_peers > 1:
+            super()._maybe_schedule_gradient_averaging()
+
     def _begin_averaging_gradients(self, grad_scaler: Any) -> bool:
         """hivemind's tracker may not know of a peer yet (it refreshes every few seconds)
         and step alone; the swarm's directory is fresher. With other trainers listed there,
@@ -596,11 +609,19 @@ class _Optimizer(hivemind.Optimizer):  # type: ignore[misc]
             if not all(s is True for s in stored):
                 self.late_intents += 1
                 log.info("averaging gradients before the batch's groups are named in the DHT")
+        scheduled = self.scheduled_grads
         began = bool(super()._begin_averaging_gradients(grad_scaler))
         others = self._other_trainers()
         if not began and others:
             self.failed_rounds += 1
-            raise RoundFailed(f"no gradient round formed, but {others} other trainers are live")
+            # hivemind cancels a round it had scheduled when its tracker sees no other peer,
+            # but a round already matched runs on in the averager, this trainer's gradients
+            # in it (seen: a peer stepped with them, then the averager found its control
+            # cancelled). With one scheduled, a peer may have them.
+            raise RoundFailed(
+                f"no gradient round formed, but {others} other trainers are live",
+                sent=scheduled is not None,
+            )
         return began
 
     def _average_gradients_and_load_into_optimizer(self, control: Any) -> None:

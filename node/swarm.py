@@ -647,13 +647,13 @@ class _Optimizer(hivemind.Optimizer):  # type: ignore[misc]
                 raise RoundFailed(
                     f"{result.missing:.1%} of the average gradient never came", sent=True
                 )
-            if isinstance(result, RoundResult) and result.partial:
-                # A reducer left a sender out from where it stopped: every peer that got
-                # the whole average sees it, and none steps on it.
-                self.partial_rounds += 1
-                self.failed_rounds += 1
-                raise RoundFailed("a peer's gradients are in part of the average only")
             if isinstance(result, RoundResult):
+                if result.partial:
+                    # A reducer left a sender out from where it stopped: every peer that
+                    # got the whole average sees it, and none steps on it.
+                    self.partial_rounds += 1
+                    self.failed_rounds += 1
+                    raise RoundFailed("a peer's gradients are in part of the average only")
                 epochs = round_epochs(result)
                 if epochs != {self.local_epoch}:
                     # A trainer behind whose tracker had not yet seen the swarm move on:

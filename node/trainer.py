@@ -559,19 +559,28 @@ class Trainer:
         for batch in trained:
             self._trained_by_peer(batch)
         for batch in again:
-            self.counts["groups_requeued"] += len(batch.groups)
             log.info("batch %s: no peer took it; its groups go back", batch.batch_id)
-            self.queue.extendleft(reversed(batch.groups))
+            self._requeue(batch.groups)
             self.batch_ready.set()
+
+    def _record_trained(self, groups: list[protocol.TrajectoryGroup], version: int) -> None:
+        """These groups' gradients are in the weights of `version`: "trained" (told to
+        rollout nodes once a checkpoint holds that version) and in trained_groups.log."""
+        for group in groups:
+            self._remember(group.group_id, "trained")
+            self.undurable[group.group_id] = version
+            self.trained_log.write(f"{version}\t{group.group_id}\n")
+        self.trained_log.flush()
+
+    def _requeue(self, groups: list[protocol.TrajectoryGroup]) -> None:
+        """Put groups whose gradients no step took back at the queue front."""
+        self.counts["groups_requeued"] += len(groups)
+        self.queue.extendleft(reversed(groups))
 
     def _trained_by_peer(self, batch: DoubtfulBatch) -> None:
         """A peer stepped with this batch, and this trainer's weights (version
         `self.version`) hold that step: its groups are trained, as if by a step here."""
-        for group in batch.groups:
-            self._remember(group.group_id, "trained")
-            self.undurable[group.group_id] = self.version
-            self.trained_log.write(f"{self.version}\t{group.group_id}\n")
-        self.trained_log.flush()
+        self._record_trained(batch.groups, self.version)
         self.counts["groups_trained_by_peer"] += len(batch.groups)
         log.info(
             "batch %s: a peer stepped with it; %d groups are trained",
@@ -624,17 +633,11 @@ class Trainer:
             log.info("step not taken here, maybe by a peer: %d groups wait aside", len(held))
         elif row["optimizer_discarded"]:
             requeue, self.accumulated = self.accumulated, []
-            self.counts["groups_requeued"] += len(requeue)
             log.info("step not taken: %d groups go back to the queue", len(requeue))
-            self.queue.extendleft(reversed(requeue))
+            self._requeue(requeue)
         elif row["optimizer_stepped"]:
             trained, self.accumulated = self.accumulated, []
-            version = int(row["policy_version"])
-            for group in trained:
-                self._remember(group.group_id, "trained")
-                self.undurable[group.group_id] = version
-                self.trained_log.write(f"{version}\t{group.group_id}\n")
-            self.trained_log.flush()
+            self._record_trained(trained, int(row["policy_version"]))
             ids = [g.group_id for g in trained]
             await asyncio.to_thread(
                 self.directory.mark_trained, ids, self.node_id, row["peer_batch_ids"]

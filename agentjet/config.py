@@ -266,6 +266,12 @@ class EnvSchedConfig(_Section):
     # is ratio_weights[E][i] (envs not named keep envs[].weight). Empty = envs[].weight always.
     ratio_at_grants: list[NonNegInt] = msgspec.field(default_factory=list)
     ratio_weights: dict[str, list[NonNegFloat]] = msgspec.field(default_factory=dict)
+    # Shares of declared difficulties 1, 2, 3 within every environment that draws several
+    # ("cocktail" by difficulty): each batch's slots are apportioned over the difficulties by
+    # these weights, then tasks are chosen by score within each. Empty = no quota.
+    difficulty_weights: Annotated[list[NonNegFloat], Meta(max_length=3)] = msgspec.field(
+        default_factory=list
+    )
 
 
 class CoordinatorConfig(_Section):
@@ -494,6 +500,8 @@ def _check_envsched(params: EnvSchedConfig, env_names: set[str]) -> None:
                     f"{where}.{key}.{name}: no such environment in envs "
                     f"(configured: {', '.join(sorted(env_names))})"
                 )
+    if params.difficulty_weights and not any(params.difficulty_weights):
+        raise ConfigError(f"{where}.difficulty_weights: every difficulty has weight 0")
     steps = params.ratio_at_grants
     if any(a >= b for a, b in zip(steps, steps[1:], strict=False)):
         raise ConfigError(f"{where}.ratio_at_grants: must be strictly increasing, got {steps}")

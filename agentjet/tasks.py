@@ -117,10 +117,20 @@ class TaskSource:
         task = arithmetic_task_from_id(task_id, self.env)
         return task if task is not None and self.covers(task) else None
 
-    def sample(self, rng: random.Random) -> Task:
+    def drawn_difficulties(self) -> set[int]:
+        """The difficulties this source draws (0: a task file row that declares none)."""
         if self.rows is not None:
-            return rng.choice(self.rows)
-        difficulty = rng.choice(self.difficulties)
+            return {task.difficulty for task in self.rows}
+        return set(self.difficulties)
+
+    def sample(self, rng: random.Random, difficulty: int | None = None) -> Task:
+        """A task, at `difficulty` when given (one of `drawn_difficulties()`)."""
+        if self.rows is not None:
+            if difficulty is None:
+                return rng.choice(self.rows)
+            return rng.choice([task for task in self.rows if task.difficulty == difficulty])
+        if difficulty is None:
+            difficulty = rng.choice(self.difficulties)
         maker = TASK_MAKERS.get(self.env)
         if maker is not None:
             return maker(rng, difficulty, self.env)

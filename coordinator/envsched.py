@@ -6,7 +6,9 @@
                                          same difficulty with another op (difficulty)
                 ──▶ EnvSched.frontiers: per env, the tasks whose last group was mixed
     choose(k) ──▶ envs: apportion(k, ratio target × health, capacity room)
-              ──▶ per env: its frontier + pool_factor × its count fresh candidates
+              ──▶ per env, if difficulty_weights: apportion(its count, those weights)
+              ──▶ per env (and difficulty): its frontier + pool_factor × its count fresh
+                  candidates
               ──▶ weight = P(mixed group) / relative cost + coverage bonus + epsilon
               ──▶ sample without replacement ∝ weight
 
@@ -40,6 +42,12 @@ and the coverage bonus `bonus_scale / sqrt(1 + decayed groups of the cell)` grow
 cells left alone. Time is counted in reports, not seconds, so replaying the stored reports in
 order rebuilds the same statistics and frontiers bit for bit after a restart.
 
+Difficulty quotas. Sampling on P(mixed) sends work to whatever difficulty stays mixed, and
+on SmolLM2-135M that is 1-digit arithmetic, which greedy decoding already solves
+(bench/LOG.md). `difficulty_weights` fixes each batch's split over declared difficulties
+("cocktail" within an environment), and the score then chooses only among tasks of the same
+difficulty: which 2-digit problem, not whether to do 2-digit problems.
+
 Cost and failures. Within an environment a candidate's score is divided by its cell's
 expected completion tokens relative to the environment's; across environments each ratio
 target is scaled by the environment's health (1 − shrunk rate of failed reports, floored so
@@ -54,7 +62,7 @@ import math
 import random
 from collections import Counter, OrderedDict
 from collections.abc import Mapping, Sequence
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 from agentjet.config import EnvConfig, EnvSchedConfig, RolloutConfig
 from agentjet.protocol import GroupReport, SchedulerRow, Task
@@ -80,6 +88,9 @@ MIN_ENV_HEALTH = 0.05
 # How many cells and tasks `agentjet status` lists (best first).
 STATUS_TOP_CELLS = 12
 STATUS_TOP_TASKS = 6
+
+# What slots are apportioned over: environment names, or difficulties within one.
+Key = TypeVar("Key", str, int)
 
 
 # ── sums: decayed sufficient statistics of one node ──────────────────────────────────────
@@ -317,9 +328,10 @@ def weights_at(
 
 
 def apportion(
-    k: int, weights: Mapping[str, float], room: Mapping[str, int], rng: random.Random
-) -> dict[str, int]:
-    """Split `k` slots among environments in proportion to `weights`, within capacity.
+    k: int, weights: Mapping[Key, float], room: Mapping[Key, int], rng: random.Random
+) -> dict[Key, int]:
+    """Split `k` slots among environments (or difficulties) in proportion to `weights`,
+    within capacity.
 
     Systematic sampling: each environment gets the floor or the ceiling of its quota, the
     expectation exactly, so ratios hold in every batch and a batch of one still reaches every
@@ -535,18 +547,42 @@ class EnvSched:
             tasks += self._choose_in(env, counts[env], rng)
         return tasks
 
+    def difficulty_targets(self, env: str) -> dict[int, float]:
+        """The difficulty quota within `env`: `difficulty_weights` over the difficulties its
+        entries draw, or none ({}) when unset or when they draw a single difficulty."""
+        weights = self.params.difficulty_weights
+        drawn = set().union(*(entry.source.drawn_difficulties() for entry in self.sources[env]))
+        targets = {d: weights[d - 1] for d in sorted(drawn) if 1 <= d <= len(weights)}
+        return targets if len(drawn) > 1 and any(targets.values()) else {}
+
     def _choose_in(self, env: str, count: int, rng: random.Random) -> list[Task]:
+        targets = self.difficulty_targets(env)
+        if not targets:
+            return self._choose_among(env, count, rng)
+        counts = apportion(count, targets, {}, rng)
+        return [task for d in sorted(counts) for task in self._choose_among(env, counts[d], rng, d)]
+
+    def _choose_among(
+        self, env: str, count: int, rng: random.Random, difficulty: int | None = None
+    ) -> list[Task]:
+        """`count` tasks of `env` (of one difficulty, when given): its frontier and fresh
+        candidates, sampled by score."""
         if count == 0:
             return []
-        entries = self.sources[env]
+        entries = [
+            entry
+            for entry in self.sources[env]
+            if difficulty is None or difficulty in entry.source.drawn_difficulties()
+        ]
         pool = {
             task_id: task
             for task_id, task in self.frontiers.get(env, {}).items()
-            if any(entry.can_draw(task) for entry in entries)
+            if (difficulty is None or task.difficulty == difficulty)
+            and any(entry.can_draw(task) for entry in entries)
         }
         weights = [entry.weight for entry in entries]
         for entry in rng.choices(entries, weights=weights, k=self.params.pool_factor * count):
-            task = entry.source.sample(rng)
+            task = entry.source.sample(rng, difficulty)
             pool.setdefault(task.id, task)
         candidates = list(pool.values())
         scores = [self.score(task) for task in candidates]

@@ -363,6 +363,44 @@ def test_envsched_keeps_env_ratios_capacity_and_schedule() -> None:
     assert Counter(t.env for t in later) == {"arithmetic": 5, "python_tool": 3}  # 6 hits the cap
 
 
+def test_envsched_keeps_difficulty_quotas_within_an_environment() -> None:
+    # Taught that 1-digit groups are the mixed ones, EnvSched alone would fill batches with
+    # them; a difficulty quota keeps each batch's split and chooses by score within it.
+    params = EnvSchedConfig(difficulty_weights=[0.5, 0.375, 0.125])
+    scheduler = EnvSched([EnvConfig()], params, group_size=8)
+    for i in range(30):
+        scheduler.observe(
+            task(op="+", difficulty=1, id=f"d1:{i % 10}+{i // 10}"), report([1.0, 0.0] * 4)
+        )
+        scheduler.observe(task(op="+", difficulty=2, id=f"d2:{10 + i}+10"), report([0.0] * 8))
+    frontier = scheduler.frontiers["arithmetic"]
+    assert len(frontier) == 30 and {t.difficulty for t in frontier.values()} == {1}
+    for seed in range(20):
+        batch = scheduler.choose(8, random.Random(seed))
+        assert Counter(t.difficulty for t in batch) == {1: 4, 2: 3, 3: 1}
+    assert scheduler.difficulty_targets("arithmetic") == {1: 0.5, 2: 0.375, 3: 0.125}
+    # Weights past a source's difficulties are ignored; one difficulty needs no quota.
+    two = EnvSched([EnvConfig(difficulties=[1, 2])], params, group_size=8)
+    assert two.difficulty_targets("arithmetic") == {1: 0.5, 2: 0.375}
+    one = EnvSched([EnvConfig(difficulties=[3])], params, group_size=8)
+    assert one.difficulty_targets("arithmetic") == {}
+    assert {t.difficulty for t in one.choose(8, random.Random(0))} == {3}
+    unset = EnvSched([EnvConfig()], EnvSchedConfig(), group_size=8)
+    assert unset.difficulty_targets("arithmetic") == {}
+
+
+def test_a_task_file_is_drawn_at_a_difficulty(tmp_path: Path) -> None:
+    task_file = tmp_path / "tasks.jsonl"
+    write_task_file(generate_tasks(30, seed=1), task_file)
+    source = EnvSource.of(EnvConfig(task_file=str(task_file))).source
+    assert source.drawn_difficulties() == {1, 2, 3}
+    rng = random.Random(0)
+    assert {source.sample(rng, 2).difficulty for _ in range(20)} == {2}
+    params = EnvSchedConfig(difficulty_weights=[0.0, 1.0])
+    scheduler = EnvSched([EnvConfig(task_file=str(task_file))], params, group_size=8)
+    assert {t.difficulty for t in scheduler.choose(8, random.Random(0))} == {2}
+
+
 def test_envsched_steers_away_from_a_failing_environment() -> None:
     envs = [EnvConfig(name="arithmetic"), EnvConfig(name="python_tool")]
     scheduler = EnvSched(envs, NO_DECAY, group_size=8)
@@ -403,6 +441,10 @@ def test_config_rejects_what_envsched_cannot_use() -> None:
         load({"ratio_at_grants": [100, 100], "ratio_weights": {"arithmetic": [1.0, 2.0]}})
     with pytest.raises(ConfigError, match="every environment has weight 0"):
         load({"ratio_at_grants": [10], "ratio_weights": {"arithmetic": [0.0]}})
+    with pytest.raises(ConfigError, match="every difficulty has weight 0"):
+        load({"difficulty_weights": [0.0, 0.0]})
+    with pytest.raises(ConfigError, match="difficulty_weights"):
+        load({"difficulty_weights": [1.0, 1.0, 1.0, 1.0]})
     with pytest.raises(ConfigError, match="coordinator.scheduler"):
         config_from_dict({"coordinator": {"scheduler": "greedy"}})
 
@@ -417,6 +459,7 @@ def test_envsched_config_survives_the_resolved_config_file() -> None:
                     "max_open": {"python_tool": 4},
                     "ratio_at_grants": [0, 100],
                     "ratio_weights": {"python_tool": [1.0, 3.0]},
+                    "difficulty_weights": [0.6, 0.4],
                 },
             },
         }

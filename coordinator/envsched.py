@@ -46,7 +46,10 @@ Difficulty quotas. Sampling on P(mixed) sends work to whatever difficulty stays 
 on SmolLM2-135M that is 1-digit arithmetic, which greedy decoding already solves
 (bench/LOG.md). `difficulty_weights` fixes each batch's split over declared difficulties
 ("cocktail" within an environment), and the score then chooses only among tasks of the same
-difficulty: which 2-digit problem, not whether to do 2-digit problems.
+difficulty: which 2-digit problem, not whether to do 2-digit problems. Measured with
+[0.65, 0.33, 0.02], it lost the zero-variance target (0.55× uniform's) and did not win back
+held-out accuracy: the trainer takes a fixed number of mixed groups, and a share of grants
+is not a number of mixed 2-digit groups (bench/LOG.md, 2026-12-01).
 
 Cost and failures. Within an environment a candidate's score is divided by its cell's
 expected completion tokens relative to the environment's; across environments each ratio

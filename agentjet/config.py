@@ -268,7 +268,8 @@ class EnvSchedConfig(_Section):
     ratio_weights: dict[str, list[NonNegFloat]] = msgspec.field(default_factory=dict)
     # Shares of declared difficulties 1, 2, 3 within every environment that draws several
     # ("cocktail" by difficulty): each batch's slots are apportioned over the difficulties by
-    # these weights, then tasks are chosen by score within each. Empty = no quota.
+    # these weights, then tasks are chosen by score within each. Difficulties past the list,
+    # and task file rows that declare none, get no slots. Empty = no quota.
     difficulty_weights: Annotated[list[NonNegFloat], Meta(max_length=3)] = msgspec.field(
         default_factory=list
     )

@@ -93,6 +93,9 @@ class TaskSource:
         self.ops = list(ops)
         self.rows = load_task_file(task_file, env) if task_file else None
         self.by_id = None if self.rows is None else {task.id: task for task in self.rows}
+        self.rows_at: dict[int, list[Task]] = {}  # a task file's rows by declared difficulty
+        for task in self.rows or []:
+            self.rows_at.setdefault(task.difficulty, []).append(task)
 
     @classmethod
     def from_config(cls, env: EnvConfig) -> TaskSource:
@@ -119,16 +122,14 @@ class TaskSource:
 
     def drawn_difficulties(self) -> set[int]:
         """The difficulties this source draws (0: a task file row that declares none)."""
-        if self.rows is not None:
-            return {task.difficulty for task in self.rows}
-        return set(self.difficulties)
+        return set(self.rows_at) if self.rows is not None else set(self.difficulties)
 
     def sample(self, rng: random.Random, difficulty: int | None = None) -> Task:
         """A task, at `difficulty` when given (one of `drawn_difficulties()`)."""
         if self.rows is not None:
             if difficulty is None:
                 return rng.choice(self.rows)
-            return rng.choice([task for task in self.rows if task.difficulty == difficulty])
+            return rng.choice(self.rows_at[difficulty])
         if difficulty is None:
             difficulty = rng.choice(self.difficulties)
         maker = TASK_MAKERS.get(self.env)

@@ -584,11 +584,15 @@ class EnvSched:
             and any(entry.can_draw(task) for entry in entries)
         }
         weights = [entry.weight for entry in entries]
+        frontier = len(pool)  # the first candidates are the frontier's
         for entry in rng.choices(entries, weights=weights, k=self.params.pool_factor * count):
             task = entry.source.sample(rng, difficulty)
             pool.setdefault(task.id, task)
         candidates = list(pool.values())
-        scores = [self.score(task) for task in candidates]
+        boost = self.params.frontier_boost
+        scores = [
+            self.score(task) * (boost if i < frontier else 1.0) for i, task in enumerate(candidates)
+        ]
         return [candidates[i] for i in pick(scores, count, rng)]
 
     def score(self, task: Task) -> float:

@@ -260,10 +260,6 @@ class EnvSchedConfig(_Section):
     # fresh candidates: a task in reach of the policy keeps teaching until it is learned.
     # 0 = fresh candidates only.
     frontier_size: NonNegInt = 256
-    # A frontier task's weight is multiplied by this. Above 1, tasks that were mixed are
-    # repeated before fresh ones are tried: with a difficulty quota, the hard slots go to the
-    # few hard tasks known to be in reach. 1 = scored like any candidate.
-    frontier_boost: Annotated[float, Meta(ge=1.0)] = 1.0
     # Open grants allowed per environment name (sandbox capacity); unnamed envs: no limit.
     max_open: dict[str, PositiveInt] = msgspec.field(default_factory=dict)
     # Ratio targets over time: from ratio_at_grants[i] grants issued on, env E's ratio target

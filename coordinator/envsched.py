@@ -49,7 +49,10 @@ on SmolLM2-135M that is 1-digit arithmetic, which greedy decoding already solves
 difficulty: which 2-digit problem, not whether to do 2-digit problems. Measured with
 [0.65, 0.33, 0.02], it lost the zero-variance target (0.55× uniform's) and did not win back
 held-out accuracy: the trainer takes a fixed number of mixed groups, and a share of grants
-is not a number of mixed 2-digit groups (bench/LOG.md, 2026-12-01).
+is not a number of mixed 2-digit groups (bench/LOG.md, 2026-12-01). Weighting frontier tasks
+50× on top of the quota (repeat tasks known to be in reach first) met the zero-variance
+target (0.48×) and lost held-out accuracy (−3.0 points): repeating a few tasks teaches the
+problems not seen less than distinct tasks do, so the frontier is scored like any candidate.
 
 Cost and failures. Within an environment a candidate's score is divided by its cell's
 expected completion tokens relative to the environment's; across environments each ratio
@@ -584,15 +587,11 @@ class EnvSched:
             and any(entry.can_draw(task) for entry in entries)
         }
         weights = [entry.weight for entry in entries]
-        frontier = len(pool)  # the first candidates are the frontier's
         for entry in rng.choices(entries, weights=weights, k=self.params.pool_factor * count):
             task = entry.source.sample(rng, difficulty)
             pool.setdefault(task.id, task)
         candidates = list(pool.values())
-        boost = self.params.frontier_boost
-        scores = [
-            self.score(task) * (boost if i < frontier else 1.0) for i, task in enumerate(candidates)
-        ]
+        scores = [self.score(task) for task in candidates]
         return [candidates[i] for i in pick(scores, count, rng)]
 
     def score(self, task: Task) -> float:

@@ -331,25 +331,6 @@ def test_envsched_offers_tasks_whose_last_group_was_mixed_again() -> None:
     assert not off.frontiers["arithmetic"]
 
 
-def test_frontier_boost_repeats_a_hard_task_in_reach_before_trying_fresh_ones() -> None:
-    # 2-digit tasks are mostly out of reach, one is known to give mixed groups. With a quota
-    # for 2-digit work, the boost spends a 2-digit slot on that task nearly every batch;
-    # unboosted, the pool's fresh 2-digit candidates outweigh it together.
-    def picks_of_known(boost: float) -> int:
-        params = EnvSchedConfig(difficulty_weights=[0.5, 0.5], frontier_boost=boost)
-        scheduler = EnvSched([EnvConfig(difficulties=[1, 2])], params, group_size=8)
-        for i in range(40):
-            scheduler.observe(task(op="+", difficulty=2, id=f"d2:{10 + i}+10"), report([0.0] * 8))
-        scheduler.observe(known, report([1.0, 0.0] * 4))
-        batches = [scheduler.choose(8, random.Random(seed)) for seed in range(40)]
-        assert all(Counter(t.difficulty for t in b) == {1: 4, 2: 4} for b in batches)
-        return sum(known in batch for batch in batches)
-
-    known = task(op="+", difficulty=2, id="d2:47+38")
-    assert picks_of_known(100.0) >= 38
-    assert picks_of_known(1.0) <= 30
-
-
 def test_frontier_tasks_of_an_older_config_are_not_offered(tmp_path: Path) -> None:
     # Restarted with 1-digit tasks only, a 3-digit task of the history stays out.
     scheduler = EnvSched([EnvConfig(difficulties=[1])], EnvSchedConfig(), group_size=8)

@@ -37,7 +37,8 @@ import torch
 from agentjet import protocol, rl
 from agentjet.config import AGENT_ENVS, SANDBOXED_ENVS, Config, is_endpoint
 from agentjet.episode import Episode, SamplingParams
-from agentjet.keys import swarm_keys
+from agentjet.errors import ProtocolError
+from agentjet.keys import SwarmKeys, swarm_keys
 from agentjet.metrics import MetricsWriter
 from agentjet.roles import run_role, supervise
 from agentjet.tasks import TaskSource, draw_tasks
@@ -558,6 +559,15 @@ class Rollout:
         if not any(r.node_id == self.node_id for r in records):
             return  # our own record is missing: this read is not to be trusted
         for trainer_id in self._apply_trainers(records, now=time.monotonic()):
+            trainer = self.trainers[trainer_id]
+            if await answers(trainer.endpoint, self.hello, self.config, self.keys):
+                # A directory read can miss a live peer's record (a partial DHT lookup under
+                # load): re-sending its groups would train them twice.
+                self.missing_since.pop(trainer_id, None)
+                log.info("trainer %s is missing from the directory but answers", trainer_id)
+                continue
+            del self.trainers[trainer_id], self.missing_since[trainer_id]
+            self.retired.append(self.clients.pop(trainer_id))
             ids = [p.group.group_id for p in self.ledger.held_by(trainer_id)]
             assert self.directory is not None
             trained = await asyncio.to_thread(self.directory.trained, ids) if ids else {}
@@ -582,7 +592,8 @@ class Rollout:
         self._apply_coordinator(records)
 
     def _apply_trainers(self, records: list[protocol.NodeRecord], now: float) -> list[str]:
-        """Add and update trainers from their records; returns the ids of those gone."""
+        """Add and update trainers from their records; returns the ids of those whose records
+        are missing from two reads in a row (gone, unless they still answer)."""
         seen = set()
         for r in records:
             if r.role != "trainer" or r.protocol_version != protocol.PROTOCOL_VERSION:
@@ -607,9 +618,8 @@ class Rollout:
                 now - self.missing_since.setdefault(trainer_id, now)
                 >= self.config.swarm.heartbeat_s
             ):
-                # Missing from two reads in a row: its record expired (record_ttl_s silent).
-                del self.trainers[trainer_id], self.missing_since[trainer_id]
-                self.retired.append(self.clients.pop(trainer_id))
+                # Missing from two reads in a row: its record expired (record_ttl_s silent),
+                # or the reads missed it.
                 gone.append(trainer_id)
         return gone
 
@@ -704,6 +714,28 @@ class Rollout:
                 "perf/load_s": time.perf_counter() - start,
             }
         )
+
+
+async def answers(
+    endpoint: str, hello: protocol.Hello, config: Config, keys: SwarmKeys | None
+) -> bool:
+    """Whether the trainer at `endpoint` answers within a record's lifetime, asked on a socket
+    of its own (the rollout node's usual client may be waiting on a request in flight)."""
+    probe = Client(
+        endpoint,
+        protocol.trainer_reply_decoder,
+        hello,
+        config.net.max_message_bytes,
+        config.swarm.record_ttl_s,
+        keys,
+    )
+    try:
+        reply = await probe.request(protocol.GroupStatusQuery(group_ids=[]))
+    except (PeerUnavailable, ProtocolError):
+        return False
+    finally:
+        probe.close()
+    return isinstance(reply, protocol.GroupStatus)
 
 
 def main(config: Config) -> int:

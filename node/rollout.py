@@ -258,13 +258,8 @@ class Rollout:
 
     def _add_trainer(self, trainer: TrainerPeer) -> None:
         self.trainers[trainer.node_id] = trainer
-        self.clients[trainer.node_id] = Client(
-            trainer.endpoint,
-            protocol.trainer_reply_decoder,
-            self.hello,
-            self.config.net.max_message_bytes,
-            self.config.net.request_timeout_s,
-            self.keys,
+        self.clients[trainer.node_id] = trainer_client(
+            trainer.endpoint, self.hello, self.config, self.keys, self.config.net.request_timeout_s
         )
 
     def _close_clients(self) -> None:
@@ -716,19 +711,26 @@ class Rollout:
         )
 
 
+def trainer_client(
+    endpoint: str, hello: protocol.Hello, config: Config, keys: SwarmKeys | None, timeout_s: float
+) -> Client:
+    """A client of the trainer at `endpoint`, giving up on a reply after `timeout_s`."""
+    return Client(
+        endpoint,
+        protocol.trainer_reply_decoder,
+        hello,
+        config.net.max_message_bytes,
+        timeout_s,
+        keys,
+    )
+
+
 async def answers(
     endpoint: str, hello: protocol.Hello, config: Config, keys: SwarmKeys | None
 ) -> bool:
     """Whether the trainer at `endpoint` answers within a record's lifetime, asked on a socket
     of its own (the rollout node's usual client may be waiting on a request in flight)."""
-    probe = Client(
-        endpoint,
-        protocol.trainer_reply_decoder,
-        hello,
-        config.net.max_message_bytes,
-        config.swarm.record_ttl_s,
-        keys,
-    )
+    probe = trainer_client(endpoint, hello, config, keys, config.swarm.record_ttl_s)
     try:
         reply = await probe.request(protocol.GroupStatusQuery(group_ids=[]))
     except (PeerUnavailable, ProtocolError):

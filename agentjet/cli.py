@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
-from agentjet.config import ENV_NAMES, Config, is_endpoint, load_config, to_toml
+from agentjet.config import ENV_NAMES, Config, RunConfig, is_endpoint, load_config, to_toml
 from agentjet.errors import AgentjetError
 from agentjet.keys import DEFAULT_KEYS_FILE, SwarmKeys, swarm_keys, write_keys
 
@@ -246,6 +246,12 @@ def _resolve(args: argparse.Namespace, default_run_dir: str | None = None) -> Co
     return load_config(args.config, overrides)
 
 
+def node_run_dir(role: str, identity_path: str) -> str:
+    """The default run dir of `agentjet node --role ROLE`: runs/ROLE, or, with an identity
+    file (one node of several on this machine), runs/ROLE-<that file's name>."""
+    return f"runs/{role}-{Path(identity_path).stem}" if identity_path else f"runs/{role}"
+
+
 def _dry_run(config: Config) -> int:
     run_dir = Path(config.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -296,6 +302,11 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return run_local(config, Path(config.run.dir))
     config = _resolve(args)
+    if args.command == "node" and config.run.dir == RunConfig().dir and args.run_dir is None:
+        # Not set anywhere: a run dir of this node's own, the same at every restart (a
+        # trainer resumes from its newest checkpoint there, a rollout node from its spool).
+        config = _resolve(args, node_run_dir(args.role, config.swarm.identity_path))
+        print(f"run dir: {config.run.dir} (--run-dir to choose another)", flush=True)
     if args.dry_run:
         return _dry_run(config)
     if args.command in ("node", "coordinator") and not config.net.insecure:

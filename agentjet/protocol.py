@@ -22,7 +22,11 @@ import numpy as np
 
 # 2: Task.setup/check (sandboxed environments), Sample.faults and Sample.episode.
 # 3: groups are held until trained (GroupStatusQuery); NodeRecord in the swarm's DHT.
-PROTOCOL_VERSION = 3
+# 4: policy lineages (Lineage in PolicyInfo and NodeRecord, TrajectoryGroup.lineage).
+PROTOCOL_VERSION = 4
+
+# Earlier lineages a Lineage remembers (one per trainer restart from a checkpoint).
+MAX_ANCESTORS = 16
 
 
 class _Msg(msgspec.Struct, kw_only=True, tag_field="t", forbid_unknown_fields=True):
@@ -194,6 +198,48 @@ class TrajectoryGroup(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     samples: list[Sample]
     created_at: float
     wall_s: float = 0.0
+    # The lineage of the policy that sampled it (its versions are the samples'); "" = the
+    # base weights, before any trainer's step.
+    lineage: str = ""
+
+
+class Lineage(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """Which history of weights a policy version number belongs to.
+
+    Version numbers alone repeat: a trainer resumed from a checkpoint older than the
+    versions it had published numbers its next steps as those were numbered. So each
+    start from anything but the swarm's live weights (a fresh start, a checkpoint) opens
+    a new lineage; `ancestors` names the lineages it grew from, each with the last of its
+    versions in this one's history. Trainers that download the swarm's state share its
+    lineage. `id` "" is the base weights, version 0 of every lineage."""
+
+    id: str = ""
+    ancestors: dict[str, int] = msgspec.field(default_factory=dict)
+
+    def holds(self, lineage_id: str, version: int, newest: int) -> bool:
+        """Whether the weights `version` of lineage `lineage_id` are in this lineage's
+        history, whose newest version is `newest`."""
+        if lineage_id == self.id:
+            return version <= newest
+        if not lineage_id:
+            return version == 0
+        return version <= self.ancestors.get(lineage_id, -1)
+
+    def descends_from(self, lineage_id: str) -> bool:
+        return lineage_id == self.id or lineage_id in self.ancestors or not lineage_id
+
+    def supersedes(self, version: int, current: Lineage, current_version: int) -> bool:
+        """Whether a rollout node holding `current_version` of `current` should load this
+        lineage's `version`: a newer version of the same lineage, or any version of
+        another lineage unless `current` grew from it (a node never goes back)."""
+        if self.id == current.id:
+            return version > current_version
+        return self.id not in current.ancestors
+
+    def fork(self, version: int, new_id: str) -> Lineage:
+        """A new lineage `new_id` that starts from this one's weights `version`."""
+        ancestors = {**self.ancestors, self.id: version} if self.id else dict(self.ancestors)
+        return Lineage(id=new_id, ancestors=dict(list(ancestors.items())[-MAX_ANCESTORS:]))
 
 
 class SubmitGroup(_Msg, tag="submit_group"):
@@ -243,6 +289,7 @@ class PolicyInfo(_Msg, tag="policy_info"):
     nbytes: int
     sha256: str
     num_chunks: int
+    lineage: Lineage = msgspec.field(default_factory=Lineage)
 
 
 class WeightChunkRequest(_Msg, tag="weight_chunk_request"):
@@ -283,6 +330,8 @@ class NodeRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     protocol_version: int = PROTOCOL_VERSION
     # A trainer's quarantined nodes (node/verify.py): their groups kept failing its checks.
     quarantined: list[str] = msgspec.field(default_factory=list)
+    # A trainer's policy lineage (its `policy_version` is of that lineage).
+    lineage: Lineage = msgspec.field(default_factory=Lineage)
 
 
 # ── codecs ────────────────────────────────────────────────────────────────────────

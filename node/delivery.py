@@ -6,8 +6,9 @@
                   │        ▼                                          │ "unknown" (T restarted
                   │     unsure(T): offered again to T only            │  and lost its queue)
                   ├───────────────────────────────────────────────────┘
-                  └── T gone (its directory record expired) and no trained mark in the DHT
-                      (T's own, or a peer's of a gradient batch that held the group)
+                  └── T gone (its directory record expired) and no durable trained mark in
+                      the DHT (T's own, or a peer's of a gradient batch that held the group,
+                      naming weights a live trainer's lineage holds; node/swarm.py `durable`)
 
 A group goes to another trainer only when the one that may hold it is gone, so no group is
 trained twice by two live trainers; a trainer that dies with groups in its queue loses
@@ -39,7 +40,8 @@ class TrainerPeer:
     endpoint: str
     queue: int = 0
     capacity: int = 1
-    policy_version: int = 0
+    policy_version: int = 0  # of `lineage`
+    lineage: protocol.Lineage = field(default_factory=protocol.Lineage)
     blocked_until: float = 0.0  # monotonic time before which nothing is offered to it
     failures: int = 0
 

@@ -54,6 +54,32 @@ class _Pass:
     num_tokens: int
 
 
+@dataclass(frozen=True)
+class StepResult:
+    """What `Learner.train_step` did: the swarm step's outcome, the groups left out for
+    their logprob gap, each checked group's gap (its largest sample's), and the step's
+    metrics (losses/, charts/, perf/)."""
+
+    outcome: StepOutcome
+    rejected: set[str]
+    logprob_gaps: dict[str, float]
+    metrics: dict[str, float]
+
+    def row(self) -> dict[str, Any]:
+        """The step's metrics row (metrics/trainer.jsonl)."""
+        return {
+            "policy_version": self.outcome.epoch,
+            "optimizer_stepped": self.outcome.applied,
+            "optimizer_discarded": self.outcome.discarded,
+            "version_withheld": self.outcome.withheld,
+            "peer_batch_ids": list(self.outcome.peer_batches),
+            "batch_in_doubt": self.outcome.in_doubt,
+            "rejected_group_ids": sorted(self.rejected),
+            "logprob_gaps": self.logprob_gaps,
+            **self.metrics,
+        }
+
+
 class Learner:
     def __init__(
         self,
@@ -70,10 +96,9 @@ class Learner:
         self.temperature = temperature
         self.pad_token_id = pad_token_id
 
-    def train_step(self, groups: list[TrajectoryGroup]) -> dict[str, Any]:
-        """Accumulate gradients over `groups`, less those that fail the logprob check, step
-        the swarm optimizer, return metrics: "logprob_gaps" has each checked group's gap
-        (its largest sample's), "rejected_group_ids" the groups over the bound."""
+    def train_step(self, groups: list[TrajectoryGroup]) -> StepResult:
+        """Accumulate gradients over `groups`, less those that fail the logprob check, and
+        step the swarm optimizer."""
         start = time.perf_counter()
         rows = self._rows(groups)
         done = self._accumulate(rows)
@@ -102,27 +127,25 @@ class Learner:
             outcome = self.swarm.step_outcome(batch_size=counted)
         rewards = [s.reward for g in groups for s in g.samples]
         passed = [gap for g, gap in gap_of.items() if g not in rejected]
-        return {
-            "policy_version": outcome.epoch,
-            "optimizer_stepped": outcome.applied,
-            "optimizer_discarded": outcome.discarded,
-            "peer_batch_ids": list(outcome.peer_batches),
-            "batch_in_doubt": outcome.in_doubt,
-            "rejected_group_ids": sorted(rejected),
-            "logprob_gaps": gap_of,
-            "losses/policy": done.loss,
-            "losses/grad_norm": grad_norm,
-            **{f"losses/{k}": v for k, v in done.stats.items()},
-            "charts/logprob_gap_max": max(passed, default=0.0),
-            "charts/reward_mean": sum(rewards) / max(len(rewards), 1),
-            "charts/samples": num_samples,
-            "charts/trained_samples": len(rows),
-            "charts/trained_tokens": done.num_tokens,
-            "charts/zero_variance_groups": sum(
-                1 for g in groups if len({s.reward for s in g.samples}) == 1
-            ),
-            "perf/step_s": time.perf_counter() - start,
-        }
+        return StepResult(
+            outcome=outcome,
+            rejected=rejected,
+            logprob_gaps=gap_of,
+            metrics={
+                "losses/policy": done.loss,
+                "losses/grad_norm": grad_norm,
+                **{f"losses/{k}": v for k, v in done.stats.items()},
+                "charts/logprob_gap_max": max(passed, default=0.0),
+                "charts/reward_mean": sum(rewards) / max(len(rewards), 1),
+                "charts/samples": num_samples,
+                "charts/trained_samples": len(rows),
+                "charts/trained_tokens": done.num_tokens,
+                "charts/zero_variance_groups": sum(
+                    1 for g in groups if len({s.reward for s in g.samples}) == 1
+                ),
+                "perf/step_s": time.perf_counter() - start,
+            },
+        )
 
     def _accumulate(self, rows: list[_Row]) -> _Pass:
         """Forward and backward every row, in micro-batches; gradients add up in `.grad`."""

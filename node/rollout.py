@@ -81,7 +81,11 @@ def _model_tokens(episode: Episode) -> int:
 
 
 def build_group(
-    grant: protocol.WorkGrant, episodes: list[Episode], node_id: str, wall_s: float
+    grant: protocol.WorkGrant,
+    episodes: list[Episode],
+    node_id: str,
+    wall_s: float,
+    lineage: str = "",
 ) -> protocol.TrajectoryGroup:
     """One sample per episode, or, for episodes made of several sequences (forked agent
     conversations), one per sequence, each naming its episode."""
@@ -116,6 +120,7 @@ def build_group(
         samples=samples,
         created_at=time.time(),
         wall_s=wall_s,
+        lineage=lineage,
     )
 
 
@@ -137,10 +142,15 @@ class Rollout:
         self.retired: list[Client] = []
         self.coordinator: Client | None = None
         self.missing_since: dict[str, float] = {}  # trainer id -> when its record vanished
+        # Trainers gone while no other trainer was live: whether their groups are trained
+        # can only be read against a live trainer's lineage, so that waits for one.
+        self.departed: list[str] = []
+        # The lineage of the engine's weights (protocol.Lineage; "" = the base weights).
+        self.lineage = protocol.Lineage()
         self.samples_per_s = 0.0
         self.reports: asyncio.Queue[protocol.GroupReport] = asyncio.Queue()
         # A complete, verified policy version waiting to be loaded between batches.
-        self.ready_weights: tuple[int, str, dict[str, torch.Tensor]] | None = None
+        self.ready_weights: tuple[protocol.Lineage, int, str, dict[str, torch.Tensor]] | None = None
         self.counts: defaultdict[str, int] = defaultdict(int)
 
     def setup(self, cleanup: ExitStack) -> None:
@@ -206,7 +216,7 @@ class Rollout:
         groups = spool.load()
         trained: dict[str, str | None] = {}
         if groups and self.directory is not None:
-            trained = self.directory.trained([g.group_id for g, _ in groups])
+            trained = self.directory.trained([g.group_id for g, _ in groups], self._live())
         for group, holder in groups:
             if group.group_id in trained:
                 spool.remove(group.group_id)
@@ -312,7 +322,9 @@ class Rollout:
                     if not eps:  # the environment could not finish this task's episodes
                         self._queue_report(grant, [], wall_s / len(env_grants), "no episodes")
                         continue
-                    group = build_group(grant, eps, self.node_id, wall_s / len(env_grants))
+                    group = build_group(
+                        grant, eps, self.node_id, wall_s / len(env_grants), self.lineage.id
+                    )
                     try:
                         self.ledger.add(group)
                     except SpoolFull as e:  # the batch ran past the cap: keep it in memory
@@ -334,6 +346,7 @@ class Rollout:
                         "env": env_name,
                         "group_ids": created,
                         "policy_version": self.engine.policy_version,
+                        "lineage": self.lineage.id,
                         "charts/reward_mean": sum(rewards) / len(rewards),
                         "perf/gen_tokens_per_s": tokens / wall_s,
                         "perf/samples_per_s": len(rewards) / wall_s,
@@ -563,9 +576,27 @@ class Rollout:
                 continue
             del self.trainers[trainer_id], self.missing_since[trainer_id]
             self.retired.append(self.clients.pop(trainer_id))
+            self.departed.append(trainer_id)
+        await self._settle_departed()
+        self._apply_coordinator(records)
+
+    def _live(self) -> list[tuple[protocol.Lineage, int]]:
+        """Each live trainer's lineage and version: what the DHT's marks are read against."""
+        return [(t.lineage, t.policy_version) for t in self.trainers.values()]
+
+    async def _settle_departed(self) -> None:
+        """The groups of gone trainers: trained if a durable mark says so (a live trainer's
+        weights hold their step), else offered to the live trainers. With no trainer live
+        nothing can be told: they wait, held by the gone trainer, until one is."""
+        if not self.departed or not self.trainers:
+            return
+        assert self.directory is not None
+        departed, self.departed = self.departed, []
+        for trainer_id in departed:
             ids = [p.group.group_id for p in self.ledger.held_by(trainer_id)]
-            assert self.directory is not None
-            trained = await asyncio.to_thread(self.directory.trained, ids) if ids else {}
+            trained = (
+                await asyncio.to_thread(self.directory.trained, ids, self._live()) if ids else {}
+            )
             counts = self.ledger.trainer_gone(trainer_id, set(trained))
             self.metrics.write(
                 {
@@ -573,18 +604,19 @@ class Rollout:
                     "node_id": trainer_id,
                     "trained_group_ids": sorted(trained),
                     "trained_through_batches": through_batches(trained),
+                    "resent": counts["resent"],
                 }
             )
             self.counts["groups_trained"] += counts["trained"]
             self.counts["groups_resent_elsewhere"] += counts["resent"]
             log.warning(
-                "trainer %s is gone: %d of its groups were trained, %d go to other trainers",
+                "trainer %s is gone: %d of its groups were trained (durably), %d go to other "
+                "trainers",
                 trainer_id,
                 counts["trained"],
                 counts["resent"],
             )
             self.unsent.set()
-        self._apply_coordinator(records)
 
     def _apply_trainers(self, records: list[protocol.NodeRecord], now: float) -> list[str]:
         """Add and update trainers from their records; returns the ids of those whose records
@@ -604,6 +636,8 @@ class Rollout:
                 trainer = TrainerPeer(r.node_id, r.endpoint)
                 self._add_trainer(trainer)
             trainer.queue, trainer.capacity = max(r.queue, 0), max(r.capacity, 1)
+            if trainer.lineage != r.lineage:
+                trainer.lineage, trainer.policy_version = r.lineage, r.policy_version
             self._saw_version(trainer, r.policy_version)
         gone = []
         for trainer_id in list(self.trainers):
@@ -663,48 +697,67 @@ class Rollout:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.newer_policy.wait(), POLICY_POLL_S)
             self.newer_policy.clear()
-            if not self.trainers:
-                continue
-            # The newest version, from the least loaded trainer that has it.
-            source = max(self.trainers.values(), key=lambda t: (t.policy_version, -t.queue))
-            client = self.clients[source.node_id]
-            try:
-                info = await client.request(protocol.PolicyQuery())
-                if not isinstance(info, protocol.PolicyInfo):
-                    continue
-                newest = self.ready_weights[0] if self.ready_weights else self.engine.policy_version
-                if info.version <= newest:
-                    continue
-                assembly = WeightAssembly(info.version, info.nbytes, info.sha256, info.num_chunks)
-                for index in assembly.missing():
-                    chunk = await client.request(
-                        protocol.WeightChunkRequest(version=info.version, index=index)
-                    )
-                    if not isinstance(chunk, protocol.WeightChunk):
-                        raise ValueError(f"chunk {index}: {chunk}")
-                    assembly.add(index, chunk.data)
-                state = await asyncio.to_thread(assembly.finish)
-                if self.merger is not None:  # LoRA: adapters arrive, the engine takes weights
-                    state = await asyncio.to_thread(
-                        self.merger.merge, state, self.engine.state_dict()
-                    )
-            except (PeerUnavailable, ValueError) as e:
-                log.info("policy fetch interrupted (%s); will retry", e)
-                continue
-            self.ready_weights = (info.version, info.sha256, state)
-            self.metrics.write({"event": "weights_fetched", "policy_version": info.version})
+            # The newest version, from the least loaded trainer that has it; the next
+            # one when it does not answer (its record can outlive it by record_ttl_s).
+            for source in sorted(
+                self.trainers.values(), key=lambda t: (-t.policy_version, t.queue)
+            ):
+                if await self._fetch_weights(source):
+                    break
+
+    async def _fetch_weights(self, source: TrainerPeer) -> bool:
+        """Fetch `source`'s policy version when it supersedes the newest this node has
+        (`Lineage.supersedes`); False when `source` did not answer."""
+        client = self.clients[source.node_id]
+        try:
+            info = await client.request(protocol.PolicyQuery())
+            if not isinstance(info, protocol.PolicyInfo):
+                return True
+            lineage, version = self.lineage, self.engine.policy_version
+            if self.ready_weights is not None:
+                lineage, version = self.ready_weights[0], self.ready_weights[1]
+            if not info.lineage.supersedes(info.version, lineage, version):
+                return True
+            assembly = WeightAssembly(info.version, info.nbytes, info.sha256, info.num_chunks)
+            for index in assembly.missing():
+                chunk = await client.request(
+                    protocol.WeightChunkRequest(version=info.version, index=index)
+                )
+                if not isinstance(chunk, protocol.WeightChunk):
+                    raise ValueError(f"chunk {index}: {chunk}")
+                assembly.add(index, chunk.data)
+            state = await asyncio.to_thread(assembly.finish)
+            if self.merger is not None:  # LoRA: adapters arrive, the engine takes weights
+                state = await asyncio.to_thread(self.merger.merge, state, self.engine.state_dict())
+        except (PeerUnavailable, ValueError) as e:
+            log.info("policy fetch from %s interrupted (%s); will retry", source.node_id, e)
+            return False
+        self.ready_weights = (info.lineage, info.version, info.sha256, state)
+        self.metrics.write(
+            {"event": "weights_fetched", "policy_version": info.version, "lineage": info.lineage.id}
+        )
+        return True
 
     def _load_ready_weights(self) -> None:
         if self.ready_weights is None:
             return
-        version, sha256, state = self.ready_weights
+        lineage, version, sha256, state = self.ready_weights
         self.ready_weights = None
         start = time.perf_counter()
         self.engine.load_state_dict(state, version)
+        if lineage != self.lineage:
+            log.info(
+                "policy lineage %s -> %s (version %d)",
+                self.lineage.id or "base",
+                lineage.id,
+                version,
+            )
+        self.lineage = lineage
         self.metrics.write(
             {
                 "event": "weights_loaded",
                 "policy_version": version,
+                "lineage": lineage.id,
                 "policy_sha256": sha256,
                 "perf/load_s": time.perf_counter() - start,
             }

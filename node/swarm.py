@@ -51,7 +51,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 # hivemind shares tensors between its processes through files in /dev/shm by default;
 # a process killed with SIGKILL leaves them there, in memory, until reboot. File
@@ -270,15 +270,15 @@ class Directory:
             return 0
 
     def mark_trained(
-        self, group_ids: Iterable[str], node_id: str, batch_ids: Iterable[str] = ()
+        self, group_ids: Iterable[str], mark: Mark, batch_ids: Iterable[str] = ()
     ) -> None:
-        """Say in the DHT that these groups' gradients are in the swarm's weights, and so
-        are those of every group the batches `batch_ids` hold (`name_batch`)."""
+        """Say in the DHT that these groups' gradients are in the weights `mark` names, and
+        so are those of every group the batches `batch_ids` hold (`name_batch`)."""
         expires = get_dht_time() + TRAINED_MARK_TTL_S
         keys = [self.trained_prefix + g for g in group_ids]
         keys += [self.trained_batch_prefix + b for b in batch_ids]
         futures = [
-            self.dht.store(key, node_id, expiration_time=expires, return_future=True)
+            self.dht.store(key, list(mark), expiration_time=expires, return_future=True)
             for key in keys
         ]
         for future in futures:
@@ -299,15 +299,21 @@ class Directory:
             for g in group_ids
         ]
 
-    def trained(self, group_ids: Iterable[str]) -> dict[str, str | None]:
-        """The ones among `group_ids` some trainer has marked trained, each with the mark
-        that says so: None for the group's own, else the id of a marked batch that held it."""
+    def trained(
+        self, group_ids: Iterable[str], live: list[tuple[protocol.Lineage, int]]
+    ) -> dict[str, str | None]:
+        """The ones among `group_ids` marked trained by a step that is durable now: a
+        live trainer's weights hold it (`durable`; `live`: each live trainer's lineage and
+        version). Each comes with the mark that says so: None for the group's own, else
+        the id of a marked batch that held it."""
         ids = list(group_ids)
-        marks: dict[str, str | None] = dict.fromkeys(self._found(self.trained_prefix, ids))
-        rest = [g for g in ids if g not in marks]
+        own = self._marks(self.trained_prefix, ids)
+        marks: dict[str, str | None] = {g: None for g, m in own.items() if durable(m, live)}
+        rest = [g for g in ids if g not in own]
         futures = [self.dht.get(self.intent_prefix + g, return_future=True) for g in rest]
         intents = {g: batches_named(f.result()) for g, f in zip(rest, futures, strict=True)}
-        marked = self.marked_batches(sorted(set().union(*intents.values())))
+        batch_marks = self._marks(self.trained_batch_prefix, sorted(set().union(*intents.values())))
+        marked = {b for b, m in batch_marks.items() if durable(m, live)}
         through = trained_through_batches(intents, marked)
         if through:
             log.info("%d groups are trained by a peer's mark of their batch", len(through))
@@ -315,12 +321,43 @@ class Directory:
 
     def marked_batches(self, batch_ids: Iterable[str]) -> set[str]:
         """The ones among `batch_ids` some trainer has marked trained."""
-        return self._found(self.trained_batch_prefix, list(batch_ids))
+        return set(self._marks(self.trained_batch_prefix, list(batch_ids)))
 
-    def _found(self, prefix: str, names: list[str]) -> set[str]:
-        """The names whose key `prefix + name` holds a value in the DHT."""
+    def _marks(self, prefix: str, names: list[str]) -> dict[str, Mark]:
+        """The names whose key `prefix + name` holds a well-formed mark, with it."""
         futures = [self.dht.get(prefix + n, return_future=True) for n in names]
-        return {n for n, f in zip(names, futures, strict=True) if f.result() is not None}
+        found = {n: read_mark(f.result()) for n, f in zip(names, futures, strict=True)}
+        return {n: m for n, m in found.items() if m is not None}
+
+
+class Mark(NamedTuple):
+    """A trained mark's value in the DHT: the step's weights, as lineage and version."""
+
+    lineage: str
+    version: int
+
+
+def read_mark(found: Any) -> Mark | None:
+    """A DHT value as a Mark; None when absent or malformed (any peer can store values)."""
+    value = getattr(found, "value", None)
+    if (
+        isinstance(value, list | tuple)
+        and len(value) == 2
+        and isinstance(value[0], str)
+        and len(value[0]) <= MAX_BATCH_ID_CHARS
+        and isinstance(value[1], int)
+        and not isinstance(value[1], bool)
+    ):
+        return Mark(value[0], value[1])
+    return None
+
+
+def durable(mark: Mark, live: Iterable[tuple[protocol.Lineage, int]]) -> bool:
+    """Whether the step a mark names lives on in a live trainer: one whose lineage
+    history, up to its current version, holds those weights. Marks are written at the
+    step; this is how they are read, so a mark of a step that died with the last trainer
+    that held it (never checkpointed, or its checkpoint older) says nothing."""
+    return any(lineage.holds(mark.lineage, mark.version, newest) for lineage, newest in live)
 
 
 def is_batch_id(value: object) -> bool:
@@ -706,6 +743,17 @@ def _incomplete(control: Any) -> bool:
     return _ended(control) and control.exception() is None and incomplete(control.result())
 
 
+def _averaged(control: Any) -> bool:
+    """Whether a parameter round ended with this peer holding the whole average of its own
+    and at least one other peer's parameters."""
+    if not _ended(control) or control.exception() is not None:
+        return False
+    result = control.result()
+    if not isinstance(result, RoundResult):
+        return bool(result)
+    return not incomplete(result) and not result.partial and bool(result.contributors)
+
+
 def _failed(control: Any) -> bool:
     """Whether a hivemind averaging round ended in an error, or incomplete."""
     if not _ended(control):
@@ -738,6 +786,9 @@ class StepOutcome:
     # When discarded after a round that may have gone on without this trainer
     # (`RoundFailed.sent`): the id of the batch a peer may have stepped with.
     in_doubt: str | None = None
+    # This version's weights may be this trainer's own, not the swarm's (its parameter
+    # round failed and no peer sent its state): not to checkpoint or publish.
+    withheld: bool = False
 
 
 class SwarmOptimizer:
@@ -842,16 +893,24 @@ class SwarmOptimizer:
             self.optimizer.zero_grad()
             rounds += averager.rounds
             self.optimizer.incomplete_rounds += sum(_incomplete(r) for r in rounds)
-            if self.epoch > epoch and any(_failed(r) for r in rounds):
+            withheld = False
+            if self.epoch > epoch and (
+                any(_failed(r) for r in rounds) or self._unaveraged(rounds, epoch)
+            ):
                 # The gradients were averaged, but the parameters were not (or not all of
                 # them): hivemind keeps this trainer's own result, which can differ from
-                # the others' at this version (by 1e-3 when measured). A peer whose round
+                # the others' at this version (by 6e-4 on a fresh clone: a parameter round
+                # still running when hivemind stopped waiting for it). A peer whose round
                 # succeeded has the version's averaged state: take it (the step counts).
                 log.info(
                     "parameter averaging failed at version %d; taking a peer's state", self.epoch
                 )
                 self.repairs += 1
                 self.optimizer.take_swarm_state()
+                # No peer sent its state: this version may be a weight set of this
+                # trainer's own. The caller withholds it (no checkpoint, not published)
+                # until a later step or download brings the swarm's.
+                withheld = not averager.downloaded
         discarded = self.optimizer.discards > discards
         applied = not discarded and self.epoch > epoch
         return StepOutcome(
@@ -860,7 +919,16 @@ class SwarmOptimizer:
             discarded=discarded,
             peer_batches=self.optimizer.peer_batches if applied else (),
             in_doubt=in_doubt,
+            withheld=withheld,
         )
+
+    def _unaveraged(self, rounds: list[Any], epoch: int) -> bool:
+        """Whether a step from `epoch` taken with peers (its gradient round vouched for
+        their batches) was due a parameter round that did not end with the average here:
+        one that failed, or that hivemind stopped waiting for while it still ran."""
+        due = self.epoch % self.optimizer.average_state_every == 0
+        with_peers = bool(self.optimizer.peer_batches)
+        return self.epoch > epoch and with_peers and due and not any(_averaged(r) for r in rounds)
 
     def counts(self) -> dict[str, int]:
         """How often rounds went wrong and how the trainer recovered, for metrics."""
@@ -893,8 +961,24 @@ class SwarmOptimizer:
             self.optimizer.state_averager.optimizer.load_state_dict(optimizer_state)
             self.optimizer.set_epoch(epoch)
 
+    def processes(self) -> dict[str, Any]:
+        """The hivemind processes this optimizer works through, by a name for people: its
+        DHT and its two averagers (multiprocessing.Process each, children of this process;
+        for `agentjet.lifeline.watch_children`: a step would wait forever on a dead one)."""
+        found = {
+            "hivemind DHT": self.dht,
+            "hivemind gradient averager": self.optimizer.grad_averager,
+            "hivemind state averager": self.optimizer.state_averager,
+        }
+        return {name: process for name, process in found.items() if process is not None}
+
     def shutdown(self) -> None:
         """Optimizer first (says goodbye, stops averagers), then a DHT of its own."""
+        for averager in (self.optimizer.grad_averager, self.optimizer.state_averager):
+            if averager is not None and averager.exitcode is not None:
+                # It died (the role stops for that: `processes`). hivemind would log its
+                # death again, with the traceback of the error the role stops on.
+                averager.shutdown = lambda: None
         try:
             self.optimizer.shutdown()
         finally:

@@ -7,21 +7,20 @@
                    ──▶ groups marked trained (GroupStatus, and in the DHT)
                    ──▶ PolicySnapshot (served in chunks: PolicyQuery / WeightChunkRequest)
                    ──▶ checkpoint every N versions ──▶ metrics/trainer.jsonl
-    heartbeat:     NodeRecord (endpoint, version, queue, quarantined nodes) ──▶ the DHT directory
+    heartbeat:     NodeRecord (endpoint, lineage, version, queue, quarantined) ──▶ the DHT directory
 
 Run with `agentjet node --role trainer [--join MULTIADDR]`. A trainer that joins a running
 swarm loads the swarm's weights, optimizer state and version before its first step; one
-started on a run dir with checkpoints (and no peer to load from) resumes from the newest.
-A group is "trained" only once its gradients are in an optimizer step: gradients that
-are thrown away (a failed round with peers, or this trainer fell out of sync) put their
-groups back in the queue. When the round failed on this side only (a timeout; a reducer
-failed this trainer), a peer may have stepped with them all the same: such a batch waits
-aside (`DoubtfulBatch`) until that peer's mark of it says so (trained) or no peer can
-still take it (back to the queue). Rollout nodes hold every group until it is trained, so a
-trainer that dies loses nothing. Rollout nodes hear "trained" only once a checkpoint holds
-the step (trained_groups.log names each group's version), so a trainer killed and resumed
-from its last checkpoint trains again exactly the groups whose steps it lost. Groups
-staler than `trainer.max_policy_lag` are dropped (acked "stale", counted), not trained.
+started on a run dir with checkpoints (and no peer to load from) resumes from the newest,
+in a new policy lineage (protocol.Lineage): versions it had published past that checkpoint
+are gone, and rollout nodes move to the new lineage's weights. Where each group is lives in
+one `GroupBook` (node/groups.py): gradients thrown away (a failed round with peers, or this
+trainer fell out of sync) put their groups back in the queue; a round that failed on this
+side only leaves its batch in doubt until a peer's mark settles it. Rollout nodes hold
+every group until it is trained, and hear "trained" only once the step is durable (a
+checkpoint here, or a live peer of the lineage past it), so a trainer that dies loses
+nothing. Groups staler than `trainer.max_policy_lag`, or sampled by a lineage these weights
+do not descend from, are dropped (acked "stale", counted), not trained.
 Groups that fail a check of node/verify.py (a wrong reward on arrival, sampler logprobs
 far from the learner's in its forward pass) are never trained: "rejected" or "dropped",
 counted, and held against their sending node, which is quarantined after
@@ -37,27 +36,27 @@ import os
 import socket
 import time
 import uuid
-from collections import Counter, deque
-from collections.abc import Iterable
+from collections import Counter
 from contextlib import ExitStack, suppress
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 
 from agentjet import protocol, rl
-from agentjet.config import Config, SwarmConfig
+from agentjet.config import Config
 from agentjet.errors import ModelError
 from agentjet.keys import swarm_keys
 from agentjet.metrics import MetricsWriter, Rate
 from agentjet.roles import print_join_command, run_role, supervise
 from agentjet.tasks import TaskSource
 from agentjet.transport import Server
-from node.learner import Learner
+from node.groups import GroupBook, StepGroups, doubt_wait_s, oldest_version
+from node.learner import Learner, StepResult
 from node.lora import add_adapters, merged_weights
 from node.model import load_causal_lm, resolve_model
-from node.swarm import Directory, SwarmOptimizer, start_dht, visible_maddrs
+from node.swarm import Directory, Mark, SwarmOptimizer, start_dht, visible_maddrs
 from node.verify import (
     REWARD_CHECKS,
     Quarantine,
@@ -76,8 +75,6 @@ from node.weights import (
 
 log = logging.getLogger(__name__)
 
-# Ids of acknowledged groups kept for duplicate detection; a re-send arrives within minutes.
-SEEN_GROUP_IDS = 1_000_000
 # Trained groups rollout nodes must keep (spooled) until a checkpoint holds their steps:
 # past this many the trainer checkpoints early, whatever trainer.checkpoint_every says.
 MAX_UNDURABLE_GROUPS = 512
@@ -87,80 +84,13 @@ MAX_SEQUENCE_TOKENS = 8192
 SAMPLE_RATE_WINDOW_S = 60.0
 
 
-@dataclass
-class DoubtfulBatch:
-    """Groups whose gradients went into a round that failed on this trainer's side only
-    (`RoundFailed.sent`): a peer may have stepped with them. The peer's mark of the batch
-    (node/swarm.py, round marks) settles it (`settle`)."""
-
-    batch_id: str
-    epoch: int  # the version of the round: a peer that took the batch stepped from it
-    groups: list[protocol.TrajectoryGroup]
-    deadline: float  # time.monotonic(): not settled by then, its groups are trained again
-
-
-def doubt_wait_s(swarm: SwarmConfig) -> float:
-    """How long a doubtful batch may wait for its mark at most. A peer that stepped with
-    the batch marks it after its parameter round (a matchmaking time and an averaging
-    timeout at most), and a peer that died meanwhile leaves the directory within
-    record_ttl_s; `settle` mostly decides well before."""
-    return swarm.matchmaking_time_s + swarm.averaging_timeout_s + swarm.record_ttl_s
-
-
-def settle(
-    doubtful: list[DoubtfulBatch],
-    marked: set[str],
-    version: int,
-    other_versions: Iterable[int],
-    now: float,
-) -> tuple[list[DoubtfulBatch], list[DoubtfulBatch], list[DoubtfulBatch]]:
-    """Split doubtful batches into (trained by a peer, to train again, still in doubt).
-
-    A marked batch is trained once this trainer holds a version past its round's (it
-    catches up to get the peer's weights). An unmarked one is trained again once no other
-    live trainer can still be in the step that would take it: each lists a version past
-    the round's (a trainer stores its marks before its record shows the step's version),
-    or none is listed. At its deadline a batch not settled is trained again: training a
-    group twice is the lesser harm than holding it in no weights."""
-    others = list(other_versions)
-    trained, again, waiting = [], [], []
-    for batch in doubtful:
-        untaken = batch.batch_id not in marked and all(v > batch.epoch for v in others)
-        if batch.batch_id in marked and version > batch.epoch:
-            trained.append(batch)
-        elif untaken or now >= batch.deadline:
-            again.append(batch)
-        else:
-            waiting.append(batch)
-    return trained, again, waiting
-
-
-def take_batch(
-    queue: deque[protocol.TrajectoryGroup], size: int, version: int, max_policy_lag: int
-) -> tuple[list[protocol.TrajectoryGroup], list[protocol.TrajectoryGroup]]:
-    """Pop up to `size` fresh groups from the queue front; also return the stale ones dropped."""
-    batch: list[protocol.TrajectoryGroup] = []
-    stale: list[protocol.TrajectoryGroup] = []
-    while queue and len(batch) < size:
-        group = queue.popleft()
-        oldest = min(s.policy_version for s in group.samples)
-        (stale if rl.is_stale(oldest, version, max_policy_lag) else batch).append(group)
-    return batch, stale
-
-
 class Trainer:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.run_dir = Path(config.run.dir)
         self.node_id = f"trainer-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        self.queue: deque[protocol.TrajectoryGroup] = deque()
-        # Groups whose gradients wait in the accumulator for the swarm's next step.
-        self.accumulated: list[protocol.TrajectoryGroup] = []
-        # Batches whose round failed on this side only: a peer may have trained them.
-        self.doubtful: list[DoubtfulBatch] = []
-        # Every group id seen (insertion-ordered, bounded): "queued" until its gradients
-        # are in an optimizer step, then "trained"; "dropped" when stale or failing a check.
-        self.seen: dict[str, str] = {}
+        self.book = GroupBook()
+        self.lineage = protocol.Lineage()
         self.quarantine = Quarantine(config.trainer.quarantine_after)
         self.reward_check_secret = os.urandom(16)
         # Where this trainer rebuilds tasks to re-check rewards (node/verify.py).
@@ -169,17 +99,16 @@ class Trainer:
         ]
         self.samples_per_s = 0.0  # over the last SAMPLE_RATE_WINDOW_S (progress, status)
         self.sample_rate = Rate(SAMPLE_RATE_WINDOW_S)
-        # Other live trainers and their policy versions, from the last directory read.
-        self.other_trainers: dict[str, int] = {}
+        # Other live trainers' records, from the last directory read.
+        self.other_trainers: dict[str, protocol.NodeRecord] = {}
         self.counts: Counter[str] = Counter()
         self.lag_histogram: Counter[int] = Counter()
         self.published: PolicySnapshot | None = None
         self.previous: PolicySnapshot | None = None
         self.version = 0
-        self.checkpointed_version = -1
-        # Trained groups whose step no checkpoint holds yet, with the version of that step:
-        # rollout nodes are told "queued" for them (a crash would undo the step).
-        self.undurable: dict[str, int] = {}
+        # The current version's weights may be this trainer's own, not the swarm's (a
+        # parameter round failed and no peer sent state): not checkpointed nor published.
+        self.withheld = False
         self.step_task: asyncio.Task[float] | None = None
 
     def setup(self, cleanup: ExitStack) -> None:
@@ -219,12 +148,24 @@ class Trainer:
             log.info("joined the swarm; loading its state from peers")
             self.other_trainers = self._other_trainers_in(self.directory.records())
             loaded = self.swarm.load_state_from_peers()
-        if resume is not None and not loaded:
-            self.swarm.restore(int(resume["policy_version"]), resume["optimizer"])
-            self.checkpointed_version = int(resume["policy_version"])
-            log.info("resumed from checkpoint: policy version %d", self.checkpointed_version)
+        resumed = -1
+        if loaded:
+            self.lineage = self._swarm_lineage()
+        elif resume is not None:
+            resumed = int(resume["policy_version"])
+            self.swarm.restore(resumed, resume["optimizer"])
+            saved = msgspec.convert(resume.get("lineage", {}), protocol.Lineage)
+            self.lineage = saved.fork(resumed, new_lineage_id())
+            log.info(
+                "resumed from checkpoint: policy version %d, new lineage %s",
+                resumed,
+                self.lineage.id,
+            )
+        else:
+            self.lineage = protocol.Lineage(id=new_lineage_id())
         self.version = self.swarm.epoch
-        self._open_trained_log(cleanup)
+        self.book.open_log(self.run_dir / "trained_groups.log", resumed)
+        cleanup.callback(self.book.close_log)
         self.learner = Learner(
             self.model,
             self.swarm,
@@ -255,14 +196,18 @@ class Trainer:
                 "node_id": self.node_id,
                 "policy_version": self.version,
                 "policy_sha256": self.published.sha256,
+                "lineage": self.lineage.id,
+                "lineage_ancestors": self.lineage.ancestors,
                 "joined": bool(cfg.swarm.initial_peers),
             }
         )
         log.info(
-            "trainer %s ready: %s, policy version %d, swarm %s",
+            "trainer %s ready: %s, policy version %d (lineage %s), run dir %s, swarm %s",
             self.node_id,
             self.endpoint,
             self.version,
+            self.lineage.id,
+            self.run_dir.resolve(),
             " ".join(self.maddrs),
         )
         if not cfg.swarm.initial_peers:
@@ -288,11 +233,12 @@ class Trainer:
                 endpoint=self.endpoint,
                 maddrs=self.maddrs,
                 policy_version=self.version,
-                queue=len(self.queue),
+                queue=len(self.book.queue),
                 capacity=cfg.trainer.max_queued_groups,
                 samples_per_s=self.samples_per_s,
                 time=time.time(),
                 quarantined=self.quarantine.listed(),
+                lineage=self.lineage,
             )
             if not await asyncio.to_thread(self.directory.publish, record):
                 log.warning("could not store this trainer's record in the DHT")
@@ -308,13 +254,16 @@ class Trainer:
             await asyncio.sleep(cfg.swarm.heartbeat_s)
 
     def _final_checkpoint(self) -> None:
-        if self.version > self.checkpointed_version and self.version > 0:
-            self._checkpoint()
+        if self.version > self.book.checkpointed_version and self.version > 0:
+            if self.withheld:
+                log.warning("version %d is withheld: no final checkpoint", self.version)
+            else:
+                self._checkpoint()
         self.metrics.write(
             {
                 "event": "stopped",
                 "policy_version": self.version,
-                "queued_group_ids": [g.group_id for g in [*self.accumulated, *self.queue]],
+                "queued_group_ids": self.book.held_ids(),
                 "quarantined": list(self.quarantine.reasons),
                 **self._counts(),
             }
@@ -338,8 +287,9 @@ class Trainer:
                     return protocol.Error(
                         code="invalid", message=f"over {protocol.MAX_STATUS_IDS} ids"
                     )
+                peer_holds = self._peer_holds()
                 return protocol.GroupStatus(
-                    statuses={g: self._status(g) for g in ids},  # type: ignore[misc]
+                    statuses={g: self.book.status(g, peer_holds) for g in ids},
                     policy_version=self.version,
                 )
             case protocol.PolicyQuery():
@@ -350,6 +300,7 @@ class Trainer:
                     nbytes=len(snap.blob),
                     sha256=snap.sha256,
                     num_chunks=snap.num_chunks,
+                    lineage=self.lineage,
                 )
             case protocol.WeightChunkRequest(version=version, index=index):
                 for snap in (self.published, self.previous):
@@ -366,7 +317,7 @@ class Trainer:
         def ack(status: str, reason: str = "") -> protocol.GroupAck:
             self.counts[f"groups_{status}"] += 1
             if status == "stale":
-                self._remember(group.group_id, "dropped")
+                self.book.drop([group.group_id])
             return protocol.GroupAck(
                 group_id=group.group_id,
                 status=status,  # type: ignore[arg-type]
@@ -374,15 +325,16 @@ class Trainer:
                 reason=reason,
             )
 
-        if group.group_id in self.seen:
+        if self.book.known(group.group_id):
             return ack("duplicate")
         quarantined = self.quarantine.reason(group.node_id)
         if quarantined is not None:
             self.counts["groups_refused_quarantined"] += 1
             return ack("rejected", quarantined)
-        if len(self.queue) >= self.config.trainer.max_queued_groups:
+        queued = len(self.book.queue)
+        if queued >= self.config.trainer.max_queued_groups:
             self.counts["busy_replies"] += 1
-            return protocol.Error(code="busy", message=f"{len(self.queue)} groups queued")
+            return protocol.Error(code="busy", message=f"{queued} groups queued")
         problem = protocol.check_group(group, self.vocab_size, MAX_SEQUENCE_TOKENS)
         if problem is not None:
             log.warning("rejected group %s from %s: %s", group.group_id, group.node_id, problem)
@@ -391,26 +343,38 @@ class Trainer:
         if problem is not None:
             # Remembered as dropped: a re-send (the ack was lost) is not held against the
             # node twice.
-            self._remember(group.group_id, "dropped")
+            self.book.drop([group.group_id])
             self.counts["groups_rejected_reward"] += 1
             self._failed_check(group.node_id, f"wrong reward: {problem}")
             return ack("rejected", f"wrong reward: {problem}")
-        oldest = min(s.policy_version for s in group.samples)
+        oldest = oldest_version(group)
+        if not self.lineage.holds(group.lineage, oldest, self.version):
+            # Sampled by weights these do not descend from (a lineage that died with its
+            # trainer): no importance ratio or staleness across lineages.
+            self.counts["groups_dropped_lineage"] += 1
+            self._record_stale([group.group_id])
+            return ack("stale", f"sampled by policy lineage {group.lineage!r} v{oldest}")
         if rl.is_stale(oldest, self.version, self.config.trainer.max_policy_lag):
             self._record_stale([group.group_id])
             return ack("stale")
-        self._remember(group.group_id, "queued")
-        self.queue.append(group)
-        if len(self.queue) >= self.config.trainer.groups_per_step:
+        self.book.accept(group)
+        if len(self.book.queue) >= self.config.trainer.groups_per_step:
             self.batch_ready.set()
         return ack("accepted")
 
-    def _status(self, group_id: str) -> str:
-        """What a rollout node holding `group_id` is told: "trained" only once durable."""
-        status = self.seen.get(group_id, "unknown")
-        if status == "trained" and self.undurable.get(group_id, -1) > self.checkpointed_version:
-            return "queued"
-        return status
+    def _peer_holds(self) -> int:
+        """The newest version a live peer of this trainer's lineage holds (-1: none)."""
+        return max(
+            (r.policy_version for r in self.other_trainers.values() if r.lineage.id == self.lineage.id),
+            default=-1,
+        )
+
+    def _swarm_lineage(self) -> protocol.Lineage:
+        """The lineage of the swarm's weights just downloaded: the newest trainer's."""
+        records = list(self.other_trainers.values())
+        if not records:
+            return protocol.Lineage(id=new_lineage_id())
+        return max(records, key=lambda r: r.policy_version).lineage
 
     def _check_rewards(self, group: protocol.TrajectoryGroup) -> str | None:
         """Why the group's rewards are wrong, when it is picked for a re-check and its task
@@ -434,11 +398,6 @@ class Trainer:
             self.counts["nodes_quarantined"] += 1
             self.metrics.write({"event": "quarantined", "node_id": node_id, "reason": why})
 
-    def _remember(self, group_id: str, status: str) -> None:
-        self.seen[group_id] = status
-        if len(self.seen) > SEEN_GROUP_IDS:
-            del self.seen[next(iter(self.seen))]
-
     # ── learning ─────────────────────────────────────────────────────────────────
 
     async def _learn(self, stop: asyncio.Event) -> None:
@@ -459,42 +418,45 @@ class Trainer:
                 return
             if not self.connected.is_set():
                 await self._sit_out_isolation()
-            if self.doubtful:
+            if self.book.doubtful:
                 await self._settle_doubtful()
                 with suppress(TimeoutError):  # look at the doubtful batches again soon
                     await asyncio.wait_for(self.batch_ready.wait(), cfg.swarm.heartbeat_s)
                 if not self.batch_ready.is_set():
                     continue
             await self.batch_ready.wait()
-            batch, stale = take_batch(
-                self.queue, cfg.trainer.groups_per_step, self.version, cfg.trainer.max_policy_lag
+            batch, stale = self.book.take(
+                cfg.trainer.groups_per_step, self.version, cfg.trainer.max_policy_lag
             )
-            self._drop_stale(stale)
-            if len(batch) < cfg.trainer.groups_per_step:
-                self.queue.extendleft(reversed(batch))
+            if stale:
+                self.counts["groups_dropped_stale"] += len(stale)
+                self._record_stale([g.group_id for g in stale])
+            if not batch:
                 self.batch_ready.clear()
                 continue
-            if max(self.other_trainers.values(), default=-1) > self.version:
-                # Other trainers moved on: take the swarm's state first, so the gradients
-                # are computed on the weights the swarm holds. A group's own version is no
-                # reason: a forged one would make this trainer download the whole state at
-                # every step (if the directory lags a real step, the round at the old
-                # version fails and hivemind's tracker says the swarm moved on).
+            if self.withheld or max(self._other_versions(), default=-1) > self.version:
+                # Other trainers moved on (or this version is withheld): take the swarm's
+                # state first, so the gradients are computed on the weights the swarm
+                # holds. A group's own version is no reason: a forged one would make this
+                # trainer download the whole state at every step (if the directory lags a
+                # real step, the round at the old version fails and hivemind's tracker
+                # says the swarm moved on).
                 await self._catch_up()
             # A stop must not cut a step in two (weights stepped, version or row not
             # recorded): the step runs shielded and `run` waits for it before cleanup.
             self.step_task = asyncio.create_task(self._step(batch, last), name="trainer-step")
             last = await asyncio.shield(self.step_task)
-            if len(self.queue) < cfg.trainer.groups_per_step:
+            if len(self.book.queue) < cfg.trainer.groups_per_step:
                 self.batch_ready.clear()
 
-    def _other_trainers_in(self, records: list[protocol.NodeRecord]) -> dict[str, int]:
-        """Other trainers' policy versions, by node id."""
-        return {
-            r.node_id: r.policy_version
-            for r in records
-            if r.role == "trainer" and r.node_id != self.node_id
-        }
+    def _other_trainers_in(
+        self, records: list[protocol.NodeRecord]
+    ) -> dict[str, protocol.NodeRecord]:
+        """Other trainers' records, by node id."""
+        return {r.node_id: r for r in records if r.role == "trainer" and r.node_id != self.node_id}
+
+    def _other_versions(self) -> list[int]:
+        return [r.policy_version for r in self.other_trainers.values()]
 
     def _set_connected(self, connected: bool) -> None:
         if not self.config.swarm.initial_peers or connected == self.connected.is_set():
@@ -511,98 +473,79 @@ class Trainer:
         Back in touch, it drops what it held (rollout nodes have sent those groups to the
         trainers they could still reach, when its record expired) and catches up."""
         await self.connected.wait()
-        dropped = [*self.accumulated, *self.queue, *(g for b in self.doubtful for g in b.groups)]
-        self.accumulated, self.queue, self.doubtful = [], deque(), []
-        for group in dropped:
-            self.seen.pop(group.group_id, None)  # "unknown" to a rollout node that asks
-        self.counts["groups_dropped_isolated"] += len(dropped)
-        log.info("dropped %d groups held while cut off; catching up", len(dropped))
+        dropped = self.book.forget_held()
+        self.counts["groups_dropped_isolated"] += dropped
+        log.info("dropped %d groups held while cut off; catching up", dropped)
         await self._catch_up()
 
     async def _catch_up(self) -> None:
-        await asyncio.to_thread(self.swarm.load_state_from_peers)
+        """Take the swarm's current state (weights, optimizer state, version)."""
+        downloaded = await asyncio.to_thread(self.swarm.load_state_from_peers)
+        if not downloaded:
+            return
         if self.swarm.epoch != self.version:
             log.info(
                 "caught up with the swarm: policy version %d -> %d", self.version, self.swarm.epoch
             )
             self.counts["catch_ups"] += 1
-            self.version = self.swarm.epoch
-            self.previous = self.published
-            self.published = await asyncio.to_thread(
-                snapshot, self.model, self.version, self.config.net.weight_chunk_bytes
-            )
-            self.metrics.write(
-                {
-                    "event": "caught_up",
-                    "policy_version": self.version,
-                    "policy_sha256": self.published.sha256,
-                }
-            )
+        self.version = self.swarm.epoch
+        self.withheld = False
+        await self._publish()
+        self.metrics.write(
+            {
+                "event": "caught_up",
+                "policy_version": self.version,
+                "policy_sha256": self._published().sha256,
+            }
+        )
+
+    async def _publish(self) -> None:
+        """Serve the current weights as the current version."""
+        self.previous = self.published
+        self.published = await asyncio.to_thread(
+            snapshot, self.model, self.version, self.config.net.weight_chunk_bytes
+        )
+
+    def _published(self) -> PolicySnapshot:
+        assert self.published is not None
+        return self.published
 
     async def _settle_doubtful(self) -> None:
         """Look up the marks of the doubtful batches; mark trained the groups of those a
-        peer stepped with, queue again those no peer took (`settle`)."""
-        ids = [batch.batch_id for batch in self.doubtful]
+        peer stepped with, queue again those no peer took (`groups.settle`)."""
+        ids = [batch.batch_id for batch in self.book.doubtful]
         # The other trainers' versions as read before the marks: a trainer listed past a
         # batch's round had stored its marks of that step by then.
-        others = list(self.other_trainers.values())
+        others = self._other_versions()
         try:
             marked = await asyncio.to_thread(self.directory.marked_batches, ids)
         except Exception as e:  # a DHT error: look again at the next turn
             log.info("could not read the marks of doubtful batches: %r", e)
             return
-        if any(b.batch_id in marked and self.version <= b.epoch for b in self.doubtful):
+        if any(b.batch_id in marked and self.version <= b.epoch for b in self.book.doubtful):
             await self._catch_up()  # the peer's weights hold them: take those first
-        trained, again, self.doubtful = settle(
-            self.doubtful, marked, self.version, others, time.monotonic()
-        )
+        trained, again = self.book.settle(marked, self.version, others)
         for batch in trained:
-            self._trained_by_peer(batch)
+            # This trainer's weights (version `self.version`) hold the peer's step.
+            self.book.trained(batch.groups, self.version)
+            self.counts["groups_trained_by_peer"] += len(batch.groups)
+            log.info(
+                "batch %s: a peer stepped with it; %d groups are trained",
+                batch.batch_id,
+                len(batch.groups),
+            )
+            self.metrics.write(
+                {
+                    "event": "trained_by_peer",
+                    "batch_id": batch.batch_id,
+                    "policy_version": self.version,
+                    "trained_group_ids": [g.group_id for g in batch.groups],
+                }
+            )
         for batch in again:
             log.info("batch %s: no peer took it; its groups go back", batch.batch_id)
-            self._requeue(batch.groups)
+            self.counts["groups_requeued"] += len(batch.groups)
             self.batch_ready.set()
-
-    def _record_trained(self, groups: list[protocol.TrajectoryGroup], version: int) -> None:
-        """These groups' gradients are in the weights of `version`: "trained" (told to
-        rollout nodes once a checkpoint holds that version) and in trained_groups.log."""
-        for group in groups:
-            self._remember(group.group_id, "trained")
-            self.undurable[group.group_id] = version
-            self.trained_log.write(f"{version}\t{group.group_id}\n")
-        self.trained_log.flush()
-
-    def _requeue(self, groups: list[protocol.TrajectoryGroup]) -> None:
-        """Put groups whose gradients no step took back at the queue front."""
-        self.counts["groups_requeued"] += len(groups)
-        self.queue.extendleft(reversed(groups))
-
-    def _trained_by_peer(self, batch: DoubtfulBatch) -> None:
-        """A peer stepped with this batch, and this trainer's weights (version
-        `self.version`) hold that step: its groups are trained, as if by a step here."""
-        self._record_trained(batch.groups, self.version)
-        self.counts["groups_trained_by_peer"] += len(batch.groups)
-        log.info(
-            "batch %s: a peer stepped with it; %d groups are trained",
-            batch.batch_id,
-            len(batch.groups),
-        )
-        self.metrics.write(
-            {
-                "event": "trained_by_peer",
-                "batch_id": batch.batch_id,
-                "policy_version": self.version,
-                "trained_group_ids": [g.group_id for g in batch.groups],
-            }
-        )
-
-    def _drop_stale(self, stale: list[protocol.TrajectoryGroup]) -> None:
-        if not stale:
-            return
-        self.counts["groups_dropped_stale"] += len(stale)
-        for group in stale:
-            self._remember(group.group_id, "dropped")
-        self._record_stale([g.group_id for g in stale])
 
     def _record_stale(self, group_ids: list[str]) -> None:
         """A metrics row for groups dropped as stale, written before any rollout node hears
@@ -621,69 +564,85 @@ class Trainer:
         cfg = self.config
         lags = [rl.policy_lag(s.policy_version, self.version) for g in batch for s in g.samples]
         self.lag_histogram.update(lags)
-        row: dict[str, Any] = await asyncio.to_thread(self.learner.train_step, batch)
-        self._reject_for_logprobs(batch, row)
-        self.accumulated += [g for g in batch if g.group_id not in row["rejected_group_ids"]]
-        trained: list[protocol.TrajectoryGroup] = []
-        if row["optimizer_discarded"] and row["batch_in_doubt"]:
-            held, self.accumulated = self.accumulated, []
-            deadline = time.monotonic() + doubt_wait_s(cfg.swarm)
-            self.doubtful.append(DoubtfulBatch(row["batch_in_doubt"], self.version, held, deadline))
-            self.counts["groups_in_doubt"] += len(held)
-            log.info("step not taken here, maybe by a peer: %d groups wait aside", len(held))
-        elif row["optimizer_discarded"]:
-            requeue, self.accumulated = self.accumulated, []
-            log.info("step not taken: %d groups go back to the queue", len(requeue))
-            self._requeue(requeue)
-        elif row["optimizer_stepped"]:
-            trained, self.accumulated = self.accumulated, []
-            self._record_trained(trained, int(row["policy_version"]))
-            ids = [g.group_id for g in trained]
-            await asyncio.to_thread(
-                self.directory.mark_trained, ids, self.node_id, row["peer_batch_ids"]
-            )
-        # hivemind may also keep a step's gradients for the next epoch (the swarm's target
-        # batch is not reached yet); those groups stay accumulated.
-        changed = int(row["policy_version"]) != self.version
-        self.version = int(row["policy_version"])
-        self.counts["groups_trained"] += len(trained)
+        result: StepResult = await asyncio.to_thread(self.learner.train_step, batch)
+        self._reject_for_logprobs(batch, result)
+        outcome = result.outcome
+        groups = self.book.stepped(
+            [g for g in batch if g.group_id not in result.rejected],
+            applied=outcome.applied,
+            discarded=outcome.discarded,
+            in_doubt=outcome.in_doubt,
+            version=self.version,
+            deadline=time.monotonic() + doubt_wait_s(cfg.swarm),
+        )
+        await self._after_step(groups, outcome.epoch, outcome.peer_batches)
+        changed = outcome.epoch != self.version
+        self.version = outcome.epoch
         if changed:
-            self.previous = self.published
-            self.published = await asyncio.to_thread(
-                snapshot, self.model, self.version, cfg.net.weight_chunk_bytes
-            )
+            self.withheld = outcome.withheld
+            if self.withheld:
+                log.warning(
+                    "version %d may differ from the swarm's: withheld until it takes theirs",
+                    self.version,
+                )
+                self.counts["versions_withheld"] += 1
+            else:
+                await self._publish()
         now = time.perf_counter()
-        assert self.published is not None
-        self.samples_per_s = self.sample_rate.add(last, now, row["charts/samples"])
-        row |= {
-            "event": "step",
-            "trained_group_ids": [g.group_id for g in trained],
-            "trained_group_versions": [min(s.policy_version for s in g.samples) for g in trained],
-            "policy_sha256": self.published.sha256,
-            "charts/staleness_mean": sum(lags) / len(lags),
-            "charts/staleness_max": max(lags),
-            "perf/s_per_version": now - last,
-            "perf/samples_per_s": self.samples_per_s,
-            "queue": len(self.queue),
-            **self._counts(),
-        }
-        self.metrics.write(row)
+        self.samples_per_s = self.sample_rate.add(last, now, result.metrics["charts/samples"])
+        self.metrics.write(
+            result.row()
+            | {
+                "event": "step",
+                "lineage": self.lineage.id,
+                "trained_group_ids": [g.group_id for g in groups.trained],
+                "trained_group_versions": [oldest_version(g) for g in groups.trained],
+                "policy_sha256": self._published().sha256,
+                "charts/staleness_mean": sum(lags) / len(lags),
+                "charts/staleness_max": max(lags),
+                "perf/s_per_version": now - last,
+                "perf/samples_per_s": self.samples_per_s,
+                "queue": len(self.book.queue),
+                **self._counts(),
+            }
+        )
         due = self.version % cfg.trainer.checkpoint_every == 0
-        if changed and (due or len(self.undurable) >= MAX_UNDURABLE_GROUPS):
+        undurable = len(self.book.undurable) >= MAX_UNDURABLE_GROUPS
+        if changed and not self.withheld and (due or undurable):
             await asyncio.to_thread(self._checkpoint)
         return now
 
+    async def _after_step(
+        self, groups: StepGroups, version: int, peer_batches: tuple[str, ...]
+    ) -> None:
+        """Record what a step did to its groups: trained ones in the book and the DHT."""
+        if groups.doubtful is not None:
+            self.counts["groups_in_doubt"] += len(groups.doubtful.groups)
+            log.info(
+                "step not taken here, maybe by a peer: %d groups wait aside",
+                len(groups.doubtful.groups),
+            )
+        if groups.requeued:
+            self.counts["groups_requeued"] += len(groups.requeued)
+            log.info("step not taken: %d groups go back to the queue", len(groups.requeued))
+        if groups.trained:
+            self.book.trained(groups.trained, version)
+            self.counts["groups_trained"] += len(groups.trained)
+            ids = [g.group_id for g in groups.trained]
+            mark = Mark(self.lineage.id, version)
+            await asyncio.to_thread(self.directory.mark_trained, ids, mark, peer_batches)
+
     def _reject_for_logprobs(
-        self, batch: list[protocol.TrajectoryGroup], row: dict[str, Any]
+        self, batch: list[protocol.TrajectoryGroup], result: StepResult
     ) -> None:
         """The groups the learner left out for their logprob gap: dropped, held against
         their nodes."""
         bound = self.config.trainer.max_logprob_gap
         for group in batch:
-            if group.group_id in row["rejected_group_ids"]:
-                self._remember(group.group_id, "dropped")
+            if group.group_id in result.rejected:
+                self.book.drop([group.group_id])
                 self.counts["groups_rejected_logprobs"] += 1
-                gap = row["logprob_gaps"][group.group_id]
+                gap = result.logprob_gaps[group.group_id]
                 self._failed_check(
                     group.node_id, f"logprob gap {gap:.3g} over trainer.max_logprob_gap={bound:g}"
                 )
@@ -699,7 +658,7 @@ class Trainer:
             self.tokenizer,
             directory,
             self.version,
-            {"model": self.config.model.name, "time": time.time()},
+            {"model": self.config.model.name, "time": time.time(), "lineage": self.lineage.id},
             state_dict=merged_weights(self.model, self.config.model) if lora else None,
             resume_state={
                 "params": {
@@ -708,6 +667,7 @@ class Trainer:
                     if p.requires_grad
                 },
                 "optimizer": self.swarm.optimizer_state(),
+                "lineage": msgspec.to_builtins(self.lineage),
             },
         )
         latest = root / "latest.tmp"  # a crash leaves the old name or the new one
@@ -717,8 +677,7 @@ class Trainer:
             if older.parent != directory:
                 older.unlink()
         prune_checkpoints(root, self.config.trainer.keep_checkpoints)
-        self.checkpointed_version = self.version
-        self.undurable = {g: v for g, v in self.undurable.items() if v > self.version}
+        self.book.checkpointed(self.version)
         log.info("checkpoint %s", directory)
 
     def _load_params(self, params: dict[str, torch.Tensor]) -> None:
@@ -733,19 +692,6 @@ class Trainer:
             for name, tensor in params.items():
                 own[name].copy_(tensor)
 
-    def _open_trained_log(self, cleanup: ExitStack) -> None:
-        """Append-only: each trained group's id and the version of its step. On start, the
-        groups of steps up to the checkpoint resumed from count as trained again."""
-        path = self.run_dir / "trained_groups.log"
-        if self.checkpointed_version > 0 and path.exists():
-            for line in path.read_text().splitlines():
-                version, _, group_id = line.partition("\t")
-                if version.isdigit() and group_id and int(version) <= self.checkpointed_version:
-                    self._remember(group_id, "trained")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.trained_log = open(path, "a")  # noqa: SIM115 (closed by cleanup)
-        cleanup.callback(self.trained_log.close)
-
     def _counts(self) -> dict[str, int]:
         return {
             **{f"counts/{k}": v for k, v in self.counts.items()},
@@ -753,6 +699,10 @@ class Trainer:
             "counts/rejected_messages": self.server.rejected,
             "counts/denied_handshakes": self.server.denied,
         }
+
+
+def new_lineage_id() -> str:
+    return uuid.uuid4().hex[:12]
 
 
 def main(config: Config) -> int:

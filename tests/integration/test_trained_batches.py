@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 
 from agentjet.config import SwarmConfig
+from agentjet.protocol import Lineage
 
 pytestmark = pytest.mark.integration
 
@@ -37,7 +38,7 @@ STEP_PAUSE_S = 0.05
 
 
 def test_a_directory_resolves_trained_groups_through_marked_batches() -> None:
-    from node.swarm import Directory, start_dht
+    from node.swarm import Directory, Mark, start_dht
 
     config = SwarmConfig(run_id=f"test-marks-{time.monotonic_ns()}")
     dht = start_dht(config, keys=None)
@@ -47,13 +48,20 @@ def test_a_directory_resolves_trained_groups_through_marked_batches() -> None:
         stores += directory.name_batch("c/4", ["g2", "g3"])  # g2 re-sent to trainer c
         stores += directory.name_batch("b/2", ["g4"])
         assert all(store.result() for store in stores)
-        directory.mark_trained(["own"], "trainer-a", batch_ids=["c/4"])
-        # a stranger's junk where a group's intent belongs is ignored
+        directory.mark_trained(["own"], Mark("L1", 3), batch_ids=["c/4"])
+        # a stranger's junk where a group's intent or mark belongs is ignored
         dht.store(directory.intent_prefix + "g5", True, time.time() + 60, subkey=12345)
-        ids = ["own", "g1", "g2", "g3", "g4", "g5", "never-seen"]
-        assert directory.trained(ids) == {"own": None, "g2": "c/4", "g3": "c/4"}
-        directory.mark_trained([], "trainer-a", batch_ids=["b/1"])
-        assert set(directory.trained(ids)) == {"own", "g1", "g2", "g3"}
+        dht.store(directory.trained_prefix + "junk", "trainer-a", time.time() + 60)
+        ids = ["own", "g1", "g2", "g3", "g4", "g5", "junk", "never-seen"]
+        live = [(Lineage(id="L1"), 3)]
+        assert directory.trained(ids, live) == {"own": None, "g2": "c/4", "g3": "c/4"}
+        directory.mark_trained([], Mark("L1", 4), batch_ids=["b/1"])
+        assert set(directory.trained(ids, live)) == {"own", "g2", "g3"}  # v4 died with its trainer
+        assert set(directory.trained(ids, [(Lineage(id="L1"), 4)])) == {"own", "g1", "g2", "g3"}
+        # a trainer resumed from its checkpoint at v3 in a new lineage holds v3, not v4
+        resumed = [(Lineage(id="L2", ancestors={"L1": 3}), 9)]
+        assert set(directory.trained(ids, resumed)) == {"own", "g2", "g3"}
+        assert directory.trained(ids, []) == {}  # no live trainer: nothing is durable
     finally:
         dht.shutdown()
 
@@ -119,12 +127,13 @@ def test_a_peers_marks_cover_the_groups_of_a_trainer_whose_marks_were_lost(
         b_groups = [g for s in b_steps for g in s["group_ids"]]
         expected = {g for s in covered for g in s["group_ids"]}
 
-        trained = Directory(dht, config).trained(b_groups)
+        live = [(Lineage(id="L"), EPOCHS)]
+        trained = Directory(dht, config).trained(b_groups, live)
 
         assert set(trained) == expected
         assert set(trained.values()) <= vouched_by_a  # each through a batch A marked
         a_groups = [g for s in a_steps for g in s["group_ids"]]
-        assert Directory(dht, config).trained(a_groups) == dict.fromkeys(a_groups)
+        assert Directory(dht, config).trained(a_groups, live) == dict.fromkeys(a_groups)
 
 
 @pytest.mark.timeout(300)
@@ -158,7 +167,7 @@ def trainer(role: str, workdir: Path, fault: str = "") -> None:
     import msgspec
     import torch
 
-    from node.swarm import SwarmOptimizer
+    from node.swarm import Mark, SwarmOptimizer
     from tests.gives_up import give_up_on_every_round
 
     config = msgspec.convert(json.loads((workdir / "config.json").read_text()), SwarmConfig)
@@ -186,7 +195,8 @@ def trainer(role: str, workdir: Path, fault: str = "") -> None:
                 time.sleep(STEP_PAUSE_S)
                 outcome = swarm.step_outcome(batch_size=1)
                 if outcome.applied and role == "a":
-                    swarm.directory.mark_trained(pending, "trainer-a", outcome.peer_batches)
+                    mark = Mark("L", outcome.epoch)
+                    swarm.directory.mark_trained(pending, mark, outcome.peer_batches)
                 if outcome.applied or fault:
                     step = {"group_ids": pending, "batch_id": batch_id}
                     step |= {"peer_batches": outcome.peer_batches, "in_doubt": outcome.in_doubt}

@@ -19,7 +19,7 @@ from node.swarm import (
     trained_through_batches,
     vouched_batches,
 )
-from node.trainer import DoubtfulBatch, settle
+from node.groups import DoubtfulBatch, settle
 
 pytestmark = pytest.mark.unit
 

@@ -22,7 +22,7 @@ from node.model import load_causal_lm
 from node.rollout import build_group
 from node.swarm import SwarmOptimizer
 from node.torch_engine import TorchEngine
-from node.trainer import take_batch
+from node.groups import take_batch
 from tests.factories import make_group
 
 pytestmark = pytest.mark.unit
@@ -84,7 +84,7 @@ def test_learner_logprobs_match_the_sampler(tiny_model_dir: Path, one_torch_thre
     try:
         before = {k: v.clone() for k, v in model.state_dict().items()}
         learner = Learner(model, swarm, TrainerConfig(micro_batch_samples=2), temperature, 0)
-        row = learner.train_step(groups)
+        row = learner.train_step(groups).row()
     finally:
         swarm.shutdown()
     assert row["losses/ratio_mean"] == pytest.approx(1.0, abs=1e-4)
@@ -107,7 +107,7 @@ def test_with_a_sample_budget_a_version_waits_for_enough_gradient(tiny_model_dir
     learner = Learner(model, swarm, config, 1.0, 0)
     try:
         versions = [
-            learner.train_step([make_group(name, rewards=rewards)])["policy_version"]
+            learner.train_step([make_group(name, rewards=rewards)]).outcome.epoch
             for name, rewards in (("same", (1.0, 1.0)), ("a", (1.0, 0.0)), ("b", (0.0, 1.0)))
         ]
     finally:

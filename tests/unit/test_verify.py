@@ -172,7 +172,7 @@ def test_the_learner_leaves_forged_groups_out_of_its_gradients_exactly(
         swarm = lone_swarm(model, target_batch_size=6)
         try:
             config = TrainerConfig(micro_batch_samples=2, max_logprob_gap=0.5)
-            row = Learner(model, swarm, config, temperature, 0).train_step(groups)
+            row = Learner(model, swarm, config, temperature, 0).train_step(groups).row()
         finally:
             swarm.shutdown()
         return row, model.state_dict()

@@ -1,0 +1,264 @@
+"""Where each group a trainer has heard of is, until it is trained or dropped: the
+trainer side's counterpart of the rollout node's `Ledger` (node/delivery.py).
+
+    SubmitGroup ─accept─▶ queued ─take─▶ batch ─step─▶ accumulated ─swarm steps─▶ trained
+                 │                  │              │                              │
+      stale, other lineage       stale      round failed: queued          checkpoint, or
+                 ▼                  ▼       again (front); failed on     a live peer past
+              dropped            dropped    this side only: doubtful     it: durable
+                                            (a peer's mark settles it)
+
+"Trained" is said to a rollout node (GroupStatus) only once the weights holding the group
+survive this trainer's death: a checkpoint here of a version at or past the step's, or a
+live trainer of the same lineage at or past it (the rule node/swarm.py `durable` reads the
+DHT's trained marks with). Until then the group is "queued" for the rollout node, which
+keeps its copy. Groups of steps a checkpoint holds are listed in trained_groups.log
+(`version<TAB>group id`), so a trainer resumed from that checkpoint knows them again; the
+rest of the book lives in memory.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Literal
+
+from agentjet import protocol, rl
+from agentjet.config import SwarmConfig
+
+# Ids of acknowledged groups kept for duplicate detection; a re-send arrives within minutes.
+SEEN_GROUP_IDS = 1_000_000
+
+Status = Literal["queued", "trained", "dropped", "unknown"]
+
+
+@dataclass
+class DoubtfulBatch:
+    """Groups whose gradients went into a round that failed on this trainer's side only
+    (`RoundFailed.sent`): a peer may have stepped with them. The peer's mark of the batch
+    (node/swarm.py, round marks) settles it (`settle`)."""
+
+    batch_id: str
+    epoch: int  # the version of the round: a peer that took the batch stepped from it
+    groups: list[protocol.TrajectoryGroup]
+    deadline: float  # time.monotonic(): not settled by then, its groups are trained again
+
+
+def doubt_wait_s(swarm: SwarmConfig) -> float:
+    """How long a doubtful batch may wait for its mark at most. A peer that stepped with
+    the batch marks it after its parameter round (a matchmaking time and an averaging
+    timeout at most), and a peer that died meanwhile leaves the directory within
+    record_ttl_s; `settle` mostly decides well before."""
+    return swarm.matchmaking_time_s + swarm.averaging_timeout_s + swarm.record_ttl_s
+
+
+def settle(
+    doubtful: list[DoubtfulBatch],
+    marked: set[str],
+    version: int,
+    other_versions: Iterable[int],
+    now: float,
+) -> tuple[list[DoubtfulBatch], list[DoubtfulBatch], list[DoubtfulBatch]]:
+    """Split doubtful batches into (trained by a peer, to train again, still in doubt).
+
+    A marked batch is trained once this trainer holds a version past its round's (it
+    catches up to get the peer's weights). An unmarked one is trained again once no other
+    live trainer can still be in the step that would take it: each lists a version past
+    the round's (a trainer stores its marks before its record shows the step's version),
+    or none is listed. At its deadline a batch not settled is trained again: training a
+    group twice is the lesser harm than holding it in no weights."""
+    others = list(other_versions)
+    trained, again, waiting = [], [], []
+    for batch in doubtful:
+        untaken = batch.batch_id not in marked and all(v > batch.epoch for v in others)
+        if batch.batch_id in marked and version > batch.epoch:
+            trained.append(batch)
+        elif untaken or now >= batch.deadline:
+            again.append(batch)
+        else:
+            waiting.append(batch)
+    return trained, again, waiting
+
+
+def take_batch(
+    queue: deque[protocol.TrajectoryGroup], size: int, version: int, max_policy_lag: int
+) -> tuple[list[protocol.TrajectoryGroup], list[protocol.TrajectoryGroup]]:
+    """Pop up to `size` fresh groups from the queue front; also return the stale ones dropped."""
+    batch: list[protocol.TrajectoryGroup] = []
+    stale: list[protocol.TrajectoryGroup] = []
+    while queue and len(batch) < size:
+        group = queue.popleft()
+        (stale if rl.is_stale(oldest_version(group), version, max_policy_lag) else batch).append(
+            group
+        )
+    return batch, stale
+
+
+def oldest_version(group: protocol.TrajectoryGroup) -> int:
+    return min(s.policy_version for s in group.samples)
+
+
+@dataclass
+class StepGroups:
+    """What a step's outcome did to the groups of the book (for the caller's I/O)."""
+
+    trained: list[protocol.TrajectoryGroup] = field(default_factory=list)
+    requeued: list[protocol.TrajectoryGroup] = field(default_factory=list)
+    doubtful: DoubtfulBatch | None = None
+
+
+class GroupBook:
+    """A trainer's groups: the queue, the gradients waiting for the swarm's step, the
+    batches in doubt, and what each group id it has seen became."""
+
+    def __init__(self) -> None:
+        self.queue: deque[protocol.TrajectoryGroup] = deque()
+        # Groups whose gradients wait in the accumulator for the swarm's next step.
+        self.accumulated: list[protocol.TrajectoryGroup] = []
+        # Batches whose round failed on this side only: a peer may have trained them.
+        self.doubtful: list[DoubtfulBatch] = []
+        # Every group id seen (insertion-ordered, bounded): "queued" until its gradients
+        # are in an optimizer step, then "trained"; "dropped" when stale or failing a check.
+        self.seen: dict[str, Status] = {}
+        # Trained groups whose step no checkpoint holds yet, with the version of that step.
+        self.undurable: dict[str, int] = {}
+        self.checkpointed_version = -1
+        self.log: IO[str] | None = None
+
+    # ── what a rollout node hears ─────────────────────────────────────────────────
+
+    def known(self, group_id: str) -> bool:
+        return group_id in self.seen
+
+    def status(self, group_id: str, peer_holds: int = -1) -> Status:
+        """What a rollout node holding `group_id` is told: "trained" only once durable,
+        that is, a checkpoint here holds its step, or a live peer of this trainer's
+        lineage is at or past it (`peer_holds`: the newest such peer's version)."""
+        status = self.seen.get(group_id, "unknown")
+        step = self.undurable.get(group_id, -1)
+        if status == "trained" and step > max(self.checkpointed_version, peer_holds):
+            return "queued"
+        return status
+
+    # ── transitions ───────────────────────────────────────────────────────────────
+
+    def accept(self, group: protocol.TrajectoryGroup) -> None:
+        self._remember(group.group_id, "queued")
+        self.queue.append(group)
+
+    def drop(self, group_ids: Iterable[str]) -> None:
+        """Final: stale, from another lineage, or failing a check."""
+        for group_id in group_ids:
+            self._remember(group_id, "dropped")
+
+    def take(
+        self, size: int, version: int, max_policy_lag: int
+    ) -> tuple[list[protocol.TrajectoryGroup], list[protocol.TrajectoryGroup]]:
+        """A batch of `size` fresh groups from the queue front, and the stale ones dropped
+        on the way; a batch short of `size` stays in the queue (returned empty)."""
+        batch, stale = take_batch(self.queue, size, version, max_policy_lag)
+        self.drop(g.group_id for g in stale)
+        if len(batch) < size:
+            self.queue.extendleft(reversed(batch))
+            batch = []
+        return batch, stale
+
+    def requeue(self, groups: list[protocol.TrajectoryGroup]) -> None:
+        """Groups whose gradients no step took go back to the queue front."""
+        self.queue.extendleft(reversed(groups))
+
+    def stepped(
+        self,
+        batch: list[protocol.TrajectoryGroup],
+        applied: bool,
+        discarded: bool,
+        in_doubt: str | None,
+        version: int,
+        deadline: float,
+    ) -> StepGroups:
+        """Apply a step's outcome to `batch` (the groups it added gradients for) and
+        those accumulated before; `version`: the version before the step."""
+        self.accumulated += batch
+        if discarded and in_doubt:
+            held, self.accumulated = self.accumulated, []
+            doubt = DoubtfulBatch(in_doubt, version, held, deadline)
+            self.doubtful.append(doubt)
+            return StepGroups(doubtful=doubt)
+        if discarded:
+            requeue, self.accumulated = self.accumulated, []
+            self.requeue(requeue)
+            return StepGroups(requeued=requeue)
+        if applied:
+            trained, self.accumulated = self.accumulated, []
+            return StepGroups(trained=trained)
+        # hivemind keeps the gradients for the next epoch (the swarm's target batch is not
+        # reached yet): the groups stay accumulated.
+        return StepGroups()
+
+    def trained(self, groups: list[protocol.TrajectoryGroup], version: int) -> None:
+        """These groups' gradients are in the weights of `version`; logged with it."""
+        for group in groups:
+            self._remember(group.group_id, "trained")
+            self.undurable[group.group_id] = version
+            if self.log is not None:
+                self.log.write(f"{version}\t{group.group_id}\n")
+        if self.log is not None:
+            self.log.flush()
+
+    def checkpointed(self, version: int) -> None:
+        """A checkpoint holds the weights of `version`: its steps' groups are durable."""
+        self.checkpointed_version = version
+        self.undurable = {g: v for g, v in self.undurable.items() if v > version}
+
+    def settle(
+        self, marked: set[str], version: int, others: list[int]
+    ) -> tuple[list[DoubtfulBatch], list[DoubtfulBatch]]:
+        """Settle the doubtful batches (`settle`); those no peer took go back to the queue.
+        Returns (trained by a peer, queued again)."""
+        trained, again, self.doubtful = settle(
+            self.doubtful, marked, version, others, time.monotonic()
+        )
+        for batch in again:
+            self.requeue(batch.groups)
+        return trained, again
+
+    def forget_held(self) -> int:
+        """Drop every group held but not trained (cut off from the swarm: rollout nodes
+        sent them to the trainers they could still reach). They become "unknown", so a
+        rollout node that asks offers them again. Returns how many."""
+        held = [*self.accumulated, *self.queue, *(g for b in self.doubtful for g in b.groups)]
+        self.accumulated, self.queue, self.doubtful = [], deque(), []
+        for group in held:
+            self.seen.pop(group.group_id, None)
+        return len(held)
+
+    def held_ids(self) -> list[str]:
+        return [g.group_id for g in [*self.accumulated, *self.queue]]
+
+    # ── the trained log ───────────────────────────────────────────────────────────
+
+    def open_log(self, path: Path, resumed_version: int) -> None:
+        """Append-only: each trained group's id and the version of its step. On start, the
+        groups of steps up to the checkpoint resumed from (`resumed_version`) count as
+        trained, and durable, again."""
+        if resumed_version > 0 and path.exists():
+            for line in path.read_text().splitlines():
+                version, _, group_id = line.partition("\t")
+                if version.isdigit() and group_id and int(version) <= resumed_version:
+                    self._remember(group_id, "trained")
+        self.checkpointed_version = max(self.checkpointed_version, resumed_version)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.log = open(path, "a")  # noqa: SIM115 (closed by close_log)
+
+    def close_log(self) -> None:
+        if self.log is not None:
+            self.log.close()
+            self.log = None
+
+    def _remember(self, group_id: str, status: Status) -> None:
+        self.seen[group_id] = status
+        if len(self.seen) > SEEN_GROUP_IDS:
+            del self.seen[next(iter(self.seen))]

@@ -365,7 +365,11 @@ class Trainer:
     def _peer_holds(self) -> int:
         """The newest version a live peer of this trainer's lineage holds (-1: none)."""
         return max(
-            (r.policy_version for r in self.other_trainers.values() if r.lineage.id == self.lineage.id),
+            (
+                r.policy_version
+                for r in self.other_trainers.values()
+                if r.lineage.id == self.lineage.id
+            ),
             default=-1,
         )
 
@@ -452,8 +456,17 @@ class Trainer:
     def _other_trainers_in(
         self, records: list[protocol.NodeRecord]
     ) -> dict[str, protocol.NodeRecord]:
-        """Other trainers' records, by node id."""
-        return {r.node_id: r for r in records if r.role == "trainer" and r.node_id != self.node_id}
+        """Other trainers' records, by node id. A record naming this trainer's own peer id
+        is its previous life's (restarted on the same identity before that record
+        expired): dead, and never to be dialed."""
+        own = f"/p2p/{self.dht.peer_id}"
+        return {
+            r.node_id: r
+            for r in records
+            if r.role == "trainer"
+            and r.node_id != self.node_id
+            and not any(m.endswith(own) for m in r.maddrs)
+        }
 
     def _other_versions(self) -> list[int]:
         return [r.policy_version for r in self.other_trainers.values()]

@@ -1,0 +1,192 @@
+"""A trainer's group book (node/groups.py), policy lineages (protocol.Lineage) and how the
+DHT's trained marks are read (node/swarm.py `durable`, `read_mark`): hand-worked cases,
+including a lone trainer killed between checkpoints and resumed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from agentjet import protocol
+from agentjet.protocol import Lineage
+from node.groups import GroupBook
+from node.swarm import Mark, durable, read_mark
+
+pytestmark = pytest.mark.unit
+
+
+def group(group_id: str, version: int = 0, lineage: str = "") -> protocol.TrajectoryGroup:
+    sample = protocol.Sample(
+        prompt_ids=b"",
+        completion_ids=b"",
+        logprobs=b"",
+        loss_mask=b"",
+        reward=0.0,
+        advantage=0.0,
+        policy_version=version,
+    )
+    return protocol.TrajectoryGroup(
+        group_id=group_id,
+        grant_id=group_id,
+        node_id="n",
+        task_id="t",
+        env="arithmetic",
+        samples=[sample],
+        created_at=0.0,
+        lineage=lineage,
+    )
+
+
+# ── lineages ──────────────────────────────────────────────────────────────────────
+
+
+def test_a_lineage_holds_its_own_versions_up_to_its_newest_and_its_ancestors_up_to_the_fork():
+    resumed = Lineage(id="L1").fork(4, "L2")
+    assert resumed == Lineage(id="L2", ancestors={"L1": 4})
+    assert resumed.holds("L2", 7, newest=7) and not resumed.holds("L2", 8, newest=7)
+    assert resumed.holds("L1", 4, newest=7)
+    assert not resumed.holds("L1", 5, newest=7)  # died with the trainer that made it
+    assert not resumed.holds("L9", 0, newest=7)  # an unrelated lineage
+    assert resumed.holds("", 0, newest=7) and not resumed.holds("", 1, newest=7)  # base
+
+
+def test_a_rollout_node_moves_forward_within_a_lineage_and_never_back_to_an_ancestor():
+    old, new = Lineage(id="L1"), Lineage(id="L1").fork(4, "L2")
+    assert Lineage(id="L1").supersedes(8, old, 7)
+    assert not Lineage(id="L1").supersedes(7, old, 7)
+    assert new.supersedes(4, old, 7)  # older number, new lineage: the live weights
+    assert not old.supersedes(9, new, 5)  # back to the lineage it grew from: never
+    assert Lineage(id="L3").supersedes(0, new, 5)  # a fresh lineage (no checkpoint)
+    assert Lineage(id="L1").supersedes(1, Lineage(), 0)  # from the base weights
+
+
+def test_ancestors_are_bounded():
+    lineage = Lineage(id="L0")
+    for i in range(1, 3 * protocol.MAX_ANCESTORS):
+        lineage = lineage.fork(i, f"L{i}")
+    assert len(lineage.ancestors) == protocol.MAX_ANCESTORS
+    assert lineage.holds(f"L{3 * protocol.MAX_ANCESTORS - 2}", 3 * protocol.MAX_ANCESTORS - 1, 0)
+
+
+# ── trained marks ─────────────────────────────────────────────────────────────────
+
+
+def test_a_mark_is_durable_only_while_a_live_trainer_holds_its_step():
+    mark = Mark("L1", 6)
+    assert durable(mark, [(Lineage(id="L1"), 6)])
+    assert durable(mark, [(Lineage(id="L1"), 9)])  # a live peer past it
+    assert not durable(mark, [(Lineage(id="L1"), 5)])  # not there yet
+    # The lone trainer died at v7, resumed from its checkpoint at v4: v6 is gone.
+    assert not durable(mark, [(Lineage(id="L2", ancestors={"L1": 4}), 4)])
+    assert durable(Mark("L1", 4), [(Lineage(id="L2", ancestors={"L1": 4}), 4)])
+    assert not durable(mark, [])  # no live trainer: nothing to hold it
+
+
+@pytest.mark.parametrize(
+    "value",
+    [None, "trainer-a", ["L1"], ["L1", "6"], [1, 6], ["L1", True], ["x" * 500, 1]],
+)
+def test_malformed_marks_are_ignored(value: object) -> None:
+    found = None if value is None else SimpleNamespace(value=value)
+    assert read_mark(found) is None
+
+
+def test_a_well_formed_mark_reads_back():
+    assert read_mark(SimpleNamespace(value=["L1", 6])) == Mark("L1", 6)
+
+
+# ── the group book ────────────────────────────────────────────────────────────────
+
+
+def test_a_group_is_told_trained_only_once_a_checkpoint_or_a_live_peer_holds_its_step():
+    book = GroupBook()
+    a = group("a")
+    book.accept(a)
+    assert book.status("a") == "queued" and book.known("a")
+    batch, stale = book.take(1, version=0, max_policy_lag=2)
+    assert batch == [a] and stale == []
+    stepped = book.stepped(
+        batch, applied=True, discarded=False, in_doubt=None, version=0, deadline=0
+    )
+    assert stepped.trained == [a]
+    book.trained(stepped.trained, version=1)
+    assert book.status("a") == "queued"  # in weights only this trainer holds
+    assert book.status("a", peer_holds=1) == "trained"  # a live peer of the lineage has v1
+    book.checkpointed(1)
+    assert book.status("a") == "trained" and not book.undurable
+
+
+def test_gradients_kept_for_the_next_epoch_stay_accumulated_until_the_step():
+    book = GroupBook()
+    a, b = group("a"), group("b")
+    kept = book.stepped([a], applied=False, discarded=False, in_doubt=None, version=0, deadline=0)
+    assert (kept.trained, kept.requeued, kept.doubtful) == ([], [], None)
+    stepped = book.stepped([b], applied=True, discarded=False, in_doubt=None, version=0, deadline=0)
+    assert stepped.trained == [a, b]
+
+
+def test_a_failed_round_puts_every_accumulated_group_back_at_the_queue_front():
+    book = GroupBook()
+    a, b, c = group("a"), group("b"), group("c")
+    book.accept(c)
+    book.stepped([a], applied=False, discarded=False, in_doubt=None, version=0, deadline=0)
+    out = book.stepped([b], applied=False, discarded=True, in_doubt=None, version=0, deadline=0)
+    assert out.requeued == [a, b]
+    assert list(book.queue) == [a, b, c] and book.accumulated == []
+
+
+def test_a_round_failed_on_this_side_only_waits_for_its_mark():
+    book = GroupBook()
+    a = group("a")
+    out = book.stepped([a], applied=False, discarded=True, in_doubt="p/1", version=3, deadline=9)
+    assert out.doubtful is not None and out.doubtful.groups == [a]
+    assert book.doubtful == [out.doubtful] and not book.queue
+    # a peer stepped with it and this trainer holds that version: trained
+    trained, again = book.settle({"p/1"}, version=4, others=[4])
+    assert trained == [out.doubtful] and again == [] and book.doubtful == []
+    # unmarked, and no peer can still take it: trained again (queued)
+    out = book.stepped([a], applied=False, discarded=True, in_doubt="p/2", version=4, deadline=9)
+    trained, again = book.settle(set(), version=4, others=[5])
+    assert again == [out.doubtful] and list(book.queue) == [a]
+
+
+def test_a_short_batch_stays_queued_and_stale_groups_are_dropped_on_the_way():
+    book = GroupBook()
+    old, fresh = group("old", version=0), group("fresh", version=5)
+    book.accept(old)
+    book.accept(fresh)
+    batch, stale = book.take(2, version=5, max_policy_lag=2)
+    assert batch == [] and stale == [old] and list(book.queue) == [fresh]
+    assert book.status("old") == "dropped"
+
+
+def test_cut_off_a_trainer_forgets_what_it_held_so_rollout_nodes_resend_it():
+    book = GroupBook()
+    a, b, c = group("a"), group("b"), group("c")
+    book.accept(a)
+    book.stepped([b], applied=False, discarded=False, in_doubt=None, version=0, deadline=0)
+    book.stepped([c], applied=False, discarded=True, in_doubt="x/1", version=0, deadline=0)
+    assert book.forget_held() == 3
+    assert {book.status(g) for g in "abc"} == {"unknown"}
+
+
+def test_a_trainer_resumed_from_its_checkpoint_knows_the_groups_of_the_steps_it_kept(
+    tmp_path: Path,
+) -> None:
+    """Killed at v7 with a checkpoint at v4: the groups of steps up to v4 are trained (and
+    durable), those of v5-v7 unknown, so rollout nodes offer them again."""
+    log = tmp_path / "trained_groups.log"
+    first = GroupBook()
+    first.open_log(log, resumed_version=-1)
+    for version in range(1, 8):
+        first.trained([group(f"g{version}")], version)
+        if version == 4:
+            first.checkpointed(4)
+    first.close_log()  # the SIGKILL: nothing more is written
+    resumed = GroupBook()
+    resumed.open_log(log, resumed_version=4)
+    assert [resumed.status(f"g{v}") for v in range(1, 8)] == ["trained"] * 4 + ["unknown"] * 3
+    assert resumed.checkpointed_version == 4
+    resumed.close_log()

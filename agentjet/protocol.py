@@ -15,6 +15,8 @@ Schema evolution: add fields at the end, with defaults.
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Callable
 from typing import Literal
 
 import msgspec
@@ -27,6 +29,7 @@ PROTOCOL_VERSION = 4
 
 # Earlier lineages a Lineage remembers (one per trainer restart from a checkpoint).
 MAX_ANCESTORS = 16
+LINEAGE_ID_CHARS = 12
 
 
 class _Msg(msgspec.Struct, kw_only=True, tag_field="t", forbid_unknown_fields=True):
@@ -207,11 +210,14 @@ class Lineage(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=T
     """Which history of weights a policy version number belongs to.
 
     Version numbers alone repeat: a trainer resumed from a checkpoint older than the
-    versions it had published numbers its next steps as those were numbered. So each
-    start from anything but the swarm's live weights (a fresh start, a checkpoint) opens
-    a new lineage; `ancestors` names the lineages it grew from, each with the last of its
-    versions in this one's history. Trainers that download the swarm's state share its
-    lineage. `id` "" is the base weights, version 0 of every lineage."""
+    versions it had published numbers its next steps as those were numbered. So a start
+    from anything but the swarm's live weights opens a lineage: the run's first history is
+    the root lineage "" (whose version 0 is the base weights, in every lineage's history),
+    a resume from a checkpoint forks the checkpoint's lineage there. `ancestors` names the
+    lineages this one grew from, each with the last of its versions in this one's history.
+    Fork ids are derived from the parent, the version and a counter (`fork_id`), so
+    trainers that resume from the same version of the swarm (same weights) open the same
+    lineage; a counter skips ids already used (`open_lineage`)."""
 
     id: str = ""
     ancestors: dict[str, int] = msgspec.field(default_factory=dict)
@@ -221,12 +227,8 @@ class Lineage(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=T
         history, whose newest version is `newest`."""
         if lineage_id == self.id:
             return version <= newest
-        if not lineage_id:
-            return version == 0
-        return version <= self.ancestors.get(lineage_id, -1)
-
-    def descends_from(self, lineage_id: str) -> bool:
-        return lineage_id == self.id or lineage_id in self.ancestors or not lineage_id
+        base = 0 if lineage_id == "" else -1
+        return version <= self.ancestors.get(lineage_id, base)
 
     def supersedes(self, version: int, current: Lineage, current_version: int) -> bool:
         """Whether a rollout node holding `current_version` of `current` should load this
@@ -236,10 +238,32 @@ class Lineage(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=T
             return version > current_version
         return self.id not in current.ancestors
 
-    def fork(self, version: int, new_id: str) -> Lineage:
-        """A new lineage `new_id` that starts from this one's weights `version`."""
-        ancestors = {**self.ancestors, self.id: version} if self.id else dict(self.ancestors)
-        return Lineage(id=new_id, ancestors=dict(list(ancestors.items())[-MAX_ANCESTORS:]))
+    def fork(self, version: int, counter: int = 0) -> Lineage:
+        """The lineage that starts from this one's weights `version` (`counter`: the how
+        many-th fork from that point)."""
+        ancestors = {**self.ancestors, self.id: version}
+        return Lineage(
+            id=fork_id(self.id, version, counter),
+            ancestors=dict(list(ancestors.items())[-MAX_ANCESTORS:]),
+        )
+
+
+def fork_id(parent: str, version: int, counter: int) -> str:
+    digest = hashlib.sha256(f"{parent}@{version}#{counter}".encode()).hexdigest()
+    return digest[:LINEAGE_ID_CHARS]
+
+
+def open_lineage(parent: Lineage, version: int, taken: Callable[[str], bool]) -> Lineage:
+    """The lineage a trainer opens when it starts from version `version` of `parent` (its
+    checkpoint's; the root for a fresh start from the base weights): the root itself for
+    the run's first start, else the first fork not `taken` (used by this trainer before, or
+    listed in the swarm's directory past `version`: another life already published there)."""
+    if parent.id == "" and version == 0 and not taken(""):
+        return parent
+    counter = 0
+    while taken(fork_id(parent.id, version, counter)):
+        counter += 1
+    return parent.fork(version, counter)
 
 
 class SubmitGroup(_Msg, tag="submit_group"):

@@ -235,6 +235,15 @@ class GroupBook:
             self.seen.pop(group.group_id, None)
         return len(held)
 
+    def abandon_undurable(self) -> int:
+        """The trainer took weights of another lineage: groups whose steps no checkpoint
+        held are in no weights that go on, and become "unknown" (offered again).
+        Returns how many."""
+        for group_id in self.undurable:
+            self.seen.pop(group_id, None)
+        count, self.undurable = len(self.undurable), {}
+        return count
+
     def held_ids(self) -> list[str]:
         return [g.group_id for g in [*self.accumulated, *self.queue]]
 

@@ -543,6 +543,7 @@ class Rollout:
                 capacity=self.config.rollout.max_unacked_groups,
                 samples_per_s=self.samples_per_s,
                 time=time.time(),
+                lineage=self.lineage,
             )
         )
         return self.directory.records_seen_by(self.node_id)

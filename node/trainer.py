@@ -80,6 +80,8 @@ log = logging.getLogger(__name__)
 MAX_UNDURABLE_GROUPS = 512
 # Longest prompt+completion accepted from the wire, in tokens (bounds learner memory).
 MAX_SEQUENCE_TOKENS = 8192
+# Under the run dir: one line per policy lineage this trainer published under (its lives).
+LINEAGES_LOG = "lineages.log"
 # The trainer's samples/s (progress output, its directory record) is over this many seconds.
 SAMPLE_RATE_WINDOW_S = 60.0
 
@@ -144,25 +146,36 @@ class Trainer:
         )
         cleanup.callback(self.swarm.shutdown)
         loaded = False
+        records: list[protocol.NodeRecord] = []
         if cfg.swarm.initial_peers:
             log.info("joined the swarm; loading its state from peers")
-            self.other_trainers = self._other_trainers_in(self.directory.records())
+            records = self.directory.records()
+            self.other_trainers = self._other_trainers_in(records)
             loaded = self.swarm.load_state_from_peers()
         resumed = -1
         if loaded:
             self.lineage = self._swarm_lineage()
-        elif resume is not None:
-            resumed = int(resume["policy_version"])
-            self.swarm.restore(resumed, resume["optimizer"])
-            saved = msgspec.convert(resume.get("lineage", {}), protocol.Lineage)
-            self.lineage = saved.fork(resumed, new_lineage_id())
-            log.info(
-                "resumed from checkpoint: policy version %d, new lineage %s",
-                resumed,
-                self.lineage.id,
-            )
         else:
-            self.lineage = protocol.Lineage(id=new_lineage_id())
+            parent, start = protocol.Lineage(), 0  # the base weights
+            if resume is not None:
+                resumed = start = int(resume["policy_version"])
+                self.swarm.restore(resumed, resume["optimizer"])
+                parent = msgspec.convert(resume.get("lineage", {}), protocol.Lineage)
+            used = self._used_lineages()
+
+            def taken(lineage_id: str) -> bool:
+                return lineage_id in used or any(
+                    r.lineage.id == lineage_id and r.policy_version > start for r in records
+                )
+
+            self.lineage = protocol.open_lineage(parent, start, taken)
+            if resume is not None:
+                log.info(
+                    "resumed from checkpoint: policy version %d, lineage %s",
+                    resumed,
+                    self.lineage.id,
+                )
+        self._record_lineage()
         self.version = self.swarm.epoch
         self.book.open_log(self.run_dir / "trained_groups.log", resumed)
         cleanup.callback(self.book.close_log)
@@ -374,11 +387,23 @@ class Trainer:
         )
 
     def _swarm_lineage(self) -> protocol.Lineage:
-        """The lineage of the swarm's weights just downloaded: the newest trainer's."""
+        """The lineage of the swarm's weights just downloaded: the newest trainer's (this
+        trainer's own when none is listed)."""
         records = list(self.other_trainers.values())
         if not records:
-            return protocol.Lineage(id=new_lineage_id())
+            return self.lineage
         return max(records, key=lambda r: r.policy_version).lineage
+
+    def _used_lineages(self) -> set[str]:
+        """The lineages this trainer (any earlier life, same run dir) has published under."""
+        path = self.run_dir / LINEAGES_LOG
+        return set(path.read_text().split("\n")[:-1]) if path.exists() else set()
+
+    def _record_lineage(self) -> None:
+        """Note the current lineage as used, before any version of it is published."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.run_dir / LINEAGES_LOG, "a") as f:
+            f.write(self.lineage.id + "\n")
 
     def _check_rewards(self, group: protocol.TrajectoryGroup) -> str | None:
         """Why the group's rewards are wrong, when it is picked for a re-check and its task
@@ -503,11 +528,27 @@ class Trainer:
             self.counts["catch_ups"] += 1
         self.version = self.swarm.epoch
         self.withheld = False
+        lineage = self._swarm_lineage()
+        if lineage.id != self.lineage.id:
+            # This trainer's own steps since it forked are in no weights that go on: their
+            # groups become unknown, so rollout nodes offer them again.
+            forgotten = self.book.abandon_undurable()
+            log.warning(
+                "took the swarm's weights (lineage %s); %d groups of this trainer's own "
+                "lineage %s go back to rollout nodes",
+                lineage.id,
+                forgotten,
+                self.lineage.id,
+            )
+            self.lineage = lineage
+            self._record_lineage()
         await self._publish()
         self.metrics.write(
             {
                 "event": "caught_up",
                 "policy_version": self.version,
+                "lineage": self.lineage.id,
+                "lineage_ancestors": self.lineage.ancestors,
                 "policy_sha256": self._published().sha256,
             }
         )
@@ -552,6 +593,7 @@ class Trainer:
                     "event": "trained_by_peer",
                     "batch_id": batch.batch_id,
                     "policy_version": self.version,
+                    "lineage": self.lineage.id,
                     "trained_group_ids": [g.group_id for g in batch.groups],
                 }
             )
@@ -712,10 +754,6 @@ class Trainer:
             "counts/rejected_messages": self.server.rejected,
             "counts/denied_handshakes": self.server.denied,
         }
-
-
-def new_lineage_id() -> str:
-    return uuid.uuid4().hex[:12]
 
 
 def main(config: Config) -> int:

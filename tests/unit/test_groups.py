@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from agentjet import protocol
-from agentjet.protocol import Lineage
+from agentjet.protocol import Lineage, fork_id
 from node.groups import GroupBook
 from node.swarm import Mark, durable, read_mark
 
@@ -43,31 +43,51 @@ def group(group_id: str, version: int = 0, lineage: str = "") -> protocol.Trajec
 
 
 def test_a_lineage_holds_its_own_versions_up_to_its_newest_and_its_ancestors_up_to_the_fork():
-    resumed = Lineage(id="L1").fork(4, "L2")
-    assert resumed == Lineage(id="L2", ancestors={"L1": 4})
-    assert resumed.holds("L2", 7, newest=7) and not resumed.holds("L2", 8, newest=7)
+    resumed = Lineage(id="L1").fork(4)
+    assert resumed == Lineage(id=fork_id("L1", 4, 0), ancestors={"L1": 4})
+    new = resumed.id
+    assert resumed.holds(new, 7, newest=7) and not resumed.holds(new, 8, newest=7)
     assert resumed.holds("L1", 4, newest=7)
     assert not resumed.holds("L1", 5, newest=7)  # died with the trainer that made it
     assert not resumed.holds("L9", 0, newest=7)  # an unrelated lineage
     assert resumed.holds("", 0, newest=7) and not resumed.holds("", 1, newest=7)  # base
+    assert Lineage().fork(3).holds("", 3, newest=3)  # the root's history up to the fork
 
 
 def test_a_rollout_node_moves_forward_within_a_lineage_and_never_back_to_an_ancestor():
-    old, new = Lineage(id="L1"), Lineage(id="L1").fork(4, "L2")
+    old = Lineage(id="L1")
+    new = old.fork(4)
     assert Lineage(id="L1").supersedes(8, old, 7)
     assert not Lineage(id="L1").supersedes(7, old, 7)
     assert new.supersedes(4, old, 7)  # older number, new lineage: the live weights
     assert not old.supersedes(9, new, 5)  # back to the lineage it grew from: never
-    assert Lineage(id="L3").supersedes(0, new, 5)  # a fresh lineage (no checkpoint)
-    assert Lineage(id="L1").supersedes(1, Lineage(), 0)  # from the base weights
+    assert Lineage(id="L3").supersedes(0, new, 5)  # an unrelated one (a fresh start)
+    assert Lineage().supersedes(1, Lineage(), 0)  # the root, from the base weights
+
+
+def test_trainers_resuming_from_one_version_open_one_lineage_and_a_second_fork_another():
+    parent = Lineage(id="L1")
+    nothing_taken = protocol.open_lineage(parent, 6, lambda _: False)
+    assert nothing_taken == parent.fork(6) == protocol.open_lineage(parent, 6, lambda _: False)
+    used = {parent.fork(6).id}
+    again = protocol.open_lineage(parent, 6, used.__contains__)
+    assert again == parent.fork(6, counter=1) and again.id != parent.fork(6).id
+
+
+def test_the_runs_first_start_is_the_root_and_a_fresh_restart_forks_it():
+    assert protocol.open_lineage(Lineage(), 0, lambda _: False) == Lineage()
+    restarted = protocol.open_lineage(Lineage(), 0, {""}.__contains__)
+    assert restarted.id and restarted.ancestors == {"": 0}
+    assert Lineage(id="").supersedes(5, Lineage(), 3)
+    assert restarted.supersedes(0, Lineage(), 7)  # a rollout node at root v7 moves to it
 
 
 def test_ancestors_are_bounded():
     lineage = Lineage(id="L0")
     for i in range(1, 3 * protocol.MAX_ANCESTORS):
-        lineage = lineage.fork(i, f"L{i}")
+        lineage = lineage.fork(i)
     assert len(lineage.ancestors) == protocol.MAX_ANCESTORS
-    assert lineage.holds(f"L{3 * protocol.MAX_ANCESTORS - 2}", 3 * protocol.MAX_ANCESTORS - 1, 0)
+    assert lineage.holds(list(lineage.ancestors)[-1], 3 * protocol.MAX_ANCESTORS - 1, 0)
 
 
 # ── trained marks ─────────────────────────────────────────────────────────────────
@@ -80,6 +100,8 @@ def test_a_mark_is_durable_only_while_a_live_trainer_holds_its_step():
     assert not durable(mark, [(Lineage(id="L1"), 5)])  # not there yet
     # The lone trainer died at v7, resumed from its checkpoint at v4: v6 is gone.
     assert not durable(mark, [(Lineage(id="L2", ancestors={"L1": 4}), 4)])
+    assert not durable(Mark("", 6), [(Lineage(id="L2", ancestors={"": 4}), 9)])
+    assert durable(Mark("", 4), [(Lineage(id="L2", ancestors={"": 4}), 9)])
     assert durable(Mark("L1", 4), [(Lineage(id="L2", ancestors={"L1": 4}), 4)])
     assert not durable(mark, [])  # no live trainer: nothing to hold it
 
@@ -190,3 +212,12 @@ def test_a_trainer_resumed_from_its_checkpoint_knows_the_groups_of_the_steps_it_
     assert [resumed.status(f"g{v}") for v in range(1, 8)] == ["trained"] * 4 + ["unknown"] * 3
     assert resumed.checkpointed_version == 4
     resumed.close_log()
+
+
+def test_taking_another_lineage_forgets_the_steps_no_checkpoint_held():
+    book = GroupBook()
+    book.trained([group("kept")], 2)
+    book.checkpointed(2)
+    book.trained([group("lost")], 3)
+    assert book.abandon_undurable() == 1
+    assert book.status("kept") == "trained" and book.status("lost") == "unknown"

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from node.allreduce import RoundResult, complete_contributors, incomplete, uneven
+from node.groups import DoubtfulBatch, settle
 from node.swarm import (
     MAX_BATCH_ID_CHARS,
     batches_named,
@@ -19,7 +20,6 @@ from node.swarm import (
     trained_through_batches,
     vouched_batches,
 )
-from node.groups import DoubtfulBatch, settle
 
 pytestmark = pytest.mark.unit
 
@@ -156,3 +156,25 @@ def test_at_its_deadline_a_batch_not_settled_is_trained_again() -> None:
         [waiting, marked_but_out_of_reach], {"b/2"}, version=5, other_versions=[5], now=10.0
     )
     assert (trained, again, still) == ([], [waiting, marked_but_out_of_reach], [])
+
+
+def test_hivemind_errors_of_expected_swarm_conditions_become_one_warning_line():
+    import logging
+
+    from node.swarm import ExpectedSwarmErrors
+
+    try:
+        raise RuntimeError("dial to self attempted")
+    except RuntimeError:
+        import sys
+
+        exc_info = sys.exc_info()
+    record = logging.LogRecord(
+        "hivemind.averaging.averager", logging.ERROR, "x", 1, "Failed to download state from %s",
+        ("QmPeer",), exc_info,
+    )  # fmt: skip
+    assert ExpectedSwarmErrors().filter(record)
+    assert record.levelname == "WARNING" and record.exc_info is None
+    assert record.getMessage().startswith("Failed to download state from QmPeer")
+    ours = logging.LogRecord("node.trainer", logging.ERROR, "x", 1, "dial to self", (), None)
+    assert ExpectedSwarmErrors().filter(ours) and ours.levelname == "ERROR"

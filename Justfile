@@ -39,12 +39,14 @@ test-faults *ARGS: ensure
     rm -f bench/results/faults.json
     AGENTJET_FAULTS_OUT=bench/results/faults.json {{bin}}/pytest tests/integration/test_fuzz.py tests/integration/test_faults.py {{ARGS}}
 
-# Lint, format check, types, then the tests
-check: ensure
+# Lint, format check and types
+lint: ensure
     {{bin}}/ruff check .
     {{bin}}/ruff format --check .
     {{bin}}/mypy agentjet coordinator node sandboxes
-    {{just_executable()}} test
+
+# Lint, format check, types, then the tests
+check: lint test
 
 # Build the docker sandbox image offline from this machine's Debian mirror (as root, ~30 s)
 sandbox-image *ARGS: ensure

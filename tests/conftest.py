@@ -7,6 +7,9 @@ fight over cores. Docker-tier tests take `docker_client`: without a reachable en
 skip, or fail where AGENTJET_REQUIRE_DOCKER=1 (CI) says the docker tier must run.
 `keys_file` is a fresh swarm key file (as `agentjet keys init` makes) for tests that start
 nodes: they refuse to start without one.
+
+Every test carries exactly one tier marker (TIERS, declared in pyproject.toml); collection
+fails naming any test with none or several, so an untiered test cannot slip past `-m`.
 """
 
 from __future__ import annotations
@@ -23,6 +26,24 @@ import torch
 
 from agentjet.keys import DEFAULT_KEYS_FILE, write_keys
 from node.model import build_tiny_model
+
+TIERS = ("unit", "integration", "docker", "netns", "gpu")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Fail collection when a test has no tier marker, or more than one."""
+    problems = []
+    for item in items:
+        tiers = [tier for tier in TIERS if item.get_closest_marker(tier) is not None]
+        if len(tiers) != 1:
+            found = ", ".join(tiers) or "none"
+            problems.append(f"  {item.nodeid} (tier markers: {found})")
+    if problems:
+        raise pytest.UsageError(
+            f"every test needs exactly one tier marker of {', '.join(TIERS)} "
+            "(a decorator or the module's pytestmark); these do not:\n" + "\n".join(problems)
+        )
 
 
 @pytest.fixture(scope="session")

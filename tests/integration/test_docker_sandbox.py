@@ -32,7 +32,7 @@ from sandboxes.image import DEFAULT_IMAGE
 from sandboxes.pool import SandboxPool, open_pool
 from tests.factories import RuleGenerator
 
-pytestmark = [pytest.mark.integration, pytest.mark.docker]
+pytestmark = pytest.mark.docker
 
 QUICK_S = 20.0
 SMALL = DockerSettings(memory_bytes=128 << 20, pids=32, work_dir_bytes=8 << 20)

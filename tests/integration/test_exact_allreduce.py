@@ -18,6 +18,8 @@ from hivemind.compression import CompressionBase, Float16Compression, NoCompress
 
 from node.allreduce import ExactAllReduceRunner, ExactAverager, incomplete
 
+pytestmark = pytest.mark.integration
+
 SIZE = 50_000
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from tests.netns import Node, Swarmnet, list_namespaces, require_netns
 
-pytestmark = [pytest.mark.integration, pytest.mark.netns]
+pytestmark = pytest.mark.netns
 
 ECHO_PORT = 7007
 # A client's connect gives up after this: a partition shows as a connect that never completes.

@@ -18,6 +18,8 @@ import torch
 from agentjet.config import SwarmConfig
 from node.swarm import StepOutcome, SwarmOptimizer, visible_maddrs
 
+pytestmark = pytest.mark.integration
+
 
 def _weights(model: torch.nn.Module) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]

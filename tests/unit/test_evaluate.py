@@ -1,7 +1,11 @@
 """`agentjet eval`'s arithmetic: a task's success share and the accuracy tables."""
 
+import pytest
+
 from agentjet.protocol import Task
 from node.evaluate import decoding, success, summarize
+
+pytestmark = pytest.mark.unit
 
 
 def task(difficulty: int, op: str) -> Task:

@@ -27,6 +27,7 @@ from typing import Any, TextIO
 
 from agentjet.config import Config, to_toml
 from agentjet.keys import DEFAULT_KEYS_FILE, write_keys
+from agentjet.lifeline import descendants, process_table
 
 ROLES = ("coordinator", "trainer", "rollout")
 # How often the launcher reads metrics and checks on its children.
@@ -175,47 +176,6 @@ def spawn(role: str, config_path: Path, run_dir: Path) -> Child:
             preexec_fn=_die_with_launcher if sys.platform == "linux" else None,
         )
     return Child(role, process, log_path)
-
-
-@dataclass(frozen=True)
-class ProcInfo:
-    state: str
-    ppid: int
-    pgid: int
-
-
-def process_table() -> dict[int, ProcInfo]:
-    """Every process's state, parent and process group, read from /proc."""
-    table = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()
-        table[int(entry)] = ProcInfo(fields[0], int(fields[1]), int(fields[2]))
-    return table
-
-
-def descendants(pid: int) -> set[int]:
-    """PIDs of every live process below `pid` (found by PID, never matched by name)."""
-    children: dict[int, list[int]] = {}
-    for child, info in process_table().items():
-        children.setdefault(info.ppid, []).append(child)
-    found: set[int] = set()
-    stack = [pid]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            found.add(child)
-            stack.append(child)
-    return found
-
-
-def running(pid: int) -> bool:
-    info = process_table().get(pid)
-    return info is not None and info.state != "Z"
 
 
 def stop_children(children: list[Child], seen: set[int], grace_s: float = STOP_GRACE_S) -> None:

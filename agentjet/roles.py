@@ -4,7 +4,9 @@ Every role (coordinator, trainer, rollout) is a class with `setup(cleanup)` (wir
 components, pushing each one's release onto `cleanup` as it is made) and `async run(stop)`
 (drive them until `stop` is set or the work ends). SIGINT and SIGTERM set `stop` while
 running and abort set-up before; either way the cleanup stack unwinds in reverse order,
-so a stopped node leaves no socket, hivemind daemon or half-written file behind.
+so a stopped node leaves no socket, hivemind daemon or half-written file behind. A node
+killed outright (SIGKILL, the OOM killer) has its lifeline watcher end every process it
+started (agentjet/lifeline.py).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from contextlib import ExitStack
 from typing import Any, NoReturn, Protocol
 
 import uvloop
+
+from agentjet.lifeline import Lifeline
 
 
 class Role(Protocol):
@@ -53,9 +57,15 @@ def run_role(role: Role, name: str) -> int:
 
     signal.signal(signal.SIGTERM, _abort_setup)
     signal.signal(signal.SIGINT, _abort_setup)
-    with ExitStack() as cleanup:
-        role.setup(cleanup)
-        uvloop.run(main())
+    # Before any other process is started: whatever kills this one, they end with it.
+    lifeline = Lifeline.start(name)
+    try:
+        with ExitStack() as cleanup:
+            role.setup(cleanup)
+            uvloop.run(main())
+    finally:
+        if lifeline is not None:
+            lifeline.close()  # cleanup ran: the watcher ends only stragglers, then exits
     log.info("%s stopped", name)
     return 0
 

@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from agentjet.local import descendants  # noqa: E402
+from agentjet.lifeline import descendants  # noqa: E402
 from agentjet.metrics import read_metrics  # noqa: E402
 
 HELDOUT_SEED = 12345

@@ -76,7 +76,7 @@ from agentjet.config import (  # noqa: E402
     TrainerConfig,
 )
 from agentjet.keys import SwarmKeys, read_keys, write_keys  # noqa: E402
-from agentjet.local import descendants  # noqa: E402
+from agentjet.lifeline import descendants  # noqa: E402
 from agentjet.transport import Client, Server  # noqa: E402
 from node.learner import Learner  # noqa: E402
 from node.lora import add_adapters  # noqa: E402

@@ -20,9 +20,10 @@ counters tell an out-of-memory kill ("oom_killed") and a refused fork ("pids_lim
 apart. A container that vanished (killed from outside) gives `error` and fault
 "sandbox_lost", and `healthy()` turns False so the pool replaces it.
 
-Containers carry labels naming this host and the owning process (pid + start time). A
-node that crashed leaves its containers behind; `DockerEngine.reap_orphans` at the next
-start removes exactly those whose owner process is gone, and never anyone else's.
+Containers carry labels naming this host and the owning process (pid + start time). When
+a node dies its lifeline watcher removes its containers (agentjet/lifeline.py); what is
+still left (the watcher killed too, the engine unreachable) `DockerEngine.reap_orphans`
+removes at the next start: exactly those whose owner process is gone, no one else's.
 
 The image must provide /bin/sh, coreutils (`timeout`, `head`) and python3 (the reaper,
 file upload and Python programs): `agentjet sandbox build-image` makes one offline.
@@ -47,6 +48,7 @@ import docker
 import docker.errors
 import requests.exceptions
 
+from agentjet.lifeline import owner_token
 from sandboxes.base import (
     FAULT_LOST,
     FAULT_OOM,
@@ -145,10 +147,13 @@ class DockerSettings:
 class DockerEngine:
     """A connection to the docker engine and the labels that mark this process's containers."""
 
-    def __init__(self, node_id: str = "", client: docker.DockerClient | None = None) -> None:
+    def __init__(
+        self, node_id: str = "", client: docker.DockerClient | None = None, owner: str = ""
+    ) -> None:
+        """`owner`: whose containers `ours` are (`owner_token`); default this process."""
         self.client = client if client is not None else connect()
         self.host = socket.gethostname()
-        self.owner = _owner_token(os.getpid())
+        self.owner = owner or owner_token(os.getpid())
         self.labels = {
             LABEL_SANDBOX: "1",
             LABEL_HOST: self.host,
@@ -157,7 +162,7 @@ class DockerEngine:
         }
 
     def ours(self) -> list[Any]:
-        """Containers this process made (running or not)."""
+        """Containers the owner (this process) made, running or not."""
         return self._list({LABEL_OWNER: self.owner, LABEL_HOST: self.host})
 
     def reap_orphans(self) -> int:
@@ -167,7 +172,7 @@ class DockerEngine:
         for container in self._list({LABEL_HOST: self.host}):
             owner = container.labels.get(LABEL_OWNER, "")
             pid = owner.split(":")[0]
-            if owner == self.owner or (pid.isdigit() and _owner_token(int(pid)) == owner):
+            if owner == self.owner or (pid.isdigit() and owner_token(int(pid)) == owner):
                 continue  # ours, or a live process's
             if _remove(container):
                 reaped += 1
@@ -176,7 +181,7 @@ class DockerEngine:
         return reaped
 
     def remove_ours(self) -> int:
-        """Remove every container this process made; the number removed."""
+        """Remove every container the owner made; the number removed."""
         return sum(_remove(container) for container in self.ours())
 
     def _list(self, labels: dict[str, str]) -> list[Any]:
@@ -185,6 +190,16 @@ class DockerEngine:
             return list(self.client.containers.list(all=True, filters={"label": selector}))
         except _ENGINE_ERRORS as e:
             raise SandboxError(f"cannot list containers: {_reason(e)}") from None
+
+
+def remove_containers_of(owner: str) -> int:
+    """Remove this host's sandbox containers made by the process `owner` names (its
+    `owner_token`), once it died: its lifeline watcher calls this (agentjet/lifeline.py)."""
+    engine = DockerEngine(client=connect(), owner=owner)
+    try:
+        return engine.remove_ours()
+    finally:
+        engine.client.close()
 
 
 def connect() -> docker.DockerClient:
@@ -460,17 +475,6 @@ def _parse_counters(text: str) -> dict[str, int]:
         elif "pids" in section and key == "max":
             counters["pids_max"] = int(value)
     return counters
-
-
-def _owner_token(pid: int) -> str:
-    """ "<pid>:<start time>": names one process even after its pid is reused; "" if gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        return ""
-    # Field 22 (start time); the command name (field 2) may contain spaces: split after it.
-    return f"{pid}:{stat.rsplit(')', 1)[1].split()[19]}"
 
 
 def _remove(container: Any) -> bool:

@@ -7,7 +7,8 @@ Isolation, from weakest guarantee to strongest:
 
 - a private temp work dir (wiped by `reset`), handled without following links, so a
   program cannot steer put_file/get_file/reset outside it; and a minimal environment: no
-  variable of the parent (API keys, tokens) reaches the program;
+  variable of the parent (API keys, tokens) reaches the program, but for the node's
+  lifeline mark (agentjet/lifeline.py: the program ends if the node dies);
 - rlimits set by a tiny launcher just before exec: CPU seconds, address space, file size,
   open files, processes, no core dumps. A launcher, not `preexec_fn`, because environments
   run tool calls from a thread pool and `preexec_fn` is unsafe in a threaded parent;
@@ -45,6 +46,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from agentjet import lifeline
 from sandboxes.base import (
     FAULT_TIMEOUT,
     MAX_OUTPUT_BYTES,
@@ -172,6 +174,7 @@ class ProcessSandbox(Sandbox):
             "HOME": str(work),
             "TMPDIR": str(work),
             **PROGRAM_ENVIRONMENT,
+            **lifeline.mark(),  # the program ends with its node, even one killed
         }
         started = time.monotonic()
         try:

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from agentjet import protocol
 from agentjet.keys import SwarmKeys
-from agentjet.local import running
+from agentjet.lifeline import running
 from node.openai_api import EpisodeHub, OpenAIServer
 from tests.factories import RuleGenerator, make_group
 from tests.fault_results import record_fuzz

@@ -21,10 +21,8 @@ from typing import Any
 import pytest
 import torch
 
-from agentjet.local import descendants, running
+from agentjet.lifeline import descendants, running
 from agentjet.metrics import read_metrics
-
-pytestmark = pytest.mark.integration
 
 RUN_TIMEOUT_S = 600
 MAX_STEPS = 5
@@ -118,6 +116,7 @@ def gone(pids: set[int]) -> bool:
     return not any(running(pid) for pid in pids)
 
 
+@pytest.mark.integration
 def test_local_run_trains_publishes_and_exits_cleanly(tiny_model_dir: Path, tmp_path: Path):
     run_dir = tmp_path / "run"
     code, output, spawned = run_local(tiny_model_dir, run_dir)
@@ -173,6 +172,7 @@ def test_local_run_trains_publishes_and_exits_cleanly(tiny_model_dir: Path, tmp_
     assert (run_dir / "config.toml").exists()
 
 
+@pytest.mark.integration
 def test_ctrl_c_stops_every_process_and_keeps_a_checkpoint(tiny_model_dir: Path, tmp_path: Path):
     run_dir = tmp_path / "run"
     trainer_metrics = run_dir / "metrics" / "trainer.jsonl"
@@ -204,6 +204,7 @@ def trainer_version(run_dir: Path) -> int:
     return max((r["policy_version"] for r in rows if r.get("event") == "step"), default=0)
 
 
+@pytest.mark.integration
 def test_a_run_killed_mid_flight_resumes_from_its_checkpoint_and_loses_nothing(
     tiny_model_dir: Path, tmp_path: Path
 ):
@@ -300,6 +301,7 @@ def test_a_sandboxed_environment_runs_in_containers_and_leaves_none(
     assert leftovers == []
 
 
+@pytest.mark.integration
 def test_an_agent_environment_trains_through_the_openai_endpoint(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -328,6 +330,7 @@ def test_an_agent_environment_trains_through_the_openai_endpoint(
     assert [pid for pid in spawned if running(pid)] == []
 
 
+@pytest.mark.integration
 def test_a_lora_run_ships_adapters_and_checkpoints_merged_weights(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:

@@ -27,13 +27,11 @@ import pytest
 
 from agentjet.config import load_config, to_toml
 from agentjet.keys import DEFAULT_KEYS_FILE, write_keys
-from agentjet.local import descendants, running
+from agentjet.lifeline import descendants, running
 from agentjet.metrics import read_metrics
 from tests.netns import Node, Swarmnet, require_netns
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-
-pytestmark = pytest.mark.integration
 
 # Bound on any wait for the swarm to get somewhere (2 cores, several torch processes).
 WAIT_S = 300.0
@@ -360,6 +358,7 @@ def max_difference(a: Path, b: Path) -> float:
     return max(float((ta[k] - tb[k]).abs().max()) for k in ta)
 
 
+@pytest.mark.integration
 def test_two_trainers_hold_identical_weights_and_lose_nothing(swarm_factory: Callable[..., Swarm]):
     # The global batch needs both trainers' local batches: they step together.
     swarm = swarm_factory(f"swarm.target_batch_size={2 * SAMPLES_PER_TRAINER_BATCH}")
@@ -404,6 +403,7 @@ def test_two_trainers_hold_identical_weights_and_lose_nothing(swarm_factory: Cal
     assert leftovers(swarm) == {}
 
 
+@pytest.mark.integration
 def test_three_trainers_step_together_with_the_same_weights(swarm_factory: Callable[..., Swarm]):
     """Three trainers with a global batch of three local batches: rounds of three peers,
     where a trainer's parts go to two other reducers. Every version is one set of weights,
@@ -430,6 +430,7 @@ def test_three_trainers_step_together_with_the_same_weights(swarm_factory: Calla
     assert leftovers(swarm) == {}
 
 
+@pytest.mark.integration
 def test_a_trainer_that_gives_up_on_rounds_its_peer_completes_trains_nothing_twice(
     swarm_factory: Callable[..., Swarm],
 ):
@@ -454,6 +455,7 @@ def test_a_trainer_that_gives_up_on_rounds_its_peer_completes_trains_nothing_twi
     assert leftovers(swarm) == {}
 
 
+@pytest.mark.integration
 def test_a_joining_trainer_catches_up_and_a_killed_one_loses_nothing(
     swarm_factory: Callable[..., Swarm],
 ):

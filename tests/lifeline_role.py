@@ -1,0 +1,67 @@
+"""`python -m tests.lifeline_role [clean]`: a stand-in role for the lifeline tests.
+
+It starts its lifeline watcher as `run_role` does, then one process of each kind a role
+starts: a forked child (as hivemind's DHT and averagers are), an exec'd program (as p2pd
+and the beacon are) and a sandbox program (its own session, an environment of its own).
+It prints one JSON line, {"forked", "started", "sandboxed", "watcher": pids, "token",
+"pipe": the marks}, then waits to be killed; with `clean` it says its cleanup ran and
+exits at once, leaving the three behind for its watcher to end.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+import threading
+import time
+
+from agentjet.lifeline import ENV, Lifeline
+from agentjet.roles import setup_logging
+from sandboxes.process import ProcessSandbox
+
+# Longer than any test: these processes end only when something ends them.
+FOREVER_S = 600
+START_TIMEOUT_S = 30.0
+POLL_S = 0.05
+
+
+def main(clean: bool) -> int:
+    setup_logging("test-role")
+    lifeline = Lifeline.start("test-role")
+    assert lifeline is not None and lifeline.process.stdin is not None
+    forked = multiprocessing.get_context("fork").Process(
+        target=time.sleep, args=(FOREVER_S,), daemon=True
+    )
+    forked.start()
+    started = subprocess.Popen([sys.executable, "-c", f"import time; time.sleep({FOREVER_S})"])
+    box = ProcessSandbox(use_bwrap=False)  # under bwrap the program would see its own pids
+    box.start()
+    program = f"import os, time; open('pid', 'w').write(str(os.getpid())); time.sleep({FOREVER_S})"
+    threading.Thread(target=box.exec, args=(program, FOREVER_S), daemon=True).start()
+    pid_file = box.work_dir / "pid"
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not (pid_file.exists() and pid_file.read_text()):
+        if time.monotonic() > deadline:
+            raise TimeoutError("the sandbox program did not start")
+        time.sleep(POLL_S)  # polling a file the program writes
+    marks = {
+        "forked": forked.pid,
+        "started": started.pid,
+        "sandboxed": int(pid_file.read_text()),
+        "watcher": lifeline.process.pid,
+        "token": os.environ[ENV],
+        "pipe": os.fstat(lifeline.process.stdin.fileno()).st_ino,
+    }
+    print(json.dumps(marks), flush=True)
+    if clean:
+        lifeline.close()
+        os._exit(0)  # as a role whose cleanup missed these three
+    time.sleep(FOREVER_S)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:] == ["clean"]))

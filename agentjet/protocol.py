@@ -230,6 +230,12 @@ class Lineage(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=T
         base = 0 if lineage_id == "" else -1
         return version <= self.ancestors.get(lineage_id, base)
 
+    def trains(self, lineage_id: str, version: int) -> bool:
+        """Whether samples of the policy `version` of `lineage_id` can be trained on weights
+        of this lineage (importance ratios against them mean something): any version of
+        this lineage (peers may be ahead), an ancestor's up to the fork."""
+        return lineage_id == self.id or self.holds(lineage_id, version, newest=-1)
+
     def supersedes(self, version: int, current: Lineage, current_version: int) -> bool:
         """Whether a rollout node holding `current_version` of `current` should load this
         lineage's `version`: a newer version of the same lineage, or any version of

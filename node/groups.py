@@ -3,9 +3,9 @@ trainer side's counterpart of the rollout node's `Ledger` (node/delivery.py).
 
     SubmitGroup ─accept─▶ queued ─take─▶ batch ─step─▶ accumulated ─swarm steps─▶ trained
                  │                  │              │                              │
-      stale, other lineage       stale      round failed: queued          checkpoint, or
+               stale       stale, other    round failed: queued          checkpoint, or
                  ▼                  ▼       again (front); failed on     a live peer past
-              dropped            dropped    this side only: doubtful     it: durable
+              dropped        lineage        this side only: doubtful     it: durable
                                             (a peer's mark settles it)
 
 "Trained" is said to a rollout node (GroupStatus) only once the weights holding the group
@@ -84,16 +84,22 @@ def settle(
 
 
 def take_batch(
-    queue: deque[protocol.TrajectoryGroup], size: int, version: int, max_policy_lag: int
+    queue: deque[protocol.TrajectoryGroup],
+    size: int,
+    version: int,
+    max_policy_lag: int,
+    lineage: protocol.Lineage | None = None,
 ) -> tuple[list[protocol.TrajectoryGroup], list[protocol.TrajectoryGroup]]:
-    """Pop up to `size` fresh groups from the queue front; also return the stale ones dropped."""
+    """Pop up to `size` fresh groups from the queue front; also return the stale ones dropped:
+    too old, or sampled by a policy `lineage` does not descend from (`Lineage.trains`)."""
     batch: list[protocol.TrajectoryGroup] = []
     stale: list[protocol.TrajectoryGroup] = []
     while queue and len(batch) < size:
         group = queue.popleft()
-        (stale if rl.is_stale(oldest_version(group), version, max_policy_lag) else batch).append(
-            group
-        )
+        oldest = oldest_version(group)
+        foreign = lineage is not None and not lineage.trains(group.lineage, oldest)
+        old = rl.is_stale(oldest, version, max_policy_lag)
+        (stale if foreign or old else batch).append(group)
     return batch, stale
 
 
@@ -155,11 +161,13 @@ class GroupBook:
             self._remember(group_id, "dropped")
 
     def take(
-        self, size: int, version: int, max_policy_lag: int
+        self, size: int, version: int, max_policy_lag: int, lineage: protocol.Lineage
     ) -> tuple[list[protocol.TrajectoryGroup], list[protocol.TrajectoryGroup]]:
         """A batch of `size` fresh groups from the queue front, and the stale ones dropped
-        on the way; a batch short of `size` stays in the queue (returned empty)."""
-        batch, stale = take_batch(self.queue, size, version, max_policy_lag)
+        on the way (`take_batch`); a batch short of `size` stays in the queue (returned
+        empty). Lineage is checked here, not on arrival: a trainer that has yet to catch
+        up with the swarm takes its lineage first."""
+        batch, stale = take_batch(self.queue, size, version, max_policy_lag, lineage)
         self.drop(g.group_id for g in stale)
         if len(batch) < size:
             self.queue.extendleft(reversed(batch))

@@ -48,6 +48,7 @@ from agentjet import protocol, rl
 from agentjet.config import Config
 from agentjet.errors import ModelError
 from agentjet.keys import swarm_keys
+from agentjet.lifeline import watch_children
 from agentjet.metrics import MetricsWriter, Rate
 from agentjet.roles import print_join_command, run_role, supervise
 from agentjet.tasks import TaskSource
@@ -233,6 +234,9 @@ class Trainer:
                 "trainer-serve": self._serve(),
                 "trainer-learn": self._learn(stop),
                 "trainer-heartbeat": self._heartbeat(),
+                # A step would wait forever on a dead hivemind process (the OOM killer's
+                # pick is the largest): the trainer stops, with one line that says so.
+                "trainer-children": watch_children(self.swarm.processes(), "trainer"),
             },
         )
 
@@ -361,12 +365,6 @@ class Trainer:
             self._failed_check(group.node_id, f"wrong reward: {problem}")
             return ack("rejected", f"wrong reward: {problem}")
         oldest = oldest_version(group)
-        if not self.lineage.holds(group.lineage, oldest, self.version):
-            # Sampled by weights these do not descend from (a lineage that died with its
-            # trainer): no importance ratio or staleness across lineages.
-            self.counts["groups_dropped_lineage"] += 1
-            self._record_stale([group.group_id])
-            return ack("stale", f"sampled by policy lineage {group.lineage!r} v{oldest}")
         if rl.is_stale(oldest, self.version, self.config.trainer.max_policy_lag):
             self._record_stale([group.group_id])
             return ack("stale")
@@ -454,23 +452,29 @@ class Trainer:
                 if not self.batch_ready.is_set():
                     continue
             await self.batch_ready.wait()
+            if self.withheld or max(self._other_versions(), default=-1) > self.version:
+                # Other trainers moved on (or this version is withheld): take the swarm's
+                # state (and lineage) first, so the gradients are computed on the weights
+                # the swarm holds. A group's own version is no reason: a forged one would
+                # make this trainer download the whole state at every step (if the
+                # directory lags a real step, the round at the old version fails and
+                # hivemind's tracker says the swarm moved on).
+                await self._catch_up()
             batch, stale = self.book.take(
-                cfg.trainer.groups_per_step, self.version, cfg.trainer.max_policy_lag
+                cfg.trainer.groups_per_step, self.version, cfg.trainer.max_policy_lag, self.lineage
             )
             if stale:
-                self.counts["groups_dropped_stale"] += len(stale)
+                # Too old, or sampled by weights these do not descend from (a lineage that
+                # died with its trainer): no importance ratio across lineages.
+                foreign = [
+                    g for g in stale if not self.lineage.trains(g.lineage, oldest_version(g))
+                ]
+                self.counts["groups_dropped_lineage"] += len(foreign)
+                self.counts["groups_dropped_stale"] += len(stale) - len(foreign)
                 self._record_stale([g.group_id for g in stale])
             if not batch:
                 self.batch_ready.clear()
                 continue
-            if self.withheld or max(self._other_versions(), default=-1) > self.version:
-                # Other trainers moved on (or this version is withheld): take the swarm's
-                # state first, so the gradients are computed on the weights the swarm
-                # holds. A group's own version is no reason: a forged one would make this
-                # trainer download the whole state at every step (if the directory lags a
-                # real step, the round at the old version fails and hivemind's tracker
-                # says the swarm moved on).
-                await self._catch_up()
             # A stop must not cut a step in two (weights stepped, version or row not
             # recorded): the step runs shielded and `run` waits for it before cleanup.
             self.step_task = asyncio.create_task(self._step(batch, last), name="trainer-step")

@@ -127,7 +127,7 @@ def test_a_group_is_told_trained_only_once_a_checkpoint_or_a_live_peer_holds_its
     a = group("a")
     book.accept(a)
     assert book.status("a") == "queued" and book.known("a")
-    batch, stale = book.take(1, version=0, max_policy_lag=2)
+    batch, stale = book.take(1, version=0, max_policy_lag=2, lineage=Lineage())
     assert batch == [a] and stale == []
     stepped = book.stepped(
         batch, applied=True, discarded=False, in_doubt=None, version=0, deadline=0
@@ -179,7 +179,7 @@ def test_a_short_batch_stays_queued_and_stale_groups_are_dropped_on_the_way():
     old, fresh = group("old", version=0), group("fresh", version=5)
     book.accept(old)
     book.accept(fresh)
-    batch, stale = book.take(2, version=5, max_policy_lag=2)
+    batch, stale = book.take(2, version=5, max_policy_lag=2, lineage=Lineage())
     assert batch == [] and stale == [old] and list(book.queue) == [fresh]
     assert book.status("old") == "dropped"
 
@@ -221,3 +221,21 @@ def test_taking_another_lineage_forgets_the_steps_no_checkpoint_held():
     book.trained([group("lost")], 3)
     assert book.abandon_undurable() == 1
     assert book.status("kept") == "trained" and book.status("lost") == "unknown"
+
+
+def test_groups_sampled_by_a_lineage_these_weights_do_not_descend_from_are_dropped():
+    """Resumed at v4 of L1 (lineage L2): L1's samples up to v4 train, later ones died with
+    the old trainer; samples of L2 train at any version (a peer may be ahead)."""
+    resumed = Lineage(id="L1").fork(4)
+    book = GroupBook()
+    kept, dead, ahead = (
+        group("kept", 4, "L1"),
+        group("dead", 6, "L1"),
+        group("ahead", 7, resumed.id),
+    )
+    for g in (kept, dead, ahead):
+        book.accept(g)
+    batch, stale = book.take(2, version=5, max_policy_lag=8, lineage=resumed)
+    assert batch == [kept, ahead] and stale == [dead]
+    assert book.status("dead") == "dropped"
+    assert resumed.trains("", 0) and not resumed.trains("", 1) and not resumed.trains("L9", 0)

@@ -17,12 +17,12 @@ import torch
 from agentjet import protocol
 from agentjet.config import SwarmConfig, TrainerConfig
 from agentjet.episode import Episode, SamplingParams
+from node.groups import take_batch
 from node.learner import Learner
 from node.model import load_causal_lm
 from node.rollout import build_group
 from node.swarm import SwarmOptimizer
 from node.torch_engine import TorchEngine
-from node.groups import take_batch
 from tests.factories import make_group
 
 pytestmark = pytest.mark.unit

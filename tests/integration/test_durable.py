@@ -1,0 +1,160 @@
+"""A lone trainer SIGKILLed between checkpoints and started again with the same command,
+as a user would run it (`agentjet keys init`, `coordinator`, `node --role trainer`, `node
+--role rollout`): nothing trained is lost, the policy never goes back within a lineage, no
+group sampled by the dead lineage past its checkpoint is trained, nothing the dead trainer
+started outlives it, and the restarted trainer dials nothing of its previous life.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agentjet.lifeline import descendants, running
+from tests.integration.test_swarm import REPO_ROOT, Swarm, free_listen, swarm_factory
+
+pytestmark = pytest.mark.integration
+
+__all__ = ["swarm_factory"]  # the fixture, used by name
+
+CHECKPOINT_EVERY = 4
+ORPHAN_WAIT_S = 10.0
+
+
+def keys_init(path: Path) -> None:
+    """The README's first command."""
+    done = subprocess.run(
+        [sys.executable, "-m", "agentjet.cli", "keys", "init", "--out", str(path)],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+
+
+def rows(swarm: Swarm, name: str, role: str, event: str) -> list[dict[str, Any]]:
+    return [r for r in swarm.metrics(name, role) if r.get("event") == event]
+
+
+def alive_after(pids: set[int], wait_s: float) -> set[int]:
+    """The processes of `pids` still running `wait_s` after now (polled, bounded)."""
+    deadline = time.monotonic() + wait_s
+    while any(running(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return {p for p in pids if running(p)}
+
+
+def test_a_lone_trainer_killed_between_checkpoints_resumes_and_loses_nothing(
+    swarm_factory: Callable[..., Swarm], tmp_path: Path
+) -> None:
+    swarm = swarm_factory(f"trainer.checkpoint_every={CHECKPOINT_EVERY}")
+    keys_init(tmp_path / "readme.keys")
+    swarm.keys_file = tmp_path / "readme.keys"
+    swarm.start("coordinator", "coordinator", "--listen", free_listen())
+    join = swarm.join_address()
+    trainer_args = (
+        "node",
+        "--role",
+        "trainer",
+        "--join",
+        join,
+        "--listen",
+        free_listen(),
+        "--identity",
+        str(tmp_path / "trainer.identity"),
+    )
+    swarm.start("trainer", *trainer_args)
+    swarm.start("rollout", "node", "--role", "rollout", "--join", join)
+
+    # Past a checkpoint, before the next one.
+    swarm.wait_for(
+        "a version past the first checkpoint, before the next",
+        lambda: swarm.version("trainer") in (CHECKPOINT_EVERY + 1, CHECKPOINT_EVERY + 2),
+    )
+    first = swarm.procs["trainer"]
+    children = descendants(first.pid)
+    swarm.spawned |= children
+    assert children, "the trainer runs hivemind's processes"
+    os.kill(first.pid, signal.SIGKILL)  # the main process alone, not its group
+    first.wait()
+    killed_at = swarm.version("trainer")
+    # 4: nothing the dead trainer started outlives it.
+    orphans = alive_after(children, ORPHAN_WAIT_S)
+    assert not orphans, {p: Path(f"/proc/{p}/cmdline").read_bytes() for p in orphans}
+    first_life = rows(swarm, "trainer", "trainer", "step")
+    started = rows(swarm, "trainer", "trainer", "started")
+    old_lineage = started[-1]["lineage"]
+    (swarm.dir / "trainer.log").rename(swarm.dir / "trainer-first-life.log")
+
+    swarm.start("trainer", *trainer_args)  # the same command
+    swarm.wait_for(
+        "the restarted trainer's first steps",
+        lambda: (
+            len(rows(swarm, "trainer", "trainer", "started")) == 2
+            and swarm.version("trainer") >= killed_at + 2
+        ),
+    )
+    restarted = rows(swarm, "trainer", "trainer", "started")[-1]
+    new_lineage = restarted["lineage"]
+    assert new_lineage != old_lineage
+    resumed = restarted["policy_version"]
+    assert resumed == killed_at - killed_at % CHECKPOINT_EVERY  # its newest checkpoint
+    assert restarted["lineage_ancestors"] == {old_lineage: resumed}
+
+    def moved() -> bool:
+        loads = rows(swarm, "rollout", "rollout", "weights_loaded")
+        return any(r["lineage"] == new_lineage for r in loads)
+
+    swarm.wait_for("the rollout node on the new lineage", moved)
+    codes = swarm.stop()
+    assert set(codes.values()) <= {0}, swarm.logs()
+
+    # 2: the rollout node's versions never went back within a lineage.
+    loads = rows(swarm, "rollout", "rollout", "weights_loaded")
+    newest: dict[str, int] = {}
+    for load in loads:
+        assert load["policy_version"] > newest.get(load["lineage"], -1), loads
+        newest[load["lineage"]] = load["policy_version"]
+    # ... and no group the dead lineage sampled past the checkpoint was trained.
+    sampled = {
+        g: (b["lineage"], b["policy_version"])
+        for b in rows(swarm, "rollout", "rollout", "batch")
+        for g in b["group_ids"]
+    }
+    second_life = [r for r in swarm.steps("trainer") if r.get("lineage") == new_lineage]
+    trained_again = {g for r in second_life for g in r["trained_group_ids"]}
+    crossed = {g for g in trained_again if sampled[g][0] == old_lineage and sampled[g][1] > resumed}
+    assert not crossed
+
+    # 1: every group the rollout node let go as trained is in the resumed weights.
+    trained_durably = {
+        g for r in first_life if r["policy_version"] <= resumed for g in r["trained_group_ids"]
+    }
+    let_go = {
+        g for r in rows(swarm, "rollout", "rollout", "trainer_gone") for g in r["trained_group_ids"]
+    }
+    assert let_go <= trained_durably
+    lost_steps = {
+        g for r in first_life if r["policy_version"] > resumed for g in r["trained_group_ids"]
+    }
+    assert lost_steps, "the kill came after steps no checkpoint held"
+    # Those groups were offered again: trained in the new lineage, dropped (their lineage
+    # died), or still held by the rollout node.
+    stale = {g for r in rows(swarm, "trainer", "trainer", "stale") for g in r["stale_group_ids"]}
+    held = set(rows(swarm, "rollout", "rollout", "stopped")[-1]["unacked_group_ids"])
+    assert lost_steps <= trained_again | stale | held
+    assert not (lost_steps & let_go)
+
+    # 3: the restarted trainer dialed nothing of its previous life; no tracebacks.
+    log = (swarm.dir / "trainer.log").read_text()
+    assert "dial to self" not in log
+    assert " ERROR " not in log and "Traceback" not in log, log[-3000:]

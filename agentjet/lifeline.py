@@ -34,6 +34,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -58,6 +59,8 @@ TERM_GRACE_S = 2.0
 END_TIMEOUT_S = 10.0
 # How often `watch_children` checks on the processes it watches.
 CHILD_POLL_S = 1.0
+# A role whose helper process died has this long for its cleanup, then exits anyway.
+CLEANUP_AFTER_CHILD_DEATH_S = 15.0
 DOCKER_SOCKET = "/var/run/docker.sock"
 _CLEAN = b"clean\n"
 _READY = b"ready\n"
@@ -269,10 +272,30 @@ async def watch_children(
         for name, child in children.items():
             code = child.exitcode  # reaps it: only its parent may ask
             if code is not None:
-                raise ChildProcessDied(
+                error = ChildProcessDied(
                     f"{name} process {child.pid} died ({exit_reason(code)}); the {role} stops"
                 )
+                exit_after(CLEANUP_AFTER_CHILD_DEATH_S, error)
+                raise error
         await asyncio.sleep(interval_s)
+
+
+def exit_after(seconds: float, error: Exception) -> None:
+    """End this process with `error` in `seconds` unless it has ended by then. Its cleanup
+    may wait on the dead helper forever (a step in a worker thread holds the step lock;
+    hivemind's shutdown asks the dead averager): the watcher then ends what is left."""
+
+    def end() -> None:
+        print(
+            f"agentjet: error: {error} (cleanup did not finish in {seconds:g} s)",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(2)
+
+    timer = threading.Timer(seconds, end)
+    timer.daemon = True
+    timer.start()
 
 
 # ── the watcher ──────────────────────────────────────────────────────────────────────

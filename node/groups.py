@@ -9,10 +9,10 @@ trainer side's counterpart of the rollout node's `Ledger` (node/delivery.py).
                                             (a peer's mark settles it)
 
 "Trained" is said to a rollout node (GroupStatus) only once the weights holding the group
-survive this trainer's death: a checkpoint here of a version at or past the step's, or a
-live trainer of the same lineage at or past it (the rule node/swarm.py `durable` reads the
-DHT's trained marks with). Until then the group is "queued" for the rollout node, which
-keeps its copy. Groups of steps a checkpoint holds are listed in trained_groups.log
+survive this trainer's death: a checkpoint here of a version at or past the step's. (The
+DHT's trained marks, read when a trainer is gone, also count a live trainer whose lineage
+holds the step: node/swarm.py `durable`.) Until then the group is "queued" for the rollout
+node, which keeps its copy. Groups of steps a checkpoint holds are listed in trained_groups.log
 (`version<TAB>group id`), so a trainer resumed from that checkpoint knows them again; the
 rest of the book lives in memory.
 """
@@ -139,13 +139,12 @@ class GroupBook:
     def known(self, group_id: str) -> bool:
         return group_id in self.seen
 
-    def status(self, group_id: str, peer_holds: int = -1) -> Status:
-        """What a rollout node holding `group_id` is told: "trained" only once durable,
-        that is, a checkpoint here holds its step, or a live peer of this trainer's
-        lineage is at or past it (`peer_holds`: the newest such peer's version)."""
+    def status(self, group_id: str) -> Status:
+        """What a rollout node holding `group_id` is told: "trained" only once a checkpoint
+        here holds its step. A live peer that took the step is not enough: both may die at
+        once (the fault suite's "kill both trainers" lost groups that way)."""
         status = self.seen.get(group_id, "unknown")
-        step = self.undurable.get(group_id, -1)
-        if status == "trained" and step > max(self.checkpointed_version, peer_holds):
+        if status == "trained" and self.undurable.get(group_id, -1) > self.checkpointed_version:
             return "queued"
         return status
 

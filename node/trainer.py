@@ -304,9 +304,8 @@ class Trainer:
                     return protocol.Error(
                         code="invalid", message=f"over {protocol.MAX_STATUS_IDS} ids"
                     )
-                peer_holds = self._peer_holds()
                 return protocol.GroupStatus(
-                    statuses={g: self.book.status(g, peer_holds) for g in ids},
+                    statuses={g: self.book.status(g) for g in ids},
                     policy_version=self.version,
                 )
             case protocol.PolicyQuery():
@@ -372,17 +371,6 @@ class Trainer:
         if len(self.book.queue) >= self.config.trainer.groups_per_step:
             self.batch_ready.set()
         return ack("accepted")
-
-    def _peer_holds(self) -> int:
-        """The newest version a live peer of this trainer's lineage holds (-1: none)."""
-        return max(
-            (
-                r.policy_version
-                for r in self.other_trainers.values()
-                if r.lineage.id == self.lineage.id
-            ),
-            default=-1,
-        )
 
     def _swarm_lineage(self) -> protocol.Lineage:
         """The lineage of the swarm's weights just downloaded: the newest trainer's (this

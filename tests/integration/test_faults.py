@@ -6,13 +6,20 @@ and every trajectory group is accounted for from creation to training.
                  └─ rollout ────────┘
     faults, in an order and at points (policy versions) drawn from a seeded RNG:
       SIGKILL + restart of the rollout node, the coordinator, trainer-a, trainer-b
+      SIGKILL + restart of both trainers at once, and of the coordinator and a trainer
+      SIGKILL of a trainer's main process alone, then a scan for its descendants
+      SIGKILL of a trainer's largest child (what the OOM killer does): the trainer ends
       SIGSTOP of a trainer (a stall shorter than its record's lifetime), then SIGCONT
       the rollout node's connection to trainer-b cut, then restored
+    and a lone trainer SIGKILLed before its first checkpoint, then after one.
 
-At the end every group the rollout node made (in any of its lives) must be trained once,
-dropped as stale or rejected by a check (counted), or still held by the rollout node;
-policy versions never go back on any node. `just test-faults` runs this and the fuzz test
-and writes bench/results/faults.json.
+At the end every group the rollout node made (in any of its lives) must be trained once in
+the weights that go on (a step a dead lineage took past its checkpoint does not count),
+dropped as stale or rejected by a check (counted), or still held by the rollout node; no
+policy version goes back within a lineage on any node, no group is trained by a lineage
+that does not descend from the one that sampled it, and no process of a dead role is alive
+10 s after its death. `just test-faults` runs this and the fuzz test and writes
+bench/results/faults.json.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import random
 import re
 import signal
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -31,14 +39,14 @@ from typing import Any
 
 import pytest
 
+from agentjet.lifeline import descendants, proc_info, running
+from agentjet.protocol import Lineage
 from tests.fault_results import merge_results
 from tests.integration.test_swarm import (
     Swarm,
     free_listen,
     leftovers,
     settled_by_marks,
-    trained_by_peers,
-    trained_groups,
 )
 
 pytestmark = pytest.mark.integration
@@ -48,6 +56,12 @@ SEED = int(os.environ.get("AGENTJET_FAULT_SEED", "0"))
 STALL_S = 2.0
 # Longer than net.request_timeout_s (2 s): requests time out and are retried.
 CUT_S = 4.0
+# What each role logs once it is up (coordinator: in the swarm's directory).
+READY_LINES = ("ready:", "ready (envs", "coordinator is in the swarm's directory")
+# A process of a dead role still alive this long after its death is an orphan.
+ORPHAN_WAIT_S = 10.0
+# How long a trainer whose hivemind child was killed may take to notice and end.
+CHILD_DEATH_EXIT_S = 60.0
 
 
 class CuttableProxy:
@@ -121,6 +135,58 @@ class FaultySwarm(Swarm):
         super().__init__(*args)
         self.argv: dict[str, tuple[str, ...]] = {}
         self.lives: dict[str, int] = {}
+        self.orphans: dict[int, str] = {}  # processes alive ORPHAN_WAIT_S after their role
+
+    def up(self, name: str) -> bool:
+        """Whether the current life of `name` has said it is ready."""
+        path = self.dir / f"{name}.log"
+        text = path.read_text() if path.exists() else ""
+        return any(m in text for m in READY_LINES)
+
+    def kill_many(self, names: list[str]) -> None:
+        """SIGKILL these nodes' process groups at once (a power cut), then restart each."""
+        for name in names:
+            self.kill(name)
+        for name in names:
+            self.restart(name)
+
+    def kill_main(self, name: str) -> None:
+        """SIGKILL the node's main process alone (not its group), count the processes it
+        started that outlive it, restart it."""
+        proc = self.procs[name]
+        children = descendants(proc.pid)
+        self.spawned |= children
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        self._count_orphans(name, children)
+        self.restart(name)
+
+    def kill_largest_child(self, name: str) -> None:
+        """SIGKILL the node's largest descendant by resident memory (the OOM killer's
+        pick); the node must end by itself, leaving nothing behind; then restart it."""
+        proc = self.procs[name]
+        children = descendants(proc.pid)
+        self.spawned |= children
+        sizes = {pid: resident_bytes(pid) for pid in children}
+        largest = max(sizes, key=lambda pid: sizes[pid])
+        os.kill(largest, signal.SIGKILL)
+        try:
+            proc.wait(timeout=CHILD_DEATH_EXIT_S)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                f"{name} did not end after its child {largest} was killed\n{self.logs()}"
+            ) from None
+        self._count_orphans(name, children - {largest})
+        self.restart(name)
+
+    def _count_orphans(self, name: str, pids: set[int]) -> None:
+        deadline = time.monotonic() + ORPHAN_WAIT_S
+        while any(running(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)  # polling the process table, bounded
+        for pid in pids:
+            info = proc_info(pid)
+            if info is not None and running(pid):
+                self.orphans[pid] = name
 
     def launch(self, name: str, *args: str) -> None:
         self.argv[name] = args
@@ -155,6 +221,8 @@ def faulty(tmp_path: Path, tiny_model_dir: Path) -> Iterator[FaultySwarm]:
             "trainer.checkpoint_every=2",
             # The staleness window spans the pauses faults cause.
             "trainer.max_policy_lag=8",
+            # A node restarted while its peers restart too joins once one of them is up.
+            "swarm.startup_attempts=6",
         ),
     )
     yield swarm
@@ -211,7 +279,9 @@ def test_training_survives_crashes_stalls_and_cuts_and_loses_nothing(
             return max(swarm.version("trainer-a"), swarm.version("trainer-b"))
 
         def progress(what: str) -> None:
-            """Wait until the swarm has made 1-3 more versions (the fault's random point)."""
+            """Wait until every node is up again and the swarm has made 1-3 more versions
+            (the fault's random point)."""
+            swarm.wait_for(f"every node up {what}", lambda: all(map(swarm.up, swarm.argv)))
             target = version() + rng.randint(1, 3)
             swarm.wait_for(f"version {target} {what}", lambda: version() >= target)
 
@@ -232,6 +302,13 @@ def test_training_survives_crashes_stalls_and_cuts_and_loses_nothing(
             ("kill coordinator", lambda: kill_and_restart("coordinator")),
             ("kill trainer-a", lambda: kill_and_restart("trainer-a")),
             ("kill trainer-b", lambda: kill_and_restart("trainer-b")),
+            ("kill both trainers", lambda: swarm.kill_many(["trainer-a", "trainer-b"])),
+            (
+                "kill coordinator and trainer-a",
+                lambda: swarm.kill_many(["coordinator", "trainer-a"]),
+            ),
+            ("kill trainer-b's main process", lambda: swarm.kill_main("trainer-b")),
+            ("kill trainer-a's largest child", lambda: swarm.kill_largest_child("trainer-a")),
             ("stall a trainer", stall_trainer),
             ("cut rollout-trainer-b", cut_connection),
         ]
@@ -255,18 +332,89 @@ def test_training_survives_crashes_stalls_and_cuts_and_loses_nothing(
         proxy.close()
     assert set(codes.values()) == {0}, (codes, swarm.logs())
 
-    figures = account(swarm)
+    figures = account(swarm, ["trainer-a", "trainer-b"])
     figures["faults_injected"] = len(injected)
     figures["faults"] = injected
     merge_results(figures)
-    assert figures["lost"] == 0, figures
-    assert figures["duplicated"] == 0, figures
-    assert figures["groups_trained"] > 0
+    check(figures)
     assert leftovers(swarm) == {}
 
 
-def account(swarm: Swarm) -> dict[str, Any]:
-    """Every group from creation (any life of the rollout node) to its end."""
+def check(figures: dict[str, Any]) -> None:
+    for zero in ("lost", "duplicated", "version_regressions", "cross_lineage_groups_trained"):
+        assert figures[zero] == 0, (zero, figures)
+    assert figures["orphans"] == 0, figures
+    assert figures["groups_trained"] > 0
+
+
+def resident_bytes(pid: int) -> int:
+    """A process's resident set (0 when it is gone)."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return 0
+
+
+def test_a_lone_trainer_killed_before_its_first_checkpoint_and_after_one_loses_nothing(
+    faulty: FaultySwarm,
+) -> None:
+    """The last trainer dies twice: before any checkpoint (it starts again from the base
+    weights, a new lineage) and past one (it resumes from it, a lineage forked there).
+    Each time, what its dead steps trained is trained again or dropped, never counted
+    trained on the strength of its marks."""
+    swarm = faulty
+    every = 2  # trainer.checkpoint_every in the fixture
+    listen = {name: free_listen() for name in ("coordinator", "trainer")}
+
+    def identity(name: str) -> tuple[str, ...]:
+        return ("--listen", listen[name], "--identity", str(swarm.dir / f"{name}.identity"))
+
+    swarm.launch("coordinator", "coordinator", *identity("coordinator"))
+    join = swarm.join_address()
+    swarm.launch("trainer", "node", "--role", "trainer", "--join", join, *identity("trainer"))
+    swarm.launch("rollout", "node", "--role", "rollout", "--join", join)
+
+    def trained_at(version: int) -> Callable[[], bool]:
+        return lambda: any(
+            r["trained_group_ids"] and r["policy_version"] == version
+            for r in swarm.steps("trainer")
+        )
+
+    # Before its first checkpoint (v2): a step at v1 has trained groups.
+    swarm.wait_for("a step before the first checkpoint", trained_at(every - 1))
+    swarm.kill_main("trainer")
+    first_life = len(swarm.steps("trainer"))
+    swarm.wait_for(
+        "the restarted trainer to train past a checkpoint",
+        lambda: any(
+            r["trained_group_ids"] and r["policy_version"] % every == 1 and r["policy_version"] > 1
+            for r in swarm.steps("trainer")[first_life:]
+        ),
+    )
+    swarm.kill_main("trainer")
+    at = max(r["policy_version"] for r in swarm.steps("trainer"))
+    swarm.wait_for(
+        "training in the third life",
+        lambda: (
+            len([r for r in swarm.metrics("trainer", "trainer") if r.get("event") == "started"])
+            == 3
+            and swarm.version("trainer") > at
+        ),
+    )
+    codes = swarm.stop()
+    assert set(codes.values()) == {0}, (codes, swarm.logs())
+    starts = [r for r in swarm.metrics("trainer", "trainer") if r.get("event") == "started"]
+    assert [r["policy_version"] for r in starts][:2] == [0, 0]  # no checkpoint: the base
+    assert starts[2]["policy_version"] > 0  # resumed from its checkpoint
+    assert len({r["lineage"] for r in starts}) == 3
+    figures = account(swarm, ["trainer"])
+    merge_results({f"lone_trainer_{k}": v for k, v in figures.items()})
+    check(figures)
+    assert leftovers(swarm) == {}
+
+
+def account(swarm: FaultySwarm, trainers: list[str]) -> dict[str, Any]:
+    """Every group from creation (any life of the rollout node) to its end, counted in the
+    weights that go on: steps of lineages the trainers' last lineages hold."""
     rollout = swarm.metrics("rollout", "rollout")
     created = {
         g
@@ -274,35 +422,78 @@ def account(swarm: Swarm) -> dict[str, Any]:
         if r.get("event") in ("batch", "restored")
         for g in r.get("group_ids", [])
     }
-    trainers = ("trainer-a", "trainer-b")
-    trained = trained_groups(swarm, list(trainers))
-    stale = {
-        g
-        for t in trainers
-        for r in swarm.metrics(t, "trainer")
-        for g in r.get("stale_group_ids", [])
+    sampled = {
+        g: (r.get("lineage", ""), r["policy_version"])
+        for r in rollout
+        if r.get("event") == "batch"
+        for g in r["group_ids"]
     }
+    rows = {t: swarm.metrics(t, "trainer") for t in trainers}
+    # Each lineage's ancestors, as the trainers that opened or took it said.
+    lineages: dict[str, Lineage] = {}
+    for r in (r for t in trainers for r in rows[t]):
+        if r.get("event") in ("started", "caught_up") and "lineage" in r:
+            lineages[r["lineage"]] = Lineage(id=r["lineage"], ancestors=r["lineage_ancestors"])
+    newest_of: dict[str, int] = {}
+    for r in (r for t in trainers for r in rows[t] if "lineage" in r):
+        newest_of[r["lineage"]] = max(newest_of.get(r["lineage"], 0), r["policy_version"])
+    final = [
+        (lineages[r["lineage"]], newest_of[r["lineage"]])
+        for t in trainers
+        for r in [x for x in rows[t] if x.get("event") in ("started", "caught_up")][-1:]
+    ]
+
+    def goes_on(lineage: str, version: int) -> bool:
+        return any(last.holds(lineage, version, newest) for last, newest in final)
+
+    trained: list[str] = []
+    lost_with_lineage: list[str] = []
+    crossed = 0
+    for r in (r for t in trainers for r in rows[t]):
+        if r.get("event") not in ("step", "trained_by_peer"):
+            continue
+        ids = r["trained_group_ids"]
+        (trained if goes_on(r["lineage"], r["policy_version"]) else lost_with_lineage).extend(ids)
+        trainer_lineage = lineages[r["lineage"]]
+        for g in ids:
+            lineage, version = sampled.get(g, ("", 0))
+            if not trainer_lineage.trains(lineage, version):
+                crossed += 1
+    stale = {g for t in trainers for r in rows[t] for g in r.get("stale_group_ids", [])}
     # left out by the trainer's logprob check (counted; none expected from honest nodes)
     rejected = {g for t in trainers for r in swarm.steps(t) for g in r["rejected_group_ids"]}
     ends = [r for r in rollout if r.get("event") == "stopped"]
     held = set(ends[-1]["unacked_group_ids"])
-    settled = settled_by_marks(swarm, list(trainers), set(trained))
+    settled = settled_by_marks(swarm, list(trainers), set(trained) | set(lost_with_lineage))
     lost = created - set(trained) - settled - stale - held - rejected
-    for name in trainers:  # versions never go back, across the lives of each trainer
-        versions = [r["policy_version"] for r in swarm.steps(name)]
-        assert versions == sorted(versions), (name, versions)
-    loaded = [r["policy_version"] for r in rollout if r.get("event") == "weights_loaded"]
-    assert loaded == sorted(loaded), loaded
+    regressions = 0
+    for steps in [swarm.steps(t) for t in trainers] + [
+        [r for r in rollout if r.get("event") == "weights_loaded"]
+    ]:
+        newest: dict[str, int] = {}
+        for r in steps:
+            lineage = r.get("lineage", "")
+            regressions += r["policy_version"] < newest.get(lineage, -1)
+            newest[lineage] = max(newest.get(lineage, -1), r["policy_version"])
     return {
         "groups_created": len(created),
         "groups_trained": len(set(trained) | settled),
         "groups_trained_without_step_row": len(settled),
-        "groups_trained_by_peer": sum(len(trained_by_peers(swarm, t)) for t in trainers),
+        "groups_trained_by_peer": sum(
+            len(r["trained_group_ids"])
+            for t in trainers
+            for r in rows[t]
+            if r.get("event") == "trained_by_peer"
+        ),
+        "groups_trained_in_dead_lineages": len(lost_with_lineage),
         "groups_stale": len(stale),
         "groups_rejected": len(rejected),
         "groups_held_at_end": len(held - set(trained) - stale),  # untrained, on disk
         "lost": len(lost),
         "duplicated": len(trained) - len(set(trained)),
+        "version_regressions": regressions,
+        "cross_lineage_groups_trained": crossed,
+        "orphans": len(swarm.orphans),
         "restored_from_spool": sum(
             len(r["group_ids"]) for r in rollout if r.get("event") == "restored"
         ),

@@ -216,6 +216,11 @@ class SwarmConfig(_Section):
     # How long to wait for the DHT to start, and how often to try (with backoff).
     startup_timeout_s: PositiveFloat = 60.0
     startup_attempts: PositiveInt = 3
+    # A trainer starting with an older checkpoint than another trainer of the swarm saved
+    # (the swarm's checkpoint list in the DHT) waits this long for that trainer to be live
+    # and takes its state, rather than train the older weights on (both killed at once:
+    # the newer steps were already reported trained). 0 = do not wait.
+    rejoin_wait_s: NonNegFloat = 60.0
     # Samples (counted as the trainer counts them) in one global step across all trainers;
     # 0 = one trainer's local batch (trainer.groups_per_step groups, or
     # trainer.informative_samples_per_step).

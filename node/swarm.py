@@ -239,6 +239,8 @@ class Directory:
         # would grow with the run.
         self.intent_prefix = f"{config.run_id}.agentjet.intent."
         self.trained_batch_prefix = f"{config.run_id}.agentjet.trained_batch."
+        # Each trainer's newest checkpoint (subkey: its peer id), kept past its death.
+        self.checkpoints_key = f"{config.run_id}.agentjet.checkpoints"
         self.bad_records = 0
 
     def publish(self, record: protocol.NodeRecord) -> bool:
@@ -316,6 +318,28 @@ class Directory:
         ]
         for future in futures:
             future.result()
+
+    def record_checkpoint(self, peer_id: str, mark: Mark) -> None:
+        """Say that the trainer `peer_id` saved the weights `mark` names (best effort)."""
+        future = self.dht.store(
+            self.checkpoints_key,
+            list(mark),
+            expiration_time=get_dht_time() + TRAINED_MARK_TTL_S,
+            subkey=peer_id,
+            return_future=True,
+        )
+        try:
+            future.result(timeout=WITHDRAW_TIMEOUT_S)
+        except Exception as e:  # the next checkpoint says it again
+            log.info("could not record the checkpoint in the DHT: %r", e)
+
+    def checkpoints(self) -> dict[str, Mark]:
+        """Every trainer's newest checkpoint, by peer id (malformed entries skipped)."""
+        found = self.dht.get(self.checkpoints_key, latest=True)
+        if found is None or not isinstance(found.value, dict):
+            return {}
+        marks = {str(k): read_mark(v) for k, v in found.value.items()}
+        return {k: m for k, m in marks.items() if m is not None}
 
     def name_batch(self, batch_id: str, group_ids: Iterable[str]) -> list[Any]:
         """Start storing that the gradient batch `batch_id` holds these groups; returns the
@@ -502,11 +526,15 @@ class _AveragerWatch(ExactAverager):
 
     rounds: tuple[Any, ...] = ()
     downloaded = False
+    # The round a parameter step waits on (hivemind passes one scheduled ahead to `_do`,
+    # or begins one there).
+    last_round: Any = None
 
     def step(self, *args: Any, **kwargs: Any) -> Any:
         control = super().step(*args, **kwargs)
         if not kwargs.get("wait", True):
             self.rounds = (*self.rounds[-3:], control)
+            self.last_round = control
         return control
 
     def load_state_from_peers(self, *args: Any, **kwargs: Any) -> Any:
@@ -525,7 +553,18 @@ class _WholeStateAverager(TrainingStateAverager, _AveragerWatch):  # type: ignor
 
     While this trainer is itself downloading state it refuses to serve (two trainers
     downloading from each other would each wait for the other's lock).
+
+    hivemind copies the averager's buffers into the parameters after a parameter round
+    even when it stopped waiting for the round (its timeout) while the round still runs
+    and writes averaged parts into those buffers: the parameters would be a mix of this
+    trainer's own and averaged parts, a weight set no other trainer has (seen on a fresh
+    2-core clone: 6e-4 apart at one version). Here only a whole average is copied;
+    otherwise the parameters stay this trainer's own and `unapplied` counts it, for
+    `SwarmOptimizer` to take a peer's state for that version. Checked against hivemind
+    1.1.12's TrainingStateAverager._do and _apply_averaging_results_.
     """
+
+    unapplied = 0
 
     def __init__(
         self,
@@ -539,6 +578,34 @@ class _WholeStateAverager(TrainingStateAverager, _AveragerWatch):  # type: ignor
         self._loading = loading
         self._state_chunk_timeout_s = state_chunk_timeout_s
         super().__init__(*args, **kwargs)
+
+    def _do(
+        self,
+        wait_for_trigger: Any,
+        optimizer_step: bool,
+        zero_grad: bool,
+        averaging_round: bool,
+        averaging_control: Any,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        self.last_round = averaging_control  # replaced by `step` if hivemind begins another
+        return super()._do(
+            wait_for_trigger,
+            optimizer_step,
+            zero_grad,
+            averaging_round,
+            averaging_control,
+            *args,
+            **kwargs,
+        )
+
+    def _apply_averaging_results_(self) -> None:
+        if not _whole(self.last_round):
+            self.unapplied += 1
+            log.info("a parameter round had not ended whole: this trainer keeps its own step")
+            return
+        super()._apply_averaging_results_()
 
     async def _load_state_from_peers(self, future: Any, timeout: float | None = None) -> None:
         # Runs in the averager's process, never during its own all-reduce (a download runs
@@ -776,15 +843,21 @@ def _incomplete(control: Any) -> bool:
     return _ended(control) and control.exception() is None and incomplete(control.result())
 
 
-def _averaged(control: Any) -> bool:
-    """Whether a parameter round ended with this peer holding the whole average of its own
-    and at least one other peer's parameters."""
+def _whole(control: Any) -> bool:
+    """Whether a round (StepControl) has ended, without error, with the whole average."""
     if not _ended(control) or control.exception() is not None:
         return False
     result = control.result()
-    if not isinstance(result, RoundResult):
-        return bool(result)
-    return not incomplete(result) and not result.partial and bool(result.contributors)
+    return not isinstance(result, RoundResult) or not (incomplete(result) or result.partial)
+
+
+def _averaged(control: Any) -> bool:
+    """Whether a parameter round ended with this peer holding the whole average of its own
+    and at least one other peer's parameters."""
+    if not _whole(control):
+        return False
+    result = control.result()
+    return bool(result.contributors) if isinstance(result, RoundResult) else bool(result)
 
 
 def _failed(control: Any) -> bool:
@@ -913,6 +986,7 @@ class SwarmOptimizer:
                 self.optimizer.zero_grad()
                 return StepOutcome(self.epoch, applied=False, discarded=True)
             averager = self.optimizer.state_averager
+            unapplied = averager.unapplied
             rounds = [self.optimizer.scheduled_state]
             averager.rounds = ()
             self.optimizer.peer_batches = ()
@@ -928,7 +1002,9 @@ class SwarmOptimizer:
             self.optimizer.incomplete_rounds += sum(_incomplete(r) for r in rounds)
             withheld = False
             if self.epoch > epoch and (
-                any(_failed(r) for r in rounds) or self._unaveraged(rounds, epoch)
+                any(_failed(r) for r in rounds)
+                or self._unaveraged(rounds, epoch)
+                or averager.unapplied > unapplied
             ):
                 # The gradients were averaged, but the parameters were not (or not all of
                 # them): hivemind keeps this trainer's own result, which can differ from

@@ -149,10 +149,12 @@ class Trainer:
         loaded = False
         records: list[protocol.NodeRecord] = []
         if cfg.swarm.initial_peers:
-            log.info("joined the swarm; loading its state from peers")
-            records = self.directory.records()
+            mine = int(resume["policy_version"]) if resume is not None else 0
+            records = self._wait_for_newer_checkpoint(mine)
             self.other_trainers = self._other_trainers_in(records)
-            loaded = self.swarm.load_state_from_peers()
+            if resume is None or max(self._other_versions(), default=-1) > mine:
+                log.info("joined the swarm; loading its state from peers")
+                loaded = self.swarm.load_state_from_peers()
         resumed = -1
         if loaded:
             self.lineage = self._swarm_lineage()
@@ -379,6 +381,35 @@ class Trainer:
         if not records:
             return self.lineage
         return max(records, key=lambda r: r.policy_version).lineage
+
+    def _wait_for_newer_checkpoint(self, mine: int) -> list[protocol.NodeRecord]:
+        """The directory's records, once a trainer that saved a checkpoint newer than
+        version `mine` is live again (or after swarm.rejoin_wait_s): its steps were
+        reported trained, and training on from older weights would lose them."""
+        cfg = self.config.swarm
+        own = str(self.dht.peer_id)
+        newer = max(
+            (m.version for peer, m in self.directory.checkpoints().items() if peer != own),
+            default=-1,
+        )
+        records = self.directory.records()
+        if newer <= mine or not cfg.rejoin_wait_s:
+            return records
+        log.warning(
+            "another trainer saved version %d, newer than this trainer's %d: waiting up to "
+            "%.0f s for it to be live (swarm.rejoin_wait_s)",
+            newer,
+            mine,
+            cfg.rejoin_wait_s,
+        )
+        deadline = time.monotonic() + cfg.rejoin_wait_s
+        while time.monotonic() < deadline:
+            if any(r.policy_version >= newer for r in self._other_trainers_in(records).values()):
+                return records
+            time.sleep(cfg.heartbeat_s)
+            records = self.directory.records()
+        log.warning("no trainer holding version %d came back; going on from %d", newer, mine)
+        return records
 
     def _used_lineages(self) -> set[str]:
         """The lineages this trainer (any earlier life, same run dir) has published under."""
@@ -725,6 +756,7 @@ class Trainer:
                 older.unlink()
         prune_checkpoints(root, self.config.trainer.keep_checkpoints)
         self.book.checkpointed(self.version)
+        self.directory.record_checkpoint(str(self.dht.peer_id), Mark(self.lineage.id, self.version))
         log.info("checkpoint %s", directory)
 
     def _load_params(self, params: dict[str, torch.Tensor]) -> None:

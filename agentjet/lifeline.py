@@ -263,10 +263,14 @@ def exit_reason(exitcode: int) -> str:
 
 
 async def watch_children(
-    children: Mapping[str, BaseProcess], role: str, interval_s: float = CHILD_POLL_S
+    children: Mapping[str, BaseProcess],
+    role: str,
+    interval_s: float = CHILD_POLL_S,
+    exit_after_s: float | None = None,
 ) -> None:
     """Run until cancelled; raise ChildProcessDied once one of `children` (a name for
-    people, and a process this process started) has exited. A role loop: a role waiting on
+    people, and a process this process started) has exited (and, with `exit_after_s`,
+    end this process that long after, should its cleanup hang on the dead child). A role loop: a role waiting on
     a dead helper would wait forever."""
     while True:
         for name, child in children.items():
@@ -275,7 +279,8 @@ async def watch_children(
                 error = ChildProcessDied(
                     f"{name} process {child.pid} died ({exit_reason(code)}); the {role} stops"
                 )
-                exit_after(CLEANUP_AFTER_CHILD_DEATH_S, error)
+                if exit_after_s is not None:
+                    exit_after(exit_after_s, error)
                 raise error
         await asyncio.sleep(interval_s)
 

@@ -48,7 +48,7 @@ from agentjet import protocol, rl
 from agentjet.config import Config
 from agentjet.errors import ModelError
 from agentjet.keys import swarm_keys
-from agentjet.lifeline import watch_children
+from agentjet.lifeline import CLEANUP_AFTER_CHILD_DEATH_S, watch_children
 from agentjet.metrics import MetricsWriter, Rate
 from agentjet.roles import print_join_command, run_role, supervise
 from agentjet.tasks import TaskSource
@@ -238,7 +238,11 @@ class Trainer:
                 "trainer-heartbeat": self._heartbeat(),
                 # A step would wait forever on a dead hivemind process (the OOM killer's
                 # pick is the largest): the trainer stops, with one line that says so.
-                "trainer-children": watch_children(self.swarm.processes(), "trainer"),
+                "trainer-children": watch_children(
+                    self.swarm.processes(),
+                    "trainer",
+                    exit_after_s=CLEANUP_AFTER_CHILD_DEATH_S,  # cleanup may hang on the dead
+                ),
             },
         )
 

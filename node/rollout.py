@@ -709,7 +709,9 @@ class Rollout:
     async def _fetch_weights(self, source: TrainerPeer) -> bool:
         """Fetch `source`'s policy version when it supersedes the newest this node has
         (`Lineage.supersedes`); False when `source` did not answer."""
-        client = self.clients[source.node_id]
+        client = self.clients.get(source.node_id)
+        if client is None:  # gone while an earlier source was asked
+            return False
         try:
             info = await client.request(protocol.PolicyQuery())
             if not isinstance(info, protocol.PolicyInfo):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -154,13 +155,18 @@ class Ledger:
                 counts["resent"] += 1
         return counts
 
-    def trainer_gone(self, trainer_id: str, trained: set[str]) -> dict[str, int]:
-        """Its groups: marked trained in the DHT are done; the rest go to other trainers."""
-        counts = {"trained": 0, "resent": 0}
+    def trainer_gone(
+        self, trainer_id: str, trained: AbstractSet[str], waiting: AbstractSet[str] = frozenset()
+    ) -> dict[str, int]:
+        """Its groups: marked trained in the DHT are done, `waiting` ones stay held by it
+        (their marks cannot be read yet); the rest go to other trainers."""
+        counts = {"trained": 0, "resent": 0, "waiting": 0}
         for pending in self.held_by(trainer_id):
             if pending.group.group_id in trained:
                 self._forget(pending.group.group_id)
                 counts["trained"] += 1
+            elif pending.group.group_id in waiting:
+                counts["waiting"] += 1
             else:
                 pending.state, pending.trainer = "new", None
                 counts["resent"] += 1

@@ -144,7 +144,8 @@ class Rollout:
         self.missing_since: dict[str, float] = {}  # trainer id -> when its record vanished
         # Trainers gone while no other trainer was live: whether their groups are trained
         # can only be read against a live trainer's lineage, so that waits for one.
-        self.departed: list[str] = []
+        # (trainer id -> when it was found gone; its groups with undecided marks wait)
+        self.departed: dict[str, float] = {}
         # The lineage of the engine's weights (protocol.Lineage; "" = the base weights).
         self.lineage = protocol.Lineage()
         self.samples_per_s = 0.0
@@ -577,7 +578,7 @@ class Rollout:
                 continue
             del self.trainers[trainer_id], self.missing_since[trainer_id]
             self.retired.append(self.clients.pop(trainer_id))
-            self.departed.append(trainer_id)
+            self.departed[trainer_id] = time.monotonic()
         await self._settle_departed()
         self._apply_coordinator(records)
 
@@ -588,17 +589,26 @@ class Rollout:
     async def _settle_departed(self) -> None:
         """The groups of gone trainers: trained if a durable mark says so (a live trainer's
         weights hold their step), else offered to the live trainers. With no trainer live
-        nothing can be told: they wait, held by the gone trainer, until one is."""
+        nothing can be told: they wait, held by the gone trainer, until one is. A group whose
+        mark a live trainer of the mark's lineage is still behind waits too, for up to
+        swarm.rejoin_wait_s: the listed trainer may be dead and the one that holds the step
+        restarting (both trainers killed at once), and sending it again would train it twice."""
         if not self.departed or not self.trainers:
             return
         assert self.directory is not None
-        departed, self.departed = self.departed, []
-        for trainer_id in departed:
+        for trainer_id, since in list(self.departed.items()):
             ids = [p.group.group_id for p in self.ledger.held_by(trainer_id)]
-            trained = (
-                await asyncio.to_thread(self.directory.trained, ids, self._live()) if ids else {}
-            )
-            counts = self.ledger.trainer_gone(trainer_id, set(trained))
+            live = self._live()
+            trained = await asyncio.to_thread(self.directory.trained, ids, live) if ids else {}
+            waiting: set[str] = set()
+            if time.monotonic() - since < self.config.swarm.rejoin_wait_s:
+                rest = [g for g in ids if g not in trained]
+                waiting = await asyncio.to_thread(self.directory.undecided, rest, live)
+            counts = self.ledger.trainer_gone(trainer_id, set(trained), waiting)
+            if not waiting:
+                del self.departed[trainer_id]
+            if not (counts["trained"] or counts["resent"]):
+                continue
             self.metrics.write(
                 {
                     "event": "trainer_gone",
@@ -606,16 +616,18 @@ class Rollout:
                     "trained_group_ids": sorted(trained),
                     "trained_through_batches": through_batches(trained),
                     "resent": counts["resent"],
+                    "waiting": counts["waiting"],
                 }
             )
             self.counts["groups_trained"] += counts["trained"]
             self.counts["groups_resent_elsewhere"] += counts["resent"]
             log.warning(
                 "trainer %s is gone: %d of its groups were trained (durably), %d go to other "
-                "trainers",
+                "trainers, %d wait for its peers' marks to be read",
                 trainer_id,
                 counts["trained"],
                 counts["resent"],
+                counts["waiting"],
             )
             self.unsent.set()
 

@@ -376,6 +376,16 @@ class Directory:
             log.info("%d groups are trained by a peer's mark of their batch", len(through))
         return marks | {g: min(intents[g] & marked) for g in through}
 
+    def undecided(
+        self, group_ids: Iterable[str], live: list[tuple[protocol.Lineage, int]]
+    ) -> set[str]:
+        """The ones among `group_ids` marked trained by a step no live trainer holds yet,
+        though one of that step's own lineage, behind it, is listed: a view of the swarm
+        from before its trainers restarted, or a peer catching up. Neither trained nor
+        to send again yet (`undecided_mark`)."""
+        marks = self._marks(self.trained_prefix, list(group_ids))
+        return {g for g, m in marks.items() if undecided_mark(m, live)}
+
     def marked_batches(self, batch_ids: Iterable[str]) -> set[str]:
         """The ones among `batch_ids` some trainer has marked trained."""
         return set(self._marks(self.trained_batch_prefix, list(batch_ids)))
@@ -407,6 +417,14 @@ def read_mark(found: Any) -> Mark | None:
     ):
         return Mark(value[0], value[1])
     return None
+
+
+def undecided_mark(mark: Mark, live: list[tuple[protocol.Lineage, int]]) -> bool:
+    """Whether the live trainers can neither confirm a mark (`durable`) nor rule it out:
+    a trainer of the mark's own lineage is listed behind its version."""
+    return not durable(mark, live) and any(
+        lineage.id == mark.lineage and newest < mark.version for lineage, newest in live
+    )
 
 
 def durable(mark: Mark, live: Iterable[tuple[protocol.Lineage, int]]) -> bool:

@@ -75,9 +75,26 @@ def test_an_unanswered_group_goes_only_to_the_same_trainer_until_it_is_gone() ->
     assert ledger.pick(g, {"a": a, "b": b}, now=0.1) is None  # a is backing off, b is not asked
     assert ledger.pick(g, {"a": a, "b": b}, now=5.0) is a
     # a dies: what the DHT marks trained is done, the rest goes to b
-    assert ledger.trainer_gone("a", trained={"h"}) == {"trained": 1, "resent": 1}
+    assert ledger.trainer_gone("a", trained={"h"}) == {"trained": 1, "resent": 1, "waiting": 0}
     assert [p.group.group_id for p in ledger.to_offer()] == ["g"]
     assert ledger.pick(g, {"b": b}, now=5.0) is b
+
+
+def test_a_group_whose_mark_cannot_be_read_yet_stays_with_the_gone_trainer() -> None:
+    """Both trainers killed at once: the mark's step is in no listed trainer yet, but a
+    trainer of its lineage is listed behind it (a dead one's record, or one catching up)."""
+    ledger = ledger_with("g", "h")
+    a = TrainerPeer("a", "tcp://h:1")
+    for pending in ledger.to_offer():
+        ledger.offered(pending, a, ack(pending.group.group_id, "accepted"), now=0.0)
+    assert ledger.trainer_gone("a", trained=set(), waiting={"g"}) == {
+        "trained": 0,
+        "resent": 1,
+        "waiting": 1,
+    }
+    assert [p.group.group_id for p in ledger.to_offer()] == ["h"]
+    assert [p.group.group_id for p in ledger.held_by("a")] == ["g"]  # read again later
+    assert ledger.trainer_gone("a", trained={"g"}) == {"trained": 1, "resent": 0, "waiting": 0}
 
 
 def test_backpressure_counts_only_groups_no_trainer_holds() -> None:

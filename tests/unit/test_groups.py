@@ -12,7 +12,7 @@ import pytest
 from agentjet import protocol
 from agentjet.protocol import Lineage, fork_id
 from node.groups import GroupBook
-from node.swarm import Mark, durable, read_mark
+from node.swarm import Mark, durable, read_mark, undecided_mark
 
 pytestmark = pytest.mark.unit
 
@@ -104,6 +104,14 @@ def test_a_mark_is_durable_only_while_a_live_trainer_holds_its_step():
     assert durable(Mark("", 4), [(Lineage(id="L2", ancestors={"": 4}), 9)])
     assert durable(Mark("L1", 4), [(Lineage(id="L2", ancestors={"L1": 4}), 4)])
     assert not durable(mark, [])  # no live trainer: nothing to hold it
+
+
+def test_a_mark_a_trainer_of_its_lineage_is_behind_is_undecided():
+    mark = Mark("", 56)
+    assert undecided_mark(mark, [(Lineage(), 54)])  # a stale record, or catching up
+    assert not undecided_mark(mark, [(Lineage(), 56)])  # held: durable
+    assert not undecided_mark(mark, [(Lineage().fork(54), 60)])  # ruled out: forked at 54
+    assert not undecided_mark(mark, [(Lineage().fork(56), 57)])  # held by the fork
 
 
 @pytest.mark.parametrize(

@@ -270,8 +270,8 @@ async def watch_children(
 ) -> None:
     """Run until cancelled; raise ChildProcessDied once one of `children` (a name for
     people, and a process this process started) has exited (and, with `exit_after_s`,
-    end this process that long after, should its cleanup hang on the dead child). A role loop: a role waiting on
-    a dead helper would wait forever."""
+    end this process that long after, should its cleanup hang on the dead child). A role
+    loop: a role waiting on a dead helper would wait forever."""
     while True:
         for name, child in children.items():
             code = child.exitcode  # reaps it: only its parent may ask

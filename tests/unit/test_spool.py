@@ -55,7 +55,7 @@ def test_a_restored_group_goes_back_only_to_the_trainer_that_held_it(tmp_path: P
     for _ in range(10):  # never the less loaded b: a may have it queued
         assert restored.pick(pending, trainers, now=0.0) is trainers["a"]
     # a is gone, and no mark says trained: it goes to another trainer
-    assert restored.trainer_gone("a", trained=set()) == {"trained": 0, "resent": 1}
+    assert restored.trainer_gone("a", trained=set()) == {"trained": 0, "resent": 1, "waiting": 0}
     assert restored.pick(pending, {"b": trainers["b"]}, now=0.0) is trainers["b"]
 
 

@@ -146,6 +146,7 @@ def _expiry(token: AccessToken) -> datetime | None:
 EXPECTED_SWARM_ERRORS = (
     "Failed to download state from",  # averaging/averager.py: a dead peer's record
     "Failed to load state from peer",  # optim/optimizer.py, state_averager.py
+    "could not find a group",  # averaging/averager.py: no peer to average with (gone, busy)
     "dial to self attempted",
     "failed to dial",
     "connection refused",

@@ -205,13 +205,15 @@ class GroupBook:
         # reached yet): the groups stay accumulated.
         return StepGroups()
 
-    def trained(self, groups: list[protocol.TrajectoryGroup], version: int) -> None:
-        """These groups' gradients are in the weights of `version`; logged with it."""
+    def trained(
+        self, groups: list[protocol.TrajectoryGroup], version: int, lineage: str = ""
+    ) -> None:
+        """These groups' gradients are in the weights `version` of `lineage`; logged so."""
         for group in groups:
             self._remember(group.group_id, "trained")
             self.undurable[group.group_id] = version
             if self.log is not None:
-                self.log.write(f"{version}\t{group.group_id}\n")
+                self.log.write(f"{version}\t{group.group_id}\t{lineage}\n")
         if self.log is not None:
             self.log.flush()
 
@@ -256,14 +258,22 @@ class GroupBook:
 
     # ── the trained log ───────────────────────────────────────────────────────────
 
-    def open_log(self, path: Path, resumed_version: int) -> None:
-        """Append-only: each trained group's id and the version of its step. On start, the
-        groups of steps up to the checkpoint resumed from (`resumed_version`) count as
-        trained, and durable, again."""
+    def open_log(
+        self, path: Path, resumed_version: int, lineage: protocol.Lineage | None = None
+    ) -> None:
+        """Append-only: each trained group's id, and the version and lineage of its step.
+        On start, the groups of steps the checkpoint resumed from holds (its version
+        `resumed_version`, in the history of `lineage`, the one resumed into) count as
+        trained, and durable, again; steps of earlier lives past their checkpoints do not."""
+        history = lineage or protocol.Lineage()
         if resumed_version > 0 and path.exists():
             for line in path.read_text().splitlines():
-                version, _, group_id = line.partition("\t")
-                if version.isdigit() and group_id and int(version) <= resumed_version:
+                version, group_id, step_lineage = ([*line.split("\t"), ""])[:3]
+                if (
+                    version.isdigit()
+                    and group_id
+                    and history.holds(step_lineage, int(version), resumed_version)
+                ):
                     self._remember(group_id, "trained")
         self.checkpointed_version = max(self.checkpointed_version, resumed_version)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -180,7 +180,7 @@ class Trainer:
                 )
         self._record_lineage()
         self.version = self.swarm.epoch
-        self.book.open_log(self.run_dir / "trained_groups.log", resumed)
+        self.book.open_log(self.run_dir / "trained_groups.log", resumed, self.lineage)
         cleanup.callback(self.book.close_log)
         self.learner = Learner(
             self.model,
@@ -608,7 +608,7 @@ class Trainer:
         trained, again = self.book.settle(marked, self.version, others)
         for batch in trained:
             # This trainer's weights (version `self.version`) hold the peer's step.
-            self.book.trained(batch.groups, self.version)
+            self.book.trained(batch.groups, self.version, self.lineage.id)
             self.counts["groups_trained_by_peer"] += len(batch.groups)
             log.info(
                 "batch %s: a peer stepped with it; %d groups are trained",
@@ -708,7 +708,7 @@ class Trainer:
             self.counts["groups_requeued"] += len(groups.requeued)
             log.info("step not taken: %d groups go back to the queue", len(groups.requeued))
         if groups.trained:
-            self.book.trained(groups.trained, version)
+            self.book.trained(groups.trained, version, self.lineage.id)
             self.counts["groups_trained"] += len(groups.trained)
             ids = [g.group_id for g in groups.trained]
             mark = Mark(self.lineage.id, version)

@@ -205,18 +205,26 @@ def test_a_trainer_resumed_from_its_checkpoint_knows_the_groups_of_the_steps_it_
     tmp_path: Path,
 ) -> None:
     """Killed at v7 with a checkpoint at v4: the groups of steps up to v4 are trained (and
-    durable), those of v5-v7 unknown, so rollout nodes offer them again."""
+    durable), those of v5-v7 unknown, so rollout nodes offer them again. A dead first
+    life's step at v2 of the root lineage (killed before any checkpoint; the second life
+    forked the root at 0) is not in the resumed weights either."""
     log = tmp_path / "trained_groups.log"
+    dead = GroupBook()
+    dead.open_log(log, resumed_version=-1)
+    dead.trained([group("first-life")], 2, "")
+    dead.close_log()
+    second = Lineage().fork(0)
     first = GroupBook()
-    first.open_log(log, resumed_version=-1)
+    first.open_log(log, resumed_version=-1, lineage=second)
     for version in range(1, 8):
-        first.trained([group(f"g{version}")], version)
+        first.trained([group(f"g{version}")], version, second.id)
         if version == 4:
             first.checkpointed(4)
     first.close_log()  # the SIGKILL: nothing more is written
     resumed = GroupBook()
-    resumed.open_log(log, resumed_version=4)
+    resumed.open_log(log, resumed_version=4, lineage=second.fork(4))
     assert [resumed.status(f"g{v}") for v in range(1, 8)] == ["trained"] * 4 + ["unknown"] * 3
+    assert resumed.status("first-life") == "unknown"
     assert resumed.checkpointed_version == 4
     resumed.close_log()
 

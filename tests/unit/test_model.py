@@ -7,6 +7,7 @@ import threading
 import time
 from pathlib import Path
 
+import huggingface_hub.constants
 import pytest
 import torch
 
@@ -81,9 +82,15 @@ def test_a_missing_local_path_says_so(tmp_path: Path) -> None:
         resolve_model(str(tmp_path / "no-such-model"), str(tmp_path))
 
 
-def test_an_id_missing_from_the_hf_cache_says_how_to_get_it(tmp_path: Path) -> None:
-    with pytest.raises(ModelError, match="huggingface-cli download someorg/some-model"):
+def test_an_id_missing_from_the_hf_cache_says_how_to_get_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Offline mode (HF_HUB_OFFLINE, read at import) keeps this test off the network; the
+    # download path itself is tested against a local hub in test_model_download.py.
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ModelError, match="hf download someorg/some-model") as e:
         resolve_model("someorg/some-model", str(tmp_path))
+    assert "offline mode is on" in str(e.value)
 
 
 def test_an_unknown_embedded_name_lists_the_known_one(tmp_path: Path) -> None:

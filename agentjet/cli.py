@@ -29,7 +29,7 @@ from agentjet.errors import AgentjetError
 from agentjet.keys import DEFAULT_KEYS_FILE, SwarmKeys, swarm_keys, write_keys
 
 if TYPE_CHECKING:
-    from agentjet.protocol import CoordinatorStatus, NodeRecord, SchedulerRow
+    from agentjet.protocol import CoordinatorStatus, GpuStats, NodeRecord, SchedulerRow
 
 # `agentjet status` gives up on a coordinator that has not answered within this long.
 STATUS_TIMEOUT_S = 5.0
@@ -445,23 +445,16 @@ def _swarm_status(args: argparse.Namespace, keys: SwarmKeys | None) -> int:
 
 
 def format_swarm(records: list[NodeRecord], now: float) -> str:
-    """The swarm's nodes by role: address, policy version, queue, throughput, last heartbeat;
-    then the nodes each trainer has quarantined."""
+    """The swarm's nodes by role: address, policy version, queue, throughput, last heartbeat,
+    each GPU the node uses (one line each); then the nodes each trainer has quarantined."""
     if not records:
         return "no live nodes in the swarm's directory (is --run-id right?)"
     order = {"coordinator": 0, "trainer": 1, "rollout": 2}
-    header = ("role", "node", "address", "version", "queue", "samples/s", "heartbeat")
+    header = ("role", "node", "address", "version", "queue", "samples/s", "heartbeat", "gpus")
     rows = [
-        (
-            r.role,
-            r.node_id,
-            r.endpoint or (r.maddrs[0] if r.maddrs else "-"),
-            str(r.policy_version) if r.role != "coordinator" else "-",
-            f"{r.queue}/{r.capacity}" if r.role != "coordinator" else "-",
-            f"{r.samples_per_s:.2f}" if r.role != "coordinator" else "-",
-            f"{max(now - r.time, 0):.1f} s ago",
-        )
+        row
         for r in sorted(records, key=lambda r: (order.get(r.role, 3), r.node_id))
+        for row in _node_rows(r, now)
     ]
     counts = ", ".join(f"{sum(r.role == role for r in records)} {role}" for role in order)
     quarantines = [
@@ -469,7 +462,37 @@ def format_swarm(records: list[NodeRecord], now: float) -> str:
         for r in sorted(records, key=lambda r: r.node_id)
         if r.quarantined
     ]
-    return "\n".join([f"swarm: {counts}", *_aligned([header, *rows]), *quarantines])
+    table = _aligned([header, *rows], left=(0, len(header) - 1))
+    return "\n".join([f"swarm: {counts}", *table, *quarantines])
+
+
+def _node_rows(r: NodeRecord, now: float) -> list[tuple[str, ...]]:
+    """A node's line of the swarm's table, and one more (blank but for the gpus column) per
+    GPU past its first."""
+    working = r.role != "coordinator"
+    gpus = [_gpu_cell(gpu) for gpu in r.gpus] or ["-"]
+    first = (
+        r.role,
+        r.node_id,
+        r.endpoint or (r.maddrs[0] if r.maddrs else "-"),
+        str(r.policy_version) if working else "-",
+        f"{r.queue}/{r.capacity}" if working else "-",
+        f"{r.samples_per_s:.2f}" if working else "-",
+        f"{max(now - r.time, 0):.1f} s ago",
+        gpus[0],
+    )
+    return [first, *(("",) * (len(first) - 1) + (gpu,) for gpu in gpus[1:])]
+
+
+def _gpu_cell(gpu: GpuStats) -> str:
+    """One GPU as `0: 87% 30.1/80.0 GiB 312 W 64C` (power and temperature where reported)."""
+    used, total = gpu.mem_used_mb / 1024, gpu.mem_total_mb / 1024
+    cell = f"{gpu.index}: {gpu.util_pct:.0f}% {used:.1f}/{total:.1f} GiB"
+    if gpu.power_w is not None:
+        cell += f" {gpu.power_w:.0f} W"
+    if gpu.temp_c is not None:
+        cell += f" {gpu.temp_c:.0f}C"
+    return cell
 
 
 async def _fetch_status(
@@ -553,12 +576,13 @@ def _row_cells(row: SchedulerRow, extra: tuple[str, ...]) -> tuple[str, ...]:
     )
 
 
-def _aligned(rows: list[tuple[str, ...]]) -> list[str]:
-    """Columns padded to their widest cell: names left-aligned, numbers right-aligned."""
+def _aligned(rows: list[tuple[str, ...]], left: tuple[int, ...] = (0,)) -> list[str]:
+    """Columns padded to their widest cell: the `left` columns (names) left-aligned, the
+    others (numbers) right-aligned."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return [
         "  ".join(
-            cell.ljust(width) if i == 0 else cell.rjust(width)
+            cell.ljust(width) if i in left else cell.rjust(width)
             for i, (cell, width) in enumerate(zip(row, widths, strict=True))
         ).rstrip()
         for row in rows

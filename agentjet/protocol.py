@@ -25,7 +25,8 @@ import numpy as np
 # 2: Task.setup/check (sandboxed environments), Sample.faults and Sample.episode.
 # 3: groups are held until trained (GroupStatusQuery); NodeRecord in the swarm's DHT.
 # 4: policy lineages (Lineage in PolicyInfo and NodeRecord, TrajectoryGroup.lineage).
-PROTOCOL_VERSION = 4
+# 5: NodeRecord.gpus (a v4 peer refuses the unknown field, so it would skip every record).
+PROTOCOL_VERSION = 5
 
 # Earlier lineages a Lineage remembers (one per trainer restart from a checkpoint).
 MAX_ANCESTORS = 16
@@ -340,6 +341,23 @@ TrainerReply = Welcome | GroupAck | GroupStatus | PolicyInfo | WeightChunk | Err
 # ── discovery (values in the swarm's DHT, not on a socket) ────────────────────────
 
 
+class GpuStats(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """One GPU a node uses, as NVML saw it at its last heartbeat (node/gpu_monitor.py).
+
+    `index` is the CUDA index as the node's role sees it (after CUDA_VISIBLE_DEVICES);
+    memory is in MiB (2**20 bytes, as nvidia-smi counts). `power_w` and `temp_c` are None
+    where the board does not report them.
+    """
+
+    index: int
+    name: str
+    util_pct: float
+    mem_used_mb: float
+    mem_total_mb: float
+    power_w: float | None = None
+    temp_c: float | None = None
+
+
 class NodeRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """What a node says about itself in the swarm's DHT, refreshed every heartbeat.
 
@@ -362,6 +380,8 @@ class NodeRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     quarantined: list[str] = msgspec.field(default_factory=list)
     # A trainer's policy lineage (its `policy_version` is of that lineage).
     lineage: Lineage = msgspec.field(default_factory=Lineage)
+    # NVML, per GPU the node uses (node/gpu_monitor.py); empty on CPU nodes.
+    gpus: list[GpuStats] = msgspec.field(default_factory=list)
 
 
 # ── codecs ────────────────────────────────────────────────────────────────────────

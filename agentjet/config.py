@@ -32,6 +32,10 @@ SANDBOXED_ENVS = ("python_tool", "python_code", "shell", "react")
 AGENT_ENVS = ("react", "agent")
 
 
+# What a device key may say (agentjet/devices.py resolves it on the machine).
+DEVICE_PATTERN = r"auto|cpu|cuda(:\d+)?"
+
+
 def is_endpoint(text: str) -> bool:
     """A ZMQ endpoint this project connects to: tcp://HOST:PORT or ipc://PATH."""
     return re.fullmatch(r"(tcp://[^:/\s]+:\d{1,5}|ipc://\S+)", text) is not None
@@ -46,8 +50,10 @@ class ModelConfig(_Section):
     name: str = EMBEDDED_MODEL
     # Where converted models are cached (the embedded GGUF is dequantized once, ~17 s).
     cache_dir: str = "~/.cache/agentjet/models"
-    # Weights dtype for the engine and the learner. float32 is the safe default on CPU.
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    # Compute dtype of the engine and the learner: "auto" is bfloat16 on CUDA, float32 on
+    # CPU. The learner keeps float32 weights and optimizer state whatever this says and
+    # computes in it (autocast); policy versions travel in it.
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     # LoRA (peft): rank of the adapters trained instead of the full weights; 0 = train all
     # weights. With LoRA only adapter tensors are averaged between trainers and sent to
     # rollout nodes, which add (lora_alpha / lora_rank) * B @ A to their base weights.
@@ -84,6 +90,17 @@ class RolloutConfig(_Section):
     spool_max_bytes: Annotated[int, Meta(ge=1 << 20)] = 1 << 30
     # torch intra-op threads for the engine (2-core boxes share cores with the trainer).
     torch_threads: PositiveInt = 1
+    # Inference engine: "torch" (KV-cached batched sampling in plain torch, CPU or CUDA),
+    # "vllm" (CUDA; the gpu extra) or "auto" (vllm when it is installed and the device is a
+    # CUDA GPU, else torch). Evaluation uses the same engine and device.
+    engine: Literal["auto", "torch", "vllm"] = "auto"
+    # Where the engine (and LoRA merging) runs: "auto" (the first CUDA GPU when there is
+    # one, else cpu), "cpu", "cuda" or "cuda:N".
+    device: str = "auto"
+    # Share of its GPU's memory the engine may take (vLLM's gpu_memory_utilization; a cap
+    # on the torch engine's allocator). 0 = auto: 0.9 with the GPU to itself, 0.45 when
+    # `agentjet local` puts the trainer on the same GPU.
+    gpu_memory_share: Annotated[float, Meta(ge=0, lt=1)] = 0.0
     # The OpenAI-compatible endpoint of agent environments: HOST:PORT (port 0 = any free
     # one; give a fixed one for external agents), and the token external agents must send
     # to claim episodes ("" = none; keep the endpoint on loopback then).
@@ -175,6 +192,14 @@ class TrainerConfig(_Section):
     # ~0.5 GB); 0 = keep every one.
     keep_checkpoints: NonNegInt = 5
     torch_threads: PositiveInt = 1
+    # Where the learner runs: "auto" (the first CUDA GPU when there is one, else cpu),
+    # "cpu", "cuda" or "cuda:N". `agentjet local` on a box with several GPUs gives the
+    # trainer its own (cuda:1, the rollout node cuda:0).
+    device: str = "auto"
+    # Share of its GPU's memory the learner may take (a cap on torch's allocator; a step
+    # that needs more fails with CUDA out of memory). 0 = auto: 0.9 with the GPU to
+    # itself, 0.45 when `agentjet local` puts the rollout node on the same GPU.
+    gpu_memory_share: Annotated[float, Meta(ge=0, lt=1)] = 0.0
     # Verified trajectories. A group is rejected (never trained) when one of its samples'
     # reported sampler logprobs differ from the learner's own by more than this, as a mean
     # |difference| per trained token in nats: made-up logprobs, altered tokens or another
@@ -491,6 +516,13 @@ def _check(config: Config) -> None:
         raise ConfigError(
             "config error at net.weight_chunk_bytes: must be smaller than net.max_message_bytes"
         )
+    devices = {"rollout.device": config.rollout.device, "trainer.device": config.trainer.device}
+    for key, device in devices.items():
+        if not re.fullmatch(DEVICE_PATTERN, device):
+            raise ConfigError(
+                f"config error at {key}: {device!r} is not a device "
+                "(allowed: auto, cpu, cuda, cuda:N)"
+            )
     if config.net.keys and config.net.insecure:
         raise ConfigError(
             "config error at net.insecure: net.keys is set too; use the keys or run insecure"

@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from agentjet.config import Config, to_toml
+from agentjet.config import Config, load_config, to_toml
+from agentjet.errors import ConfigError
 from agentjet.keys import DEFAULT_KEYS_FILE, write_keys
 from agentjet.lifeline import descendants, process_table
 
@@ -37,6 +38,8 @@ STOP_GRACE_S = 60.0
 # How long a SIGKILLed daemon may take to disappear from the process table.
 DAEMON_EXIT_S = 10.0
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+# The child that finds the GPUs imports torch (a few seconds on a small box).
+PLACE_TIMEOUT_S = 120.0
 
 
 def free_port() -> int:
@@ -122,6 +125,44 @@ class Progress:
             )
 
 
+def place_roles(config: Config) -> Config:
+    """The config with the rollout node's and the trainer's devices and GPU memory shares
+    set for this machine (agentjet/devices.py `place_local`), asked of a child process."""
+    import msgspec
+
+    argv = [sys.executable, "-m", "agentjet.devices", config.rollout.device, config.trainer.device]
+    argv += [str(config.rollout.gpu_memory_share), str(config.trainer.gpu_memory_share)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=PLACE_TIMEOUT_S)
+    if done.returncode != 0:
+        lines = done.stderr.strip().splitlines() or [f"exit code {done.returncode}"]
+        raise ConfigError(lines[-1])
+    placed = json.loads(done.stdout)
+    return msgspec.structs.replace(
+        config,
+        rollout=msgspec.structs.replace(
+            config.rollout,
+            device=placed["rollout_device"],
+            gpu_memory_share=placed["rollout_share"],
+        ),
+        trainer=msgspec.structs.replace(
+            config.trainer,
+            device=placed["trainer_device"],
+            gpu_memory_share=placed["trainer_share"],
+        ),
+    )
+
+
+def describe_placement(config: Config) -> str:
+    """One line: where each computing role runs."""
+
+    def where(device: str, share: float) -> str:
+        return f"{device} ({share:.0%} of its memory)" if device.startswith("cuda") else device
+
+    rollout = where(config.rollout.device, config.rollout.gpu_memory_share)
+    trainer = where(config.trainer.device, config.trainer.gpu_memory_share)
+    return f"devices: rollout node {rollout}, trainer {trainer}"
+
+
 def prepare_run(config: Config, run_dir: Path) -> Path:
     """Resolve endpoints to free loopback ports and write the config all roles will read.
 
@@ -137,7 +178,7 @@ def prepare_run(config: Config, run_dir: Path) -> Path:
         if not Path(keys).exists():  # a run dir used again keeps its keys
             write_keys(keys)
     resolved = msgspec.structs.replace(
-        config,
+        place_roles(config),
         run=msgspec.structs.replace(config.run, dir=str(run_dir)),
         coordinator=msgspec.structs.replace(
             config.coordinator, endpoint=f"tcp://127.0.0.1:{free_port()}", publish=False
@@ -226,6 +267,7 @@ def _wait_gone(pids: set[int], pgids: set[int], timeout_s: float) -> None:
 def run_local(config: Config, run_dir: Path, out: TextIO = sys.stdout) -> int:
     config_path = prepare_run(config, run_dir)
     print(f"run dir: {run_dir}  (config.toml, metrics/, logs/, checkpoints/)", file=out)
+    print(describe_placement(load_config(config_path)), file=out)
     children: list[Child] = []
     seen: set[int] = set()  # every PID observed below the launcher
     stopping = False

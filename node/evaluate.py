@@ -29,8 +29,8 @@ from agentjet.episode import SamplingParams
 from agentjet.errors import ModelError
 from agentjet.tasks import load_task_file
 from node.agents import make_agent_env
+from node.engine import open_engine
 from node.model import resolve_model
-from node.torch_engine import TorchEngine
 from sandboxes.envs import make_env
 from sandboxes.pool import open_pool
 from sandboxes.process import ProcessSandbox
@@ -54,7 +54,7 @@ def evaluate_checkpoint(
             raise ModelError(f"{checkpoint} is not a checkpoint folder (no config.json)")
     tasks = load_task_file(tasks_path, env=env_name)
     env_config = next((e for e in config.envs if e.name == env_name), EnvConfig(name=env_name))
-    engine = TorchEngine(path, dtype=config.model.dtype, seed=config.run.seed)
+    engine = open_engine(config.model, config.rollout, path, config.run.seed)
     sampling = config.rollout.sampling
     params = SamplingParams(
         temperature=sampling.temperature,

@@ -29,6 +29,7 @@ from transformers import DynamicCache
 
 from agentjet import rl
 from agentjet.config import TrainerConfig
+from agentjet.devices import out_of_memory
 from agentjet.protocol import TrajectoryGroup, unpack_floats, unpack_ids, unpack_mask
 from node.swarm import StepOutcome, SwarmOptimizer
 from node.verify import over_gap
@@ -88,8 +89,13 @@ class Learner:
         config: TrainerConfig,
         temperature: float,
         pad_token_id: int,
+        compute_dtype: torch.dtype = torch.float32,
     ) -> None:
+        """`model` holds float32 weights on the learner's device; forward passes run in
+        `compute_dtype` there (autocast when it is not float32)."""
         self.model = model
+        self.device: torch.device = next(model.parameters()).device
+        self.compute_dtype = compute_dtype
         self.swarm = swarm
         self.config = config
         # The sampler's logprobs are of softmax(logits / T); ours must be the same quantity.
@@ -101,7 +107,7 @@ class Learner:
         step the swarm optimizer."""
         start = time.perf_counter()
         rows = self._rows(groups)
-        done = self._accumulate(rows)
+        done = self._accumulate_or_explain(rows)
         gap_of = self._group_gaps(rows, done.gaps)
         rejected = over_gap(gap_of, self.config.max_logprob_gap)
         if rejected:
@@ -109,7 +115,7 @@ class Learner:
             # (same weights, so the rest passes again).
             self.model.zero_grad(set_to_none=True)
             rows = [r for r in rows if r.group_id not in rejected]
-            done = self._accumulate(rows)
+            done = self._accumulate_or_explain(rows)
             groups = [g for g in groups if g.group_id not in rejected]
         num_samples = sum(len(g.samples) for g in groups)
         grad_norm = 0.0
@@ -147,6 +153,20 @@ class Learner:
             },
         )
 
+    def _accumulate_or_explain(self, rows: list[_Row]) -> _Pass:
+        """`_accumulate`, with CUDA running out of memory said in one line with its sizes."""
+        try:
+            return self._accumulate(rows)
+        except torch.OutOfMemoryError:
+            longest = max((len(r.prompt) + len(r.completion) for r in rows), default=0)
+            detail = (
+                f"micro-batches of {self.config.micro_batch_samples} sequences, "
+                f"up to {longest} tokens"
+            )
+            raise out_of_memory(
+                "the learner", self.device, detail, "trainer.gpu_memory_share"
+            ) from None
+
     def _accumulate(self, rows: list[_Row]) -> _Pass:
         """Forward and backward every row, in micro-batches; gradients add up in `.grad`."""
         num_tokens = int(sum(int(r.mask.sum()) for r in rows))
@@ -156,7 +176,12 @@ class Learner:
         gaps: list[float] = []
         size = self.config.micro_batch_samples
         for i in range(0, len(rows), size):
-            logprobs, old_logprobs, mask, advantages = self._forward(rows[i : i + size])
+            with torch.autocast(
+                self.device.type,
+                dtype=self.compute_dtype,
+                enabled=self.compute_dtype != torch.float32,
+            ):
+                logprobs, old_logprobs, mask, advantages = self._forward(rows[i : i + size])
             loss, stats = rl.policy_loss(
                 logprobs, old_logprobs, advantages, mask, self.config.clip_eps, num_tokens
             )
@@ -217,9 +242,13 @@ class Learner:
         """
         prompts: dict[tuple[int, ...], int] = {}
         row_prompt = [prompts.setdefault(tuple(r.prompt.tolist()), len(prompts)) for r in rows]
-        index = torch.tensor(row_prompt)
-        p_ids, p_mask = _pad([list(p) for p in prompts], self.pad_token_id, left=True)
-        c_ids, c_mask = _pad([r.completion.tolist() for r in rows], self.pad_token_id, left=False)
+        device = self.device
+        index = torch.tensor(row_prompt, device=device)
+        pad = self.pad_token_id
+        p_ids, p_mask = _pad([list(p) for p in prompts], pad, left=True, device=device)
+        c_ids, c_mask = _pad(
+            [r.completion.tolist() for r in rows], self.pad_token_id, left=False, device=device
+        )
         decoder = self.model.get_decoder()
         cache = DynamicCache(config=self.model.config)
         prompt_out = decoder(
@@ -234,7 +263,7 @@ class Learner:
         completion_out = decoder(
             input_ids=c_ids,
             attention_mask=torch.cat([p_mask[index], c_mask], dim=1),
-            position_ids=prompt_lengths[:, None] + torch.arange(c_ids.shape[1]),
+            position_ids=prompt_lengths[:, None] + torch.arange(c_ids.shape[1], device=device),
             cache=cache,
             use_cache=True,
         )
@@ -248,20 +277,24 @@ class Learner:
             dim=1,
         )
         width = c_ids.shape[1]
-        mask = torch.stack([_right(r.mask, width) for r in rows])
+        mask = torch.stack([_right(r.mask, width) for r in rows]).to(device)
         # The vocabulary projection only where a token is trained (the model's own tokens):
         # in multi-turn sequences most completion positions are tool output and prompts.
         trained = mask.bool()
         logits = self.model.get_output_embeddings()(hidden[trained]).float() / self.temperature
         picked = torch.log_softmax(logits, dim=-1).gather(1, c_ids[trained].unsqueeze(-1))
-        logprobs = torch.zeros(mask.shape, dtype=picked.dtype).masked_scatter(trained, picked)
-        old_logprobs = torch.stack([_right(r.sampler_logprobs, width) for r in rows])
-        advantages = torch.tensor([r.advantage for r in rows])
+        logprobs = torch.zeros(mask.shape, dtype=picked.dtype, device=device).masked_scatter(
+            trained, picked
+        )
+        old_logprobs = torch.stack([_right(r.sampler_logprobs, width) for r in rows]).to(device)
+        advantages = torch.tensor([r.advantage for r in rows], device=device)
         return logprobs, old_logprobs, mask, advantages
 
 
-def _pad(seqs: list[list[int]], pad_id: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids and attention mask of `seqs` padded to one width."""
+def _pad(
+    seqs: list[list[int]], pad_id: int, left: bool, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and attention mask of `seqs` padded to one width, on `device`."""
     width = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
@@ -269,7 +302,7 @@ def _pad(seqs: list[list[int]], pad_id: int, left: bool) -> tuple[torch.Tensor, 
         span = slice(width - len(seq), width) if left else slice(0, len(seq))
         ids[i, span] = torch.tensor(seq, dtype=torch.long)
         mask[i, span] = 1
-    return ids, mask
+    return ids.to(device), mask.to(device)
 
 
 def _right(values: torch.Tensor, width: int) -> torch.Tensor:

@@ -73,8 +73,9 @@ class AdapterMerger:
         for key, pair in pairs.items():
             if key not in self.base or pair.keys() != {"A", "B"}:
                 raise ValueError(f"adapter for {key!r} does not fit this model")
-            a, b = pair["A"], pair["B"]
             base = self.base[key]
+            # Merged where the engine's weights are (its GPU, or the CPU).
+            a, b = pair["A"].to(base.device), pair["B"].to(base.device)
             if a.dim() != 2 or b.dim() != 2 or (b.shape[0], a.shape[1]) != base.shape:
                 raise ValueError(f"adapter for {key!r} has shapes {a.shape}, {b.shape}")
             merged[key] = base + self.scale * (b.float() @ a.float()).to(base.dtype)

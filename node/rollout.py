@@ -36,6 +36,7 @@ import torch
 
 from agentjet import protocol, rl
 from agentjet.config import AGENT_ENVS, SANDBOXED_ENVS, Config, is_endpoint
+from agentjet.devices import peak_memory
 from agentjet.episode import Episode, SamplingParams
 from agentjet.errors import ProtocolError
 from agentjet.keys import SwarmKeys, swarm_keys
@@ -46,11 +47,13 @@ from agentjet.timeline import Sequence
 from agentjet.transport import Client, PeerUnavailable
 from node.agents import make_agent_env
 from node.delivery import Ledger, Pending, TrainerPeer
+from node.engine import open_engine
+from node.gpu_monitor import GpuMonitor
+from node.gpu_monitor import metrics as gpu_metrics
 from node.lora import AdapterMerger
 from node.model import resolve_model
 from node.spool import Spool, SpoolFull
 from node.swarm import Directory, start_dht, visible_maddrs
-from node.torch_engine import TorchEngine
 from node.weights import WeightAssembly
 from sandboxes.envs import Environment, make_env
 from sandboxes.pool import SandboxPool, open_pool
@@ -163,7 +166,10 @@ class Rollout:
         self.keys = swarm_keys(cfg.net)
         torch.set_num_threads(cfg.rollout.torch_threads)
         path = resolve_model(cfg.model.name, cfg.model.cache_dir)
-        self.engine = TorchEngine(path, dtype=cfg.model.dtype, seed=cfg.run.seed)
+        self.engine = open_engine(cfg.model, cfg.rollout, path, cfg.run.seed)
+        self.gpu = GpuMonitor.for_devices([self.engine.device])  # NVML; nothing on CPUs
+        cleanup.callback(self.gpu.close)
+        self.gpus: list[protocol.GpuStats] = []  # the last sample
         self.merger: AdapterMerger | None = None
         if cfg.model.lora_rank:
             self.merger = AdapterMerger(self.engine.state_dict(), cfg.model)
@@ -340,6 +346,7 @@ class Rollout:
                 faults = Counter(f for eps in episodes for e in eps for f in e.faults)
                 for fault, count in faults.items():
                     self.counts[f"sandbox_{fault}"] += count
+                self.gpus = self.gpu.sample()
                 self.metrics.write(
                     {
                         "event": "batch",
@@ -356,6 +363,8 @@ class Rollout:
                         "spool_bytes": self.ledger.spool.nbytes if self.ledger.spool else 0,
                         "sandbox/faults": dict(faults),
                         **self._pool_metrics(),
+                        **gpu_metrics(self.gpus),
+                        **peak_memory(self.engine.device),
                         **self.counts,
                     }
                 )
@@ -544,6 +553,7 @@ class Rollout:
                 samples_per_s=self.samples_per_s,
                 time=time.time(),
                 lineage=self.lineage,
+                gpus=self.gpus,
             )
         )
         return self.directory.records_seen_by(self.node_id)

@@ -34,8 +34,9 @@ from typing import Literal
 import torch
 from transformers import DynamicCache
 
+from agentjet.devices import ALONE_SHARE, check_fits, engine_bytes, limit_memory, out_of_memory
 from agentjet.episode import Completion, SamplingParams
-from node.model import eos_token_ids, load_causal_lm
+from node.model import DTYPES, eos_token_ids, load_causal_lm
 
 
 class TorchEngine:
@@ -52,17 +53,32 @@ class TorchEngine:
         dtype: str = "float32",
         seed: int = 0,
         threads: int | None = None,
+        device: torch.device | str = "cpu",
+        memory_share: float = ALONE_SHARE,
     ) -> None:
+        """`memory_share`: on a CUDA `device`, the share of its memory this engine may take
+        (the weights must fit it, checked before they move there)."""
         if threads is not None:
             torch.set_num_threads(threads)
-        self.model, self.tokenizer = load_causal_lm(model_path, dtype)
+        self.device = torch.device(device)
+        model, self.tokenizer = load_causal_lm(model_path, dtype)
+        check_fits(
+            "the torch engine",
+            engine_bytes(model, DTYPES[dtype]),
+            self.device,
+            memory_share,
+            "rollout.gpu_memory_share",
+        )
+        limit_memory(self.device, memory_share)
+        torch.nn.Module.to(model, self.device)  # in place (transformers mistypes `to`)
+        self.model = model
         self.policy_version: int = 0
         self.vocab_size: int = self.model.config.vocab_size
         self.eos_token_ids: set[int] = eos_token_ids(model_path, self.tokenizer)
         self.max_positions: int = self.model.config.max_position_embeddings
         # Any id works: padded positions are masked out of attention.
         self._pad_id: int = self.tokenizer.pad_token_id or 0
-        self._generator = torch.Generator().manual_seed(seed)
+        self._generator = torch.Generator(self.device).manual_seed(seed)
 
     @torch.inference_mode()
     def generate(
@@ -92,7 +108,13 @@ class TorchEngine:
         for prompt in prompts:
             key = tuple(prompt)
             rows_needed[key] = 1 if params.greedy else rows_needed.get(key, 0) + n
-        decoded = self._decode(list(rows_needed), list(rows_needed.values()), params)
+        try:
+            decoded = self._decode(list(rows_needed), list(rows_needed.values()), params)
+        except torch.OutOfMemoryError:
+            detail = f"{sum(rows_needed.values())} rows, prompts up to {longest} tokens"
+            raise out_of_memory(
+                "the torch engine", self.device, detail, "rollout.gpu_memory_share"
+            ) from None
         # Hand each occurrence the next unused rows of its prompt (they come out grouped).
         next_row: dict[tuple[int, ...], int] = {}
         row = 0
@@ -125,7 +147,9 @@ class TorchEngine:
             logits_to_keep=1,
         )
         # Share the prefill: each prompt's cache row, mask and logits repeated copies[i] times.
-        expand = torch.arange(len(prompts)).repeat_interleave(torch.tensor(copies))
+        expand = torch.arange(len(prompts), device=self.device).repeat_interleave(
+            torch.tensor(copies, device=self.device)
+        )
         cache.batch_select_indices(expand)
         attention_mask = attention_mask[expand]
         logits = out.logits[expand, -1]
@@ -136,7 +160,7 @@ class TorchEngine:
         logprobs: list[list[float]] = [[] for _ in range(total)]
         finish: list[Literal["stop", "length"]] = ["length"] * total
         live = list(range(total))  # the completion each row of the batch writes to
-        eos = torch.tensor(sorted(self.eos_token_ids))
+        eos = torch.tensor(sorted(self.eos_token_ids), device=self.device)
         for step in range(params.max_new_tokens):
             tokens, token_logprobs = sample_next(logits, params, self._generator)
             for row, (token, logprob) in enumerate(
@@ -180,15 +204,16 @@ class TorchEngine:
         for i, prompt in enumerate(prompts):
             input_ids[i, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
             attention_mask[i, width - len(prompt) :] = 1
-        return input_ids, attention_mask
+        return input_ids.to(self.device), attention_mask.to(self.device)
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor], version: int) -> None:
         """Copy a new policy version's weights in place and start tagging samples with `version`.
 
         Everything is checked before anything is copied, so a wrong state dict (other
         architecture, truncated transfer) raises ValueError naming the key and leaves the
-        current weights untouched. Tensors are cast to the engine's dtype. Keys are those of
-        `named_parameters()`: tied weights (SmolLM2's lm_head) appear once.
+        current weights untouched. Tensors are cast to the engine's dtype and copied onto
+        its device tensor by tensor, into the weights already there (no second copy). Keys
+        are those of `named_parameters()`: tied weights (SmolLM2's lm_head) appear once.
         """
         own = self.state_dict()
         check_state_dict(own, state)
@@ -236,7 +261,10 @@ def _sample_proportional(weights: torch.Tensor, generator: torch.Generator) -> t
     makes a zero-weight token reachable (`right` search skips its flat CDF step).
     """
     cdf = weights.double().cumsum(dim=-1)
-    draw = torch.rand((len(weights), 1), generator=generator, dtype=torch.float64) * cdf[:, -1:]
+    draw = torch.rand(
+        (len(weights), 1), generator=generator, dtype=torch.float64, device=weights.device
+    )
+    draw = draw * cdf[:, -1:]
     tokens = torch.searchsorted(cdf, draw, right=True).squeeze(-1)
     return tokens.clamp(max=weights.shape[-1] - 1)
 

@@ -46,6 +46,15 @@ import torch
 
 from agentjet import protocol, rl
 from agentjet.config import Config
+from agentjet.devices import (
+    check_fits,
+    learner_bytes,
+    limit_memory,
+    memory_share,
+    peak_memory,
+    resolve_device,
+    resolve_dtype,
+)
 from agentjet.errors import ModelError
 from agentjet.keys import swarm_keys
 from agentjet.lifeline import CLEANUP_AFTER_CHILD_DEATH_S, watch_children
@@ -53,10 +62,12 @@ from agentjet.metrics import MetricsWriter, Rate
 from agentjet.roles import print_join_command, run_role, supervise
 from agentjet.tasks import TaskSource
 from agentjet.transport import Server
+from node.gpu_monitor import GpuMonitor
+from node.gpu_monitor import metrics as gpu_metrics
 from node.groups import GroupBook, StepGroups, doubt_wait_s, oldest_version
 from node.learner import Learner, StepResult
 from node.lora import add_adapters, merged_weights
-from node.model import load_causal_lm, resolve_model
+from node.model import DTYPES, load_causal_lm, resolve_model
 from node.swarm import Directory, Mark, SwarmOptimizer, start_dht, visible_maddrs
 from node.verify import (
     REWARD_CHECKS,
@@ -119,12 +130,24 @@ class Trainer:
         keys = swarm_keys(cfg.net)
         torch.set_num_threads(cfg.trainer.torch_threads)
         torch.manual_seed(cfg.run.seed)
+        self.device = resolve_device(cfg.trainer.device, "trainer.device")
+        self.compute_dtype = DTYPES[resolve_dtype(cfg.model.dtype, self.device)]
         path = resolve_model(cfg.model.name, cfg.model.cache_dir)
-        model, self.tokenizer = load_causal_lm(path, cfg.model.dtype)
+        # float32 weights and optimizer state on any device; compute in compute_dtype.
+        model, self.tokenizer = load_causal_lm(path, "float32")
         self.model: Any = model
         self.vocab_size = int(model.config.vocab_size)
         if cfg.model.lora_rank:
             self.model = add_adapters(self.model, cfg.model)
+        share = memory_share(cfg.trainer.gpu_memory_share, shared=False)
+        check_fits(
+            "the learner", learner_bytes(self.model), self.device, share, "trainer.gpu_memory_share"
+        )
+        limit_memory(self.device, share)
+        self.model.to(self.device)
+        self.gpu = GpuMonitor.for_devices([self.device])  # NVML; reports nothing on CPUs
+        cleanup.callback(self.gpu.close)
+        self.gpus: list[protocol.GpuStats] = []  # the last sample
         resume = read_resume_state(self.run_dir / "checkpoints")
         if resume is not None:
             self._load_params(resume["params"])
@@ -188,8 +211,9 @@ class Trainer:
             cfg.trainer,
             temperature=cfg.rollout.sampling.temperature,
             pad_token_id=int(self.tokenizer.pad_token_id or 0),
+            compute_dtype=self.compute_dtype,
         )
-        self.published = snapshot(self.model, self.version, cfg.net.weight_chunk_bytes)
+        self.published = self._snapshot()
         self.server = Server(
             cfg.net.trainer_endpoint,
             protocol.trainer_request_decoder,
@@ -262,6 +286,7 @@ class Trainer:
                 time=time.time(),
                 quarantined=self.quarantine.listed(),
                 lineage=self.lineage,
+                gpus=self.gpus,
             )
             if not await asyncio.to_thread(self.directory.publish, record):
                 log.warning("could not store this trainer's record in the DHT")
@@ -583,8 +608,12 @@ class Trainer:
     async def _publish(self) -> None:
         """Serve the current weights as the current version."""
         self.previous = self.published
-        self.published = await asyncio.to_thread(
-            snapshot, self.model, self.version, self.config.net.weight_chunk_bytes
+        self.published = await asyncio.to_thread(self._snapshot)
+
+    def _snapshot(self) -> PolicySnapshot:
+        """The current version as rollout nodes load it: in the compute dtype (the engine's)."""
+        return snapshot(
+            self.model, self.version, self.config.net.weight_chunk_bytes, self.compute_dtype
         )
 
     def _published(self) -> PolicySnapshot:
@@ -672,6 +701,7 @@ class Trainer:
                 await self._publish()
         now = time.perf_counter()
         self.samples_per_s = self.sample_rate.add(last, now, result.metrics["charts/samples"])
+        self.gpus = self.gpu.sample()
         self.metrics.write(
             result.row()
             | {
@@ -685,6 +715,8 @@ class Trainer:
                 "perf/s_per_version": now - last,
                 "perf/samples_per_s": self.samples_per_s,
                 "queue": len(self.book.queue),
+                **gpu_metrics(self.gpus),
+                **peak_memory(self.device),
                 **self._counts(),
             }
         )
@@ -744,7 +776,7 @@ class Trainer:
             state_dict=merged_weights(self.model, self.config.model) if lora else None,
             resume_state={
                 "params": {
-                    n: p.detach().clone()
+                    n: p.detach().to("cpu", copy=True)
                     for n, p in self.model.named_parameters()
                     if p.requires_grad
                 },

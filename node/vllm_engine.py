@@ -28,6 +28,7 @@ written on; tests/gpu/test_vllm_engine.py runs the engine contract on a lent GPU
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Mapping
 from pathlib import Path
@@ -36,6 +37,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig
 
+from agentjet.devices import check_fits
 from agentjet.episode import Completion, SamplingParams
 from node.model import DTYPES, eos_token_ids, load_causal_lm, load_tokenizer
 from node.torch_engine import check_request, check_state_dict
@@ -72,11 +74,21 @@ class VLLMEngine:
         seed: int = 0,
         gpu_memory_utilization: float = 0.5,
         enforce_eager: bool = False,
+        device: torch.device | str = "cuda:0",
     ) -> None:
-        """`gpu_memory_utilization` defaults to half the GPU so a trainer fits beside it;
-        `enforce_eager` skips CUDA graph capture (faster start, slower decode: tests)."""
+        """`gpu_memory_utilization` (rollout.gpu_memory_share) defaults to half the GPU so a
+        trainer fits beside it; `enforce_eager` skips CUDA graph capture (faster start,
+        slower decode: tests). `device` cuda:N runs vLLM's engine process on GPU N: it sees
+        that GPU alone (CUDA_VISIBLE_DEVICES, which vLLM reads when it starts its worker)."""
         from vllm import LLM
 
+        self.device = torch.device(device)
+        if self.device.type != "cuda":
+            raise ValueError(f"the vLLM engine runs on CUDA GPUs, not {self.device}")
+        if self.device.index:
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            ids = visible.split(",") if visible else [str(i) for i in range(self.device.index + 1)]
+            os.environ["CUDA_VISIBLE_DEVICES"] = ids[self.device.index]
         if dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} is not supported (allowed: {', '.join(DTYPES)})")
         self.tokenizer = load_tokenizer(model_path)
@@ -85,6 +97,9 @@ class VLLMEngine:
         self.eos_token_ids: set[int] = eos_token_ids(model_path, self.tokenizer)
         self._dtype = DTYPES[dtype]
         self._state = load_causal_lm(model_path, dtype)[0].state_dict()
+        weights = sum(t.numel() * t.element_size() for t in self._state.values())
+        share_key = "rollout.gpu_memory_share"
+        check_fits("the vLLM engine", weights, self.device, gpu_memory_utilization, share_key)
         self._seeds = random.Random(seed)
         self._llm = LLM(
             model=str(model_path),
@@ -94,6 +109,8 @@ class VLLMEngine:
             worker_extension_cls=WORKER_EXTENSION,
             gpu_memory_utilization=gpu_memory_utilization,
             enforce_eager=enforce_eager,
+            # A GRPO group is n samples of one prompt, and agent turns extend the last one.
+            enable_prefix_caching=True,
         )
 
     def generate(

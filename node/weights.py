@@ -1,6 +1,7 @@
 """Policy versions as bytes: serialize, checksum, chunk, reassemble, verify, checkpoint.
 
-    trainer: state_dict ──safetensors──▶ PolicySnapshot(version, blob, sha256) ──chunks──▶ wire
+    trainer: parameters (CPU or GPU) ──to_safetensors: one host buffer──▶ PolicySnapshot(version,
+             blob, sha256) ──chunks──▶ wire
     rollout: chunks ──WeightAssembly──▶ complete? sha256 ok? ──▶ state_dict ──▶ engine
 
 A rollout node loads a version only when every chunk arrived and the checksum matches.
@@ -14,17 +15,25 @@ import hashlib
 import json
 import os
 import shutil
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load as load_safetensors
-from safetensors.torch import save as save_safetensors
 
 from agentjet.errors import ModelError
 
 CHECKPOINT_META = "agentjet.json"
+# The safetensors format's names of the dtypes policy versions travel in.
+SAFETENSORS_DTYPES = {
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float64: "F64",
+    torch.int64: "I64",
+}
 # In the newest checkpoint only: what a trainer needs to resume (trainable parameters,
 # optimizer state, version). Older checkpoints drop it: it is 3x the trainable weights.
 RESUME_STATE = "trainer_state.pt"
@@ -33,7 +42,7 @@ RESUME_STATE = "trainer_state.pt"
 @dataclass(frozen=True)
 class PolicySnapshot:
     version: int
-    blob: bytes
+    blob: bytearray  # safetensors bytes; never changed once made
     sha256: str
     chunk_bytes: int
 
@@ -42,14 +51,52 @@ class PolicySnapshot:
         return max(1, -(-len(self.blob) // self.chunk_bytes))
 
     def chunk(self, index: int) -> bytes:
-        return self.blob[index * self.chunk_bytes : (index + 1) * self.chunk_bytes]
+        return bytes(self.blob[index * self.chunk_bytes : (index + 1) * self.chunk_bytes])
 
 
-def snapshot(model: torch.nn.Module, version: int, chunk_bytes: int) -> PolicySnapshot:
-    """The parameters that train (with LoRA: the adapters only) as one checksummed blob."""
-    tensors = {n: p.detach().contiguous() for n, p in model.named_parameters() if p.requires_grad}
-    blob = save_safetensors(tensors, metadata={"policy_version": str(version)})
+def snapshot(
+    model: torch.nn.Module, version: int, chunk_bytes: int, dtype: torch.dtype | None = None
+) -> PolicySnapshot:
+    """The parameters that train (with LoRA: the adapters only) as one checksummed blob,
+    cast to `dtype` on the way (None: as they are)."""
+    tensors = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    blob = to_safetensors(tensors, {"policy_version": str(version)}, dtype)
     return PolicySnapshot(version, blob, hashlib.sha256(blob).hexdigest(), chunk_bytes)
+
+
+def to_safetensors(
+    tensors: dict[str, torch.Tensor], metadata: dict[str, str], dtype: torch.dtype | None = None
+) -> bytearray:
+    """`tensors` (on any device) in the safetensors format, each copied straight into its
+    place in one host buffer: the only host copy, and no whole-model copy on a GPU (a
+    cast or a non-contiguous tensor makes a temporary of that one tensor)."""
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for name, tensor in tensors.items():
+        kind = dtype or tensor.dtype
+        nbytes = tensor.numel() * kind.itemsize
+        header[name] = {
+            "dtype": SAFETENSORS_DTYPES[kind],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # the format pads the header to 8 bytes with spaces
+    blob = bytearray(8 + len(head) + offset)
+    blob[:8] = struct.pack("<Q", len(head))
+    blob[8 : 8 + len(head)] = head
+    start = 8 + len(head)
+    with torch.no_grad():
+        for name, tensor in tensors.items():
+            begin, end = header[name]["data_offsets"]
+            if begin == end:
+                continue
+            place = torch.frombuffer(
+                blob, dtype=dtype or tensor.dtype, count=tensor.numel(), offset=start + begin
+            )
+            place.copy_(tensor.reshape(-1))
+    return blob
 
 
 @dataclass
@@ -129,7 +176,8 @@ def read_resume_state(checkpoints: Path) -> dict[str, Any] | None:
     if not path.exists():
         return None
     try:
-        state = torch.load(path, weights_only=True)
+        # Saved on any device, read onto the CPU (the optimizer moves its state to its params).
+        state = torch.load(path, weights_only=True, map_location="cpu")
         if not isinstance(state, dict) or not {"policy_version", "params", "optimizer"} <= set(
             state
         ):

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.integration
 
@@ -127,3 +128,19 @@ def test_eval_rejects_bad_inputs_with_one_line(tiny_model_dir: Path, tmp_path: P
     assert "line 2" in result.stderr and result.stderr.count("\n") == 1
     result = agentjet("eval", "--checkpoint", str(tmp_path), "--tasks", str(bad))
     assert result.returncode == 2 and "not a checkpoint folder" in result.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a box without CUDA")
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["local", "--set", "trainer.device=cuda"],
+        ["node", "--role", "trainer", "--set", "net.insecure=true", "--set", "trainer.device=cuda"],
+    ],
+)
+def test_a_gpu_asked_for_on_a_box_without_one_is_one_line(args, tmp_path):
+    result = agentjet(*args, "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
+    assert result.returncode == 2
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("agentjet: error: trainer.device = 'cuda' but torch sees no CUDA GPU")
+    assert "Traceback" not in result.stderr

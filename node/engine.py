@@ -1,0 +1,59 @@
+"""The inference engine a rollout node (or `agentjet eval`) samples with, chosen from config.
+
+    rollout.device ──▶ torch.device ─┐
+    rollout.engine ──────────────────┼──▶ "torch": TorchEngine (node/torch_engine.py), CPU or CUDA
+    model.dtype ─────────────────────┘    "vllm":  VLLMEngine (node/vllm_engine.py), CUDA only
+
+Both meet the same contract (tests/engine_contract.py): the sampler's logprob of every token,
+stop/length semantics, seeds, and new policy versions loaded into the running engine.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from agentjet.config import ModelConfig, RolloutConfig
+from agentjet.devices import memory_share, resolve_device, resolve_dtype, resolve_engine
+from agentjet.episode import Generator
+
+log = logging.getLogger(__name__)
+
+
+class Engine(Generator, Protocol):
+    """What rollout nodes need beyond `Generator`: the vocabulary, stop ids, the device,
+    and policy versions loaded in place."""
+
+    vocab_size: int
+    eos_token_ids: set[int]
+    device: torch.device
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor], version: int) -> None: ...
+
+    def state_dict(self) -> dict[str, torch.Tensor]: ...
+
+
+def open_engine(model: ModelConfig, rollout: RolloutConfig, path: Path, seed: int) -> Engine:
+    """The engine the config asks for on this machine; one-line DeviceError when it cannot be."""
+    device = resolve_device(rollout.device, "rollout.device")
+    kind = resolve_engine(rollout.engine, device)
+    dtype = resolve_dtype(model.dtype, device)
+    share = memory_share(rollout.gpu_memory_share, shared=False)
+    engine: Engine
+    if kind == "vllm":
+        from node.vllm_engine import VLLMEngine
+
+        engine = VLLMEngine(
+            path, dtype=dtype, seed=seed, gpu_memory_utilization=share, device=device
+        )
+    else:
+        from node.torch_engine import TorchEngine
+
+        engine = TorchEngine(path, dtype=dtype, seed=seed, device=device, memory_share=share)
+    where = f"{device}, {share:.0%} of its memory" if device.type == "cuda" else str(device)
+    log.info("engine: %s on %s, %s", kind, where, dtype)
+    return engine

@@ -307,6 +307,8 @@ class GroupStatus(_Msg, tag="group_status"):
 
     statuses: dict[str, Literal["trained", "dropped", "queued", "unknown"]]
     policy_version: int
+    # The lineage of the answering trainer's weights (its policy_version is of that lineage).
+    lineage: Lineage = msgspec.field(default_factory=Lineage)
 
 
 class PolicyQuery(_Msg, tag="policy_query"):

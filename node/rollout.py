@@ -494,6 +494,13 @@ class Rollout:
             self.ledger.unanswered(pending, trainer, time.monotonic())
             log.warning("%s; %d groups wait for a trainer", e, self.ledger.unplaced())
             return
+        finally:
+            if trainer.node_id not in self.trainers:
+                # Found gone while this request was in flight, after its other groups were
+                # settled: this one may sit in its queue too (it stays held by it), so it is
+                # settled the same way. Left alone it waited for that trainer forever, and a
+                # few such groups stopped this node (backpressure) in the fault suite.
+                self.departed.setdefault(trainer.node_id, time.monotonic())
         outcome = self.ledger.offered(pending, trainer, reply, time.monotonic())
         self.counts[f"groups_{outcome}"] += 1
         match reply:
@@ -513,8 +520,11 @@ class Rollout:
             held = [p.group.group_id for p in self.ledger.held_by(trainer_id) if p.state == "held"]
             if not held or trainer.blocked_until > time.monotonic():
                 continue
+            client = self.clients.get(trainer_id)
+            if client is None:
+                continue  # found gone while an earlier trainer was asked
             try:
-                reply = await self.clients[trainer_id].request(
+                reply = await client.request(
                     protocol.GroupStatusQuery(group_ids=held[: protocol.MAX_STATUS_IDS])
                 )
             except PeerUnavailable:
@@ -605,9 +615,19 @@ class Rollout:
         if not self.departed or not self.trainers:
             return
         assert self.directory is not None
+        # Marks are read against the trainers that answer now, as they answer: a record can
+        # outlive its trainer by record_ttl_s, and when both trainers were killed at once the
+        # other's record said it held the step it had died with (the fault suite lost 2
+        # groups so). A trainer restarted on the same endpoint answers with its new lineage.
+        config, keys = self.config, self.keys
+        answered = await asyncio.gather(
+            *(probe(t.endpoint, self.hello, config, keys) for t in self.trainers.values())
+        )
+        live = [state for state in answered if state is not None]
+        if not live:
+            return
         for trainer_id, since in list(self.departed.items()):
             ids = [p.group.group_id for p in self.ledger.held_by(trainer_id)]
-            live = self._live()
             trained = await asyncio.to_thread(self.directory.trained, ids, live) if ids else {}
             waiting: set[str] = set()
             if time.monotonic() - since < self.config.swarm.rejoin_wait_s:
@@ -805,16 +825,26 @@ def trainer_client(
 async def answers(
     endpoint: str, hello: protocol.Hello, config: Config, keys: SwarmKeys | None
 ) -> bool:
-    """Whether the trainer at `endpoint` answers within a record's lifetime, asked on a socket
-    of its own (the rollout node's usual client may be waiting on a request in flight)."""
-    probe = trainer_client(endpoint, hello, config, keys, config.swarm.record_ttl_s)
+    """Whether the trainer at `endpoint` answers within a record's lifetime."""
+    return await probe(endpoint, hello, config, keys) is not None
+
+
+async def probe(
+    endpoint: str, hello: protocol.Hello, config: Config, keys: SwarmKeys | None
+) -> tuple[protocol.Lineage, int] | None:
+    """The lineage and version of the trainer that answers at `endpoint` within a record's
+    lifetime, or None, asked on a socket of its own (the rollout node's usual client may be
+    waiting on a request in flight)."""
+    client = trainer_client(endpoint, hello, config, keys, config.swarm.record_ttl_s)
     try:
-        reply = await probe.request(protocol.GroupStatusQuery(group_ids=[]))
+        reply = await client.request(protocol.GroupStatusQuery(group_ids=[]))
     except (PeerUnavailable, ProtocolError):
-        return False
+        return None
     finally:
-        probe.close()
-    return isinstance(reply, protocol.GroupStatus)
+        client.close()
+    if not isinstance(reply, protocol.GroupStatus):
+        return None
+    return reply.lineage, reply.policy_version
 
 
 def main(config: Config) -> int:

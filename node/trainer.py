@@ -338,6 +338,7 @@ class Trainer:
                 return protocol.GroupStatus(
                     statuses={g: self.book.status(g) for g in ids},
                     policy_version=self.version,
+                    lineage=self.lineage,
                 )
             case protocol.PolicyQuery():
                 snap = self.published

@@ -15,11 +15,12 @@ import pytest
 from agentjet import protocol
 from agentjet.config import Config, SwarmConfig
 from agentjet.transport import Server
-from node.rollout import answers
+from node.rollout import answers, probe
 
 pytestmark = pytest.mark.unit
 
 HELLO = protocol.Hello(node_id="rollout-test", role="rollout")
+LINEAGE = protocol.Lineage(id="3a3d9c4b1325", ancestors={"": 146})
 CONFIG = msgspec.structs.replace(Config(), swarm=SwarmConfig(record_ttl_s=0.5))
 
 
@@ -34,12 +35,16 @@ def test_a_trainer_that_answers_is_not_gone_and_a_silent_one_is() -> None:
                     await server.reply(envelope, protocol.answer_hello(msg, "test"))
                 elif replying:
                     await server.reply(
-                        envelope, protocol.GroupStatus(statuses={}, policy_version=3)
+                        envelope,
+                        protocol.GroupStatus(statuses={}, policy_version=3, lineage=LINEAGE),
                     )
 
         task = asyncio.create_task(serve(replying=True))
         try:
             assert await answers(server.endpoint, HELLO, CONFIG, None)
+            # What the process at the endpoint holds now, not what its record said: the
+            # marks of gone trainers are read against it.
+            assert await probe(server.endpoint, HELLO, CONFIG, None) == (LINEAGE, 3)
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)

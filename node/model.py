@@ -148,9 +148,10 @@ def build_tiny_model(out_dir: Path, seed: int = 0, cache_dir: str = DEFAULT_CACH
     than a real model's so that logits are peaked: greedy decoding is then robust to float
     noise and different contexts give visibly different continuations.
     """
-    tokenizer = load_tokenizer(_embedded_tokenizer_dir(Path(cache_dir).expanduser()))
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
+    return build_random_llama(
+        out_dir,
+        seed,
+        cache_dir,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
@@ -160,9 +161,21 @@ def build_tiny_model(out_dir: Path, seed: int = 0, cache_dir: str = DEFAULT_CACH
         rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
         tie_word_embeddings=True,
         initializer_range=0.2,
+    )
+
+
+def build_random_llama(
+    out_dir: Path, seed: int = 0, cache_dir: str = DEFAULT_CACHE_DIR, **shape: Any
+) -> Path:
+    """Save a Llama of `shape` (LlamaConfig fields) with random weights (a pure function of
+    `seed`) and SmolLM2's tokenizer and chat template into `out_dir`."""
+    tokenizer = load_tokenizer(_embedded_tokenizer_dir(Path(cache_dir).expanduser()))
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
+        **shape,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -3,7 +3,6 @@ it is about."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -60,13 +59,11 @@ class RuleGenerator:
         self.reply = reply
         self.policy_version = 0
         self.calls = 0
-        self._lock = threading.Lock()
 
-    def generate(
+    async def generate(
         self, prompts: list[list[int]], n: int, params: SamplingParams
     ) -> list[list[Completion]]:
-        with self._lock:
-            self.calls += 1
+        self.calls += 1
         out = []
         for prompt in prompts:
             text = self.reply(self.tokenizer.decode(prompt))
@@ -97,3 +94,25 @@ def forge(
     return msgspec.structs.replace(
         group, group_id=group_id, grant_id=group_id, node_id=node_id, samples=samples
     )
+
+
+def groups_from_samples(
+    prompts: list[list[int]], sampled: list[list[Completion]], tag: str
+) -> list[TrajectoryGroup]:
+    """One single-turn group per prompt from an engine's completions of it, rewards 1, 0, 1,
+    0, ... so that every sample carries gradient (a learner forwards and checks each one)."""
+    from agentjet.episode import Episode
+    from agentjet.protocol import Task, WorkGrant
+    from node.rollout import build_group
+
+    groups = []
+    for i, (prompt, samples) in enumerate(zip(prompts, sampled, strict=True)):
+        episodes = []
+        for j, completion in enumerate(samples):
+            episode = Episode(prompt_ids=prompt, reward=float(j % 2 == 0))
+            episode.add_model_turn(completion)
+            episodes.append(episode)
+        task = Task(id=f"{tag}-t{i}", env="arithmetic", prompt="")
+        grant = WorkGrant(grant_id=f"{tag}-{i}", task=task, group_size=len(samples), lease_s=60.0)
+        groups.append(build_group(grant, episodes, tag, 0.0))
+    return groups

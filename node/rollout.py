@@ -791,12 +791,16 @@ class Rollout:
         return True
 
     async def _load_ready_weights(self) -> None:
-        if self.ready_weights is None:
+        ready = self.ready_weights
+        if ready is None:
             return
-        lineage, version, sha256, state = self.ready_weights
-        self.ready_weights = None
+        lineage, version, sha256, state = ready
         start = time.perf_counter()
+        # Left in `ready_weights` while it loads, so the fetch task, comparing against it,
+        # does not fetch and load the same version again meanwhile.
         await self.engine.load_state_dict(state, version)
+        if self.ready_weights is ready:
+            self.ready_weights = None  # (one fetched meanwhile is newer: the next batch's)
         if lineage != self.lineage:
             log.info(
                 "policy lineage %s -> %s (version %d)",

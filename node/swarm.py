@@ -624,6 +624,21 @@ class _WholeStateAverager(TrainingStateAverager, _AveragerWatch):  # type: ignor
             self.unapplied += 1
             log.info("a parameter round had not ended whole: this trainer keeps its own step")
             return
+        # Each peer joins a parameter round with the epoch of the state it averages
+        # (hivemind gathers it). A trainer that finished its step late can join its
+        # peers' round for the next epoch: all would then hold one mix of two versions,
+        # which it names the earlier one and they the later (seen on this 2-core box:
+        # trainer-b's v8 was trainer-a's v9, bit for bit). Such a round is not applied.
+        epochs = set(self.last_round.result().values())
+        if epochs != {self.local_epoch}:
+            self.unapplied += 1
+            log.info(
+                "a parameter round mixed peers at epochs %s, this trainer at %d: it keeps "
+                "its own step",
+                sorted(map(str, epochs)),
+                self.local_epoch,
+            )
+            return
         super()._apply_averaging_results_()
 
     async def _load_state_from_peers(self, future: Any, timeout: float | None = None) -> None:

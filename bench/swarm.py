@@ -278,7 +278,7 @@ def train_until_stopped(
     pending = 0
     while not commands.closed and "stop" not in commands.read(0):
         reloads = learner.swarm.optimizer.reloads
-        row = learner.train_step(groups).row()
+        row = learner.train_step(groups)
         pending += row["charts/samples"]
         applied = discarded = 0
         if row["optimizer_discarded"]:

@@ -1,11 +1,13 @@
 """The narrow interface between environments and inference engines.
 
-    environment ──prompts (token ids)──▶ Generator.generate ──▶ Completions (ids + logprobs)
+    environment ──prompts (token ids)──▶ await Generator.generate ──▶ Completions (ids, logprobs)
          │
          └──▶ Episode (prompt ids, completion ids incl. tool tokens, logprobs, loss mask, reward)
 
 Engines (torch, vLLM) live in `node/`, environments in `sandboxes/`; both speak only these
-types, so neither imports the other. No torch here.
+types, so neither imports the other. No torch here. `generate` is a coroutine: environments
+await it on the caller's event loop, and the engine takes its compute across the one
+bridge to a thread (agentjet/bridge.py).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ class Generator(Protocol):
     # The policy version of the weights currently loaded.
     policy_version: int
 
-    def generate(
+    async def generate(
         self, prompts: list[list[int]], n: int, params: SamplingParams
     ) -> list[list[Completion]]:
         """`n` completions for each prompt: result[i][j] is sample j of prompt i."""

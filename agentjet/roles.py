@@ -4,7 +4,8 @@ Every role (coordinator, trainer, rollout) is a class with `setup(cleanup)` (wir
 components, pushing each one's release onto `cleanup` as it is made) and `async run(stop)`
 (drive them until `stop` is set or the work ends). SIGINT and SIGTERM set `stop` while
 running and abort set-up before; either way the cleanup stack unwinds in reverse order,
-so a stopped node leaves no socket, hivemind daemon or half-written file behind. A node
+so a stopped node leaves no socket, hivemind daemon or half-written file behind. Blocking
+calls still running on the bridge (agentjet/bridge.py) end before it unwinds. A node
 killed outright (SIGKILL, the OOM killer) has its lifeline watcher end every process it
 started (agentjet/lifeline.py).
 """
@@ -21,6 +22,7 @@ from typing import Any, NoReturn, Protocol
 
 import uvloop
 
+from agentjet import bridge
 from agentjet.lifeline import Lifeline
 
 
@@ -62,7 +64,10 @@ def run_role(role: Role, name: str) -> int:
     try:
         with ExitStack() as cleanup:
             role.setup(cleanup)
-            uvloop.run(main())
+            try:
+                uvloop.run(main())
+            finally:
+                bridge.finish()  # blocking calls end before what they use is released
     finally:
         if lifeline is not None:
             lifeline.close()  # cleanup ran: the watcher ends only stragglers, then exits

@@ -37,6 +37,7 @@ passed (on a CPU box (a) is skipped); the target engine_vs_hf >= 2 is reported, 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import json
 import os
@@ -348,10 +349,10 @@ def engine_throughput(
 ) -> tuple[float, int]:
     """Tokens/s of one batch (one sample per prompt), after a warm-up of the same batch."""
     params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=new_tokens)
-    engine.generate(prompts, 1, params)
+    asyncio.run(engine.generate(prompts, 1, params))
     sync(engine.device)
     start = time.perf_counter()
-    out = engine.generate(prompts, 1, params)
+    out = asyncio.run(engine.generate(prompts, 1, params))
     sync(engine.device)
     elapsed = time.perf_counter() - start
     tokens = sum(len(c.token_ids) for samples in out for c in samples)
@@ -396,7 +397,7 @@ def sample_groups(
 ) -> list[protocol.TrajectoryGroup]:
     """One group per prompt of `size.group_size` samples (tests/factories.py)."""
     params = SamplingParams(temperature=1.0, max_new_tokens=size.new_tokens)
-    sampled = engine.generate(prompts, size.group_size, params)
+    sampled = asyncio.run(engine.generate(prompts, size.group_size, params))
     return groups_from_samples(prompts, sampled, tag)
 
 

@@ -20,6 +20,7 @@ Run: `just bench-logprob-gap` (SmolLM2-135M) or `... --model tiny` (the test mod
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import statistics
 import sys
@@ -52,7 +53,7 @@ def sample_groups(
     engine: TorchEngine, version: int, count: int, n: int, params: SamplingParams, tag: str
 ) -> list[protocol.TrajectoryGroup]:
     tasks = generate_tasks(count, seed=1000 + version, difficulties=[1, 2], env="arithmetic")
-    played = ArithmeticEnv().run_group(engine, tasks, n, params)
+    played = asyncio.run(ArithmeticEnv().run_group(engine, tasks, n, params))
     groups = []
     for i, (task, episodes) in enumerate(zip(tasks, played, strict=True)):
         for j, episode in enumerate(episodes):
@@ -117,9 +118,8 @@ def main() -> None:
     start = time.perf_counter()
     try:
         for version in range(2 * args.lag + 1):
-            engine.load_state_dict(
-                {k: v.detach().clone() for k, v in model.named_parameters()}, version
-            )
+            weights = {k: v.detach().clone() for k, v in model.named_parameters()}
+            asyncio.run(engine.load_state_dict(weights, version))
             for lag in range(args.lag + 1):
                 if version + lag <= 2 * args.lag:
                     fresh = sample_groups(
@@ -127,7 +127,7 @@ def main() -> None:
                     )
                     due.setdefault(version + lag, []).extend((lag, g) for g in fresh)
             batch = due.pop(version)
-            row = learner.train_step([g for _, g in batch])
+            row = learner.train_step([g for _, g in batch]).row()
             assert row["policy_version"] == version + 1, row["policy_version"]
             for lag, group in batch:
                 by_lag[lag].append(row["logprob_gaps"][group.group_id])
@@ -137,7 +137,8 @@ def main() -> None:
                 flush=True,
             )
         version = 2 * args.lag + 1
-        engine.load_state_dict({k: v.detach().clone() for k, v in model.named_parameters()}, 0)
+        weights = {k: v.detach().clone() for k, v in model.named_parameters()}
+        asyncio.run(engine.load_state_dict(weights, 0))
         honest = sample_groups(engine, version, 2, args.group_size, params, "forge")
         vocab = int(model.config.vocab_size)
         kinds = {
@@ -150,7 +151,7 @@ def main() -> None:
             *honest,
             *(forge(g, f"{g.group_id}-{how}", **kw) for how, kw in kinds.items() for g in honest),
         ]
-        gaps = learner.train_step(batch)["logprob_gaps"]
+        gaps = learner.train_step(batch).logprob_gaps
     finally:
         swarm.shutdown()
     result = {

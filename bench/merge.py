@@ -20,6 +20,7 @@ Run: `just bench-merge` (or `.venv/bin/python bench/merge.py --tasks 8`), machin
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import random
 import statistics
@@ -100,13 +101,17 @@ def main() -> int:
     source = TaskSource("react", difficulties=[2, 3])
     rng = random.Random(args.seed)
     tasks = [source.sample(rng) for _ in range(args.tasks)]
-    env = AgentEnv("react", ReactAgent(max_turns=args.turns), episode_timeout_s=600)
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
+
+    async def play_all() -> list[list[Played]]:
+        env = AgentEnv("react", ReactAgent(max_turns=args.turns), episode_timeout_s=600)
+        try:
+            return [g for g in await env.play(engine, tasks, args.group, params) if g]
+        finally:
+            await env.close()
+
     start = time.perf_counter()
-    try:
-        played = [g for g in env.play(engine, tasks, args.group, params) if g]
-    finally:
-        env.close()
+    played = asyncio.run(play_all())
     play_s = time.perf_counter() - start
     turns = [len(p.calls) for g in played for p in g]
     mean_turns = statistics.mean(turns)
@@ -130,7 +135,7 @@ def main() -> int:
         for _ in range(args.repeats):
             for name, groups in variants.items():  # interleaved: noise hits both alike
                 model.zero_grad(set_to_none=True)
-                row = learner.train_step(groups[: args.step_groups])
+                row = learner.train_step(groups[: args.step_groups]).row()
                 step_s[name].append(row["perf/step_s"])
     finally:
         swarm.shutdown()

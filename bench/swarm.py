@@ -278,7 +278,7 @@ def train_until_stopped(
     pending = 0
     while not commands.closed and "stop" not in commands.read(0):
         reloads = learner.swarm.optimizer.reloads
-        row = learner.train_step(groups)
+        row = learner.train_step(groups).row()
         pending += row["charts/samples"]
         applied = discarded = 0
         if row["optimizer_discarded"]:

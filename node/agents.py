@@ -1,10 +1,16 @@
 """Agent environments: episodes are programs that talk to the policy through the OpenAI API.
 
-    rollout node ── run_group(engine, tasks, n) ──▶ AgentEnv (its own event-loop thread)
+    rollout node ── await run_group(engine, tasks, n) ──▶ AgentEnv (on the node's event loop)
+        first call: OpenAIServer started on that loop (rollout.agent_listen)
         for each of the n episodes of a task: EpisodeHub.open ─▶ key
             in-process:  reward = await agent(task, AsyncOpenAI(base_url, key))
             external:    an `agentjet agent` process claims it over HTTP, plays, finishes
+        each model call: HTTP ─▶ Batcher ─▶ await engine.generate ─▶ (bridge thread) decode
         episode's calls ──agentjet.timeline.merge_calls──▶ training sequences ──▶ Episode
+
+No thread or loop of its own: the endpoint, the agents and the episodes all run on the
+caller's loop, and a model call crosses one thread boundary, the engine's bridge
+(agentjet/bridge.py). `await close()` stops the endpoint, on that loop, before it ends.
 
 An agent is `async def run_episode(task, client) -> float` (or an object with that
 `__call__`), written against the official `openai` client; a separate
@@ -18,16 +24,15 @@ from scratch up to `attempts` times; a task whose episodes keep failing yields n
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import inspect
 import logging
 import math
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from agentjet.agent_runner import load_callable
+from agentjet.bridge import Exclusive
 from agentjet.config import EnvConfig, RolloutConfig
 from agentjet.episode import Episode, Generator, SamplingParams
 from agentjet.errors import ConfigError
@@ -85,21 +90,19 @@ class AgentEnv:
         self.agent_token = agent_token
         self.attempts = attempts
         self.server: OpenAIServer | None = None
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._started = threading.Lock()
-        self._running: set[concurrent.futures.Future[list[list[Played]]]] = set()
+        self._starting = Exclusive()
+        self._running: set[asyncio.Task[list[list[Played]]]] = set()
 
     # ── the Environment interface ─────────────────────────────────────────────────────
 
-    def run_group(
+    async def run_group(
         self, generator: Generator, tasks: list[Task], n: int, params: SamplingParams
     ) -> list[list[Episode]]:
         """`n` episodes per task (an empty list for a task whose episodes kept failing)."""
-        played = self.play(generator, tasks, n, params)
+        played = await self.play(generator, tasks, n, params)
         return [[_episode(p, self.merge) for p in group] for group in played]
 
-    def play(
+    async def play(
         self,
         generator: Generator,
         tasks: list[Task],
@@ -111,60 +114,44 @@ class AgentEnv:
         """The raw outcome: per task, n finished episodes with their calls, or []. An
         evaluation run (`training=False`) honours the agents' own sampling settings (else
         `params`); its episodes are for scoring, never for training."""
-        loop = self._ensure_started(generator, params)
-        future = asyncio.run_coroutine_threadsafe(self._group(tasks, n, training), loop)
-        self._running.add(future)
+        await self.start(generator, params)
+        group = asyncio.ensure_future(self._group(tasks, n, training))
+        self._running.add(group)
         try:
-            return future.result()
+            return await group
         finally:
-            self._running.discard(future)
+            self._running.discard(group)
 
-    def close(self) -> None:
-        """Stop the endpoint; a run_group still waiting on episodes raises CancelledError."""
-        for future in list(self._running):
-            future.cancel()
-        loop, thread = self.loop, self._thread
-        if loop is None or thread is None:
-            return
-        if self.server is not None:
-            asyncio.run_coroutine_threadsafe(self.server.close(), loop).result(timeout=30)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout=30)
-        self.loop = self._thread = None
-
-    # ── inside the env's event loop ───────────────────────────────────────────────────
-
-    def _ensure_started(
-        self, generator: Generator, params: SamplingParams
-    ) -> asyncio.AbstractEventLoop:
-        with self._started:
-            if self.loop is None:
-                loop = asyncio.new_event_loop()
-                self._thread = threading.Thread(
-                    target=loop.run_forever, name=f"{self.name}-agents", daemon=True
-                )
-                self._thread.start()
-                self._start_server(loop, generator, params)
-                self.loop = loop
-            assert self.server is not None
+    async def start(self, generator: Generator, params: SamplingParams) -> str:
+        """Serve the endpoint on the running loop (once; `run_group` calls this) for
+        `generator` with training `params`; its base URL. ConfigError when the address in
+        rollout.agent_listen cannot be bound."""
+        async with self._starting.hold():
+            if self.server is None:
+                hub = EpisodeHub(self.idle_timeout_s)
+                server = OpenAIServer(generator, hub, params, agent_token=self.agent_token)
+                try:
+                    url = await server.start(self.host, self.port)
+                except OSError as e:
+                    where = f"rollout.agent_listen {self.host}:{self.port}"
+                    raise ConfigError(f"{where}: cannot listen: {e.strerror}") from None
+                log.info("%s: OpenAI endpoint at %s/v1, agent claims at %s/agents",
+                         self.name, url, url)  # fmt: skip
+                self.server = server
             self.server.batcher.generator = generator
             self.server.training_params = params
-            return self.loop
+            return self.server.base_url
 
-    def _start_server(
-        self, loop: asyncio.AbstractEventLoop, generator: Generator, params: SamplingParams
-    ) -> None:
-        async def start() -> str:
-            hub = EpisodeHub(self.idle_timeout_s)
-            self.server = OpenAIServer(generator, hub, params, agent_token=self.agent_token)
-            return await self.server.start(self.host, self.port)
+    async def close(self) -> None:
+        """Stop the endpoint; a run_group still waiting on episodes raises CancelledError."""
+        for group in list(self._running):
+            group.cancel()
+        await asyncio.gather(*self._running, return_exceptions=True)
+        server, self.server = self.server, None
+        if server is not None:
+            await server.close()
 
-        try:
-            url = asyncio.run_coroutine_threadsafe(start(), loop).result(timeout=30)
-        except OSError as e:
-            where = f"rollout.agent_listen {self.host}:{self.port}"
-            raise ConfigError(f"{where}: cannot listen: {e.strerror}") from None
-        log.info("%s: OpenAI endpoint at %s/v1, agent claims at %s/agents", self.name, url, url)
+    # ── episodes ──────────────────────────────────────────────────────────────────────
 
     async def _group(self, tasks: list[Task], n: int, training: bool) -> list[list[Played]]:
         results = await asyncio.gather(

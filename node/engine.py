@@ -6,6 +6,11 @@
 
 Both meet the same contract (tests/engine_contract.py): the sampler's logprob of every token,
 stop/length semantics, seeds, and new policy versions loaded into the running engine.
+
+Both are asynchronous end to end: `await generate(...)` and `await load_state_dict(...)`
+run on the caller's event loop, one at a time per engine (a weight load never overlaps a
+decode), and each takes its blocking compute across the one bridge to a thread
+(agentjet/bridge.py). Requests are checked before they cross it.
 """
 
 from __future__ import annotations
@@ -32,9 +37,13 @@ class Engine(Generator, Protocol):
     eos_token_ids: set[int]
     device: torch.device
 
-    def load_state_dict(self, state: Mapping[str, torch.Tensor], version: int) -> None: ...
+    async def load_state_dict(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        """Load a new policy version in place; samples are tagged `version` from then on."""
+        ...
 
-    def state_dict(self) -> dict[str, torch.Tensor]: ...
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights by HF name, tied ones once."""
+        ...
 
 
 def open_engine(model: ModelConfig, rollout: RolloutConfig, path: Path, seed: int) -> Engine:

@@ -1,8 +1,12 @@
 """`agentjet eval`: accuracy of a checkpoint (or the base model) on a task file.
 
-    task file ──▶ environment.run_group(engine, tasks, n, params) ──▶ rewards
+    task file ──▶ await environment.run_group(engine, tasks, n, params) ──▶ rewards
               ──▶ per task: the share of its n answers that are right
               ──▶ {"overall": acc, "by_difficulty": {"1": acc, ...}, "by_op": {...}, "n": N}
+
+The engine and sandbox pool are made first; then every chunk of tasks is played in one
+event loop (uvloop), as a rollout node plays them: an agent environment's endpoint is
+started on that loop and closed on it before it ends.
 
 By default one greedy answer per task. With `samples` > 0, that many answers per task are
 sampled as rollouts sample them (`rollout.sampling`: temperature, top-p), so the figure is
@@ -19,10 +23,12 @@ import contextlib
 import os
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
+
+import uvloop
 
 from agentjet.config import AGENT_ENVS, SANDBOXED_ENVS, Config, EnvConfig
 from agentjet.episode import SamplingParams
@@ -65,25 +71,35 @@ def evaluate_checkpoint(
     n = samples or 1
     chunk_size = max(1, batch_size // n)
     start = time.perf_counter()
-    successes: list[float] = []  # per task: the share of its answers that are right
     with contextlib.ExitStack() as cleanup:
         pool = None
         if env_name in SANDBOXED_ENVS:
             pool = open_pool(config.sandbox, f"eval-{os.getpid()}")
             cleanup.callback(pool.close)
-        play: Callable[[list[Any]], Sequence[Sequence[Any]]]  # tasks -> episodes per task
-        if env_name in AGENT_ENVS:
-            factory = ProcessSandbox if pool is None else pool.lease
-            agent_env = make_agent_env(env_config, config.rollout, factory)
-            cleanup.callback(agent_env.close)
-            play = partial(agent_env.play, engine, n=n, params=params, training=False)
-        else:
-            play = partial(make_env(env_config, pool).run_group, engine, n=n, params=params)
-        for i in range(0, len(tasks), chunk_size):
-            episodes = play(tasks[i : i + chunk_size])
-            successes += [
-                success([e.reward for e in task_episodes], n) for task_episodes in episodes
-            ]
+
+        async def play_all() -> list[float]:
+            """Per task: the share of its answers that are right."""
+            successes: list[float] = []
+            agent_env = None
+            play: Callable[[list[Any]], Awaitable[Sequence[Sequence[Any]]]]  # tasks -> episodes
+            if env_name in AGENT_ENVS:
+                factory = ProcessSandbox if pool is None else pool.lease
+                agent_env = make_agent_env(env_config, config.rollout, factory)
+                play = partial(agent_env.play, engine, n=n, params=params, training=False)
+            else:
+                play = partial(make_env(env_config, pool).run_group, engine, n=n, params=params)
+            try:
+                for i in range(0, len(tasks), chunk_size):
+                    episodes = await play(tasks[i : i + chunk_size])
+                    successes += [
+                        success([e.reward for e in task_episodes], n) for task_episodes in episodes
+                    ]
+            finally:
+                if agent_env is not None:
+                    await agent_env.close()
+            return successes
+
+        successes = uvloop.run(play_all())
     return summarize(tasks, successes) | {
         "decoding": decoding(env_name, samples, sampling.temperature),
         "checkpoint": checkpoint,

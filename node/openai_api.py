@@ -7,6 +7,10 @@
                                    ◀── reply (content / tool_calls) ◀── Call recorded
     external agents: POST /agents/claim ─▶ task, base URL, key ... /agents/{id}/finish
 
+The server has no thread or loop of its own: it runs on the loop that starts it (the
+rollout node's, where its episodes are played), and the Batcher awaits the engine there.
+A model call crosses one thread boundary, the engine's own bridge (agentjet/bridge.py).
+
 **Token-faithful prompts.** A chat API sends the whole history as text each time; the
 model must see, and the trainer must train, the ids as sampled. When a request's
 messages are an earlier call's messages, then that call's reply, then one new user or
@@ -41,7 +45,6 @@ import secrets
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -57,6 +60,10 @@ log = logging.getLogger(__name__)
 # Requests gathered into one engine call: wait this long after the first for more.
 BATCH_WINDOW_S = 0.01
 MAX_BATCH = 64
+# A closing endpoint waits this long for requests in progress before it cancels them: the
+# node is stopping, and aiohttp's default (60 s) would hold its shutdown for a long-polled
+# claim.
+SHUTDOWN_GRACE_S = 1.0
 # Largest request body (a long conversation is far below this).
 MAX_REQUEST_BYTES = 4 << 20
 # Most messages per request and characters per message.
@@ -310,22 +317,34 @@ class EpisodeHub:
 
 
 class Batcher:
-    """Gathers concurrent requests into engine calls, one engine call at a time."""
+    """Gathers concurrent requests into engine calls, one engine call at a time, awaited on
+    the server's loop (the engine takes its compute across the bridge: the only thread a
+    model call meets)."""
 
     def __init__(self, generator: Generator) -> None:
         self.generator = generator
         self.queue: asyncio.Queue[tuple[list[int], SamplingParams, asyncio.Future[Any]]] = (
             asyncio.Queue()
         )
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="agent-engine")
+        self.waiting: set[asyncio.Future[Any]] = set()  # requests not answered yet
 
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams
     ) -> tuple[Completion, int]:
         """A completion of `prompt_ids` and the policy version that sampled it."""
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self.waiting.add(future)
+        future.add_done_callback(self.waiting.discard)
         await self.queue.put((prompt_ids, params, future))
         return await future  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        """Answer every waiting request with a 503: the endpoint is stopping."""
+        for future in list(self.waiting):
+            if not future.done():
+                future.set_exception(
+                    ApiError(503, "the endpoint is stopping", "stopping", "server_error")
+                )
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -345,9 +364,7 @@ class Batcher:
                 if not live:
                     continue
                 try:
-                    completions = await loop.run_in_executor(
-                        self.executor, self.generator.generate, [p for p, _ in live], 1, params
-                    )
+                    completions = await self.generator.generate([p for p, _ in live], 1, params)
                     version = self.generator.policy_version
                 except Exception as e:  # noqa: BLE001 - handed to every waiting request
                     for _, future in live:
@@ -357,9 +374,6 @@ class Batcher:
                 for (_, future), samples in zip(live, completions, strict=True):
                     if not future.done():
                         future.set_result((samples[0], version))
-
-    def close(self) -> None:
-        self.executor.shutdown(wait=False, cancel_futures=True)
 
 
 # ── the server ────────────────────────────────────────────────────────────────────────
@@ -396,7 +410,7 @@ class OpenAIServer:
         app.router.add_post("/agents/claim", self._claim)
         app.router.add_post("/agents/{id}/finish", self._finish)
         app.router.add_post("/agents/{id}/abort", self._abort)
-        self._runner = web.AppRunner(app, access_log=None)
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port)
         await site.start()
@@ -410,12 +424,14 @@ class OpenAIServer:
         return self.base_url
 
     async def close(self) -> None:
+        """Stop serving: waiting model calls are answered 503 at once, other requests in
+        progress (long-polled claims) get `SHUTDOWN_GRACE_S`."""
+        self.batcher.close()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._runner is not None:
             await self._runner.cleanup()
-        self.batcher.close()
 
     async def _sweep(self) -> None:
         while True:

@@ -1,6 +1,6 @@
 """The rollout role: ask for work, play whole episode groups, hold them until trained.
 
-    coordinator ──WorkGrants──▶ produce: env.run_group(engine, tasks, n)  (worker thread)
+    coordinator ──WorkGrants──▶ produce: await env.run_group(engine, tasks, n)  (on the loop)
                                    │   └─▶ GroupReport ──▶ coordinator   (report task)
                                    ▼
                              Ledger ──SubmitGroup──▶ least backlogged trainer ──GroupAck──▶ held
@@ -8,6 +8,10 @@
     newest trainer ──PolicyInfo / WeightChunks──▶ sync task: assemble, verify sha256 ──▶ loaded
                                                   between batches, never mid-episode
     swarm directory (DHT) ◀──▶ discover task: own record out; trainers and coordinator in
+
+One event loop (uvloop) runs every task above, the environments' episodes and the agent
+environments' OpenAI endpoints included; blocking work (the engine's compute, sandbox
+programs, DHT calls, weight assembly) crosses the one bridge to threads (agentjet/bridge.py).
 
 Run with `agentjet node --role rollout [--join MULTIADDR]`. With `--join`, the node finds
 trainers and the coordinator in the swarm's DHT directory; without, it uses the endpoints
@@ -35,6 +39,7 @@ from pathlib import Path
 import torch
 
 from agentjet import protocol, rl
+from agentjet.bridge import blocking
 from agentjet.config import AGENT_ENVS, SANDBOXED_ENVS, Config, is_endpoint
 from agentjet.devices import peak_memory
 from agentjet.episode import Episode, SamplingParams
@@ -45,7 +50,7 @@ from agentjet.roles import run_role, supervise
 from agentjet.tasks import TaskSource, draw_tasks
 from agentjet.timeline import Sequence
 from agentjet.transport import Client, PeerUnavailable
-from node.agents import make_agent_env
+from node.agents import AgentEnv, make_agent_env
 from node.delivery import Ledger, Pending, TrainerPeer
 from node.engine import open_engine
 from node.gpu_monitor import GpuMonitor
@@ -178,11 +183,12 @@ class Rollout:
             self.pool = open_pool(cfg.sandbox, self.node_id)
             cleanup.callback(self.pool.close)
         self.envs: dict[str, Environment] = {}
+        self.agent_envs: list[AgentEnv] = []
         for env in cfg.envs:
             if env.name in AGENT_ENVS:
                 factory = ProcessSandbox if self.pool is None else self.pool.lease
                 agent_env = make_agent_env(env, cfg.rollout, factory)
-                cleanup.callback(agent_env.close)
+                self.agent_envs.append(agent_env)  # closed by `run`, on its loop
                 self.envs[env.name] = agent_env
             else:
                 self.envs[env.name] = make_env(env, self.pool)
@@ -300,6 +306,8 @@ class Rollout:
             self.metrics.write(
                 {"event": "stopped", "unacked_group_ids": list(self.ledger.pending), **self.counts}
             )
+            # Their endpoints run on this loop: stopped here, before it ends.
+            await asyncio.gather(*(env.close() for env in self.agent_envs))
 
     # ── producing groups ─────────────────────────────────────────────────────────
 
@@ -307,7 +315,7 @@ class Rollout:
         while True:
             await self.room.wait()
             grants = await self._request_work()
-            self._load_ready_weights()
+            await self._load_ready_weights()
             by_env: defaultdict[tuple[str, int], list[protocol.WorkGrant]] = defaultdict(list)
             for grant in grants:
                 by_env[(grant.task.env, grant.group_size)].append(grant)
@@ -318,8 +326,8 @@ class Rollout:
                         self._queue_report(grant, [], 0.0, f"no environment {env_name!r} here")
                     continue
                 start = time.perf_counter()
-                episodes = await asyncio.to_thread(
-                    env.run_group, self.engine, [g.task for g in env_grants], n, self.params
+                episodes = await env.run_group(
+                    self.engine, [g.task for g in env_grants], n, self.params
                 )
                 wall_s = time.perf_counter() - start
                 tokens = sum(_model_tokens(e) for eps in episodes for e in eps)
@@ -547,7 +555,7 @@ class Rollout:
     async def _discover(self) -> None:
         while True:
             await asyncio.sleep(self.config.swarm.heartbeat_s)
-            records = await asyncio.to_thread(self._publish_and_read)
+            records = await blocking(self._publish_and_read)
             await self._apply_records(records)
 
     def _publish_and_read(self) -> list[protocol.NodeRecord]:
@@ -628,11 +636,11 @@ class Rollout:
             return
         for trainer_id, since in list(self.departed.items()):
             ids = [p.group.group_id for p in self.ledger.held_by(trainer_id)]
-            trained = await asyncio.to_thread(self.directory.trained, ids, live) if ids else {}
+            trained = await blocking(self.directory.trained, ids, live) if ids else {}
             waiting: set[str] = set()
             if time.monotonic() - since < self.config.swarm.rejoin_wait_s:
                 rest = [g for g in ids if g not in trained]
-                waiting = await asyncio.to_thread(self.directory.undecided, rest, live)
+                waiting = await blocking(self.directory.undecided, rest, live)
             counts = self.ledger.trainer_gone(trainer_id, set(trained), waiting)
             if not waiting:
                 del self.departed[trainer_id]
@@ -770,9 +778,9 @@ class Rollout:
                 if not isinstance(chunk, protocol.WeightChunk):
                     raise ValueError(f"chunk {index}: {chunk}")
                 assembly.add(index, chunk.data)
-            state = await asyncio.to_thread(assembly.finish)
+            state = await blocking(assembly.finish)
             if self.merger is not None:  # LoRA: adapters arrive, the engine takes weights
-                state = await asyncio.to_thread(self.merger.merge, state, self.engine.state_dict())
+                state = await blocking(self.merger.merge, state, self.engine.state_dict())
         except (PeerUnavailable, ValueError) as e:
             log.info("policy fetch from %s interrupted (%s); will retry", source.node_id, e)
             return False
@@ -782,14 +790,17 @@ class Rollout:
         )
         return True
 
-    def _load_ready_weights(self) -> None:
+    async def _load_ready_weights(self) -> None:
         ready = self.ready_weights
         if ready is None:
             return
         lineage, version, sha256, state = ready
-        self.ready_weights = None
         start = time.perf_counter()
-        self.engine.load_state_dict(state, version)
+        # Left in `ready_weights` while it loads, so the fetch task, comparing against it,
+        # does not fetch and load the same version again meanwhile.
+        await self.engine.load_state_dict(state, version)
+        if self.ready_weights is ready:
+            self.ready_weights = None  # (one fetched meanwhile is newer: the next batch's)
         if lineage != self.lineage:
             log.info(
                 "policy lineage %s -> %s (version %d)",

@@ -23,6 +23,9 @@ Two threads win only on an idle box: when anything else holds a core, OpenMP's b
 waits collapse throughput 10x. One thread is the safe default on small shared machines
 (`rollout.torch_threads = 1`); `torch.set_num_threads` is process-wide. Sampling itself
 avoids `torch.multinomial` (see `sample_next`), which had cost a third of each decode step.
+
+`generate` and `load_state_dict` are coroutines: one batch or one weight load at a time,
+each run across the bridge (agentjet/bridge.py) so the caller's event loop keeps serving.
 """
 
 from __future__ import annotations
@@ -34,13 +37,14 @@ from typing import Literal
 import torch
 from transformers import DynamicCache
 
+from agentjet.bridge import Exclusive, blocking
 from agentjet.devices import ALONE_SHARE, check_fits, engine_bytes, limit_memory, out_of_memory
 from agentjet.episode import Completion, SamplingParams
 from node.model import DTYPES, eos_token_ids, load_causal_lm
 
 
 class TorchEngine:
-    """A `Generator` on a Hugging Face causal LM, with in-place weight reloads.
+    """An `Engine` on a Hugging Face causal LM, with in-place weight reloads.
 
     `eos_token_ids` is public: callers may add ids that should end a turn (a tool-call
     closing token); a sampled stop id is kept as the completion's last token.
@@ -79,9 +83,10 @@ class TorchEngine:
         # Any id works: padded positions are masked out of attention.
         self._pad_id: int = self.tokenizer.pad_token_id or 0
         self._generator = torch.Generator(self.device).manual_seed(seed)
+        # One decode or weight load at a time: they share the weights and `_generator`.
+        self._busy = Exclusive()
 
-    @torch.inference_mode()
-    def generate(
+    async def generate(
         self, prompts: list[list[int]], n: int, params: SamplingParams
     ) -> list[list[Completion]]:
         """`n` completions per prompt; result[i][j] is sample j of prompt i.
@@ -93,6 +98,9 @@ class TorchEngine:
         `max_new_tokens` ("length"). Each distinct prompt is prefilled once, however many
         samples and repeats it has; greedy samples of one prompt are identical, so greedy
         decodes each distinct prompt once and shares the result.
+
+        The request is checked here; the decode runs across the bridge, after any call
+        before it (one batch or weight load at a time).
         """
         check_request(prompts, n, params)
         if not prompts:
@@ -103,6 +111,15 @@ class TorchEngine:
                 f"prompt of {longest} tokens + max_new_tokens {params.max_new_tokens} exceeds "
                 f"the model's {self.max_positions} positions"
             )
+        async with self._busy.hold():
+            return await blocking(self._generate, prompts, n, params)
+
+    @torch.inference_mode()
+    def _generate(
+        self, prompts: list[list[int]], n: int, params: SamplingParams
+    ) -> list[list[Completion]]:
+        """`generate`'s blocking body (a bridge thread; checked requests only)."""
+        longest = max(len(p) for p in prompts)
         # Rows needed per distinct prompt: n per occurrence, or one in all when greedy.
         rows_needed: dict[tuple[int, ...], int] = {}
         for prompt in prompts:
@@ -206,7 +223,7 @@ class TorchEngine:
             attention_mask[i, width - len(prompt) :] = 1
         return input_ids.to(self.device), attention_mask.to(self.device)
 
-    def load_state_dict(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+    async def load_state_dict(self, state: Mapping[str, torch.Tensor], version: int) -> None:
         """Copy a new policy version's weights in place and start tagging samples with `version`.
 
         Everything is checked before anything is copied, so a wrong state dict (other
@@ -214,13 +231,20 @@ class TorchEngine:
         current weights untouched. Tensors are cast to the engine's dtype and copied onto
         its device tensor by tensor, into the weights already there (no second copy). Keys
         are those of `named_parameters()`: tied weights (SmolLM2's lm_head) appear once.
+        The copy waits for a decode in progress and runs across the bridge.
         """
         own = self.state_dict()
         check_state_dict(own, state)
+        async with self._busy.hold():
+            await blocking(self._copy_weights, own, state)
+            self.policy_version = version  # on the loop, before any waiting decode starts
+
+    @staticmethod
+    def _copy_weights(own: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor]) -> None:
+        """`load_state_dict`'s blocking body (a bridge thread; a checked state dict)."""
         with torch.no_grad():
             for key, tensor in state.items():
                 own[key].copy_(tensor)
-        self.policy_version = version
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The live parameters by HF name, tied ones once (no copy: clone before changing)."""

@@ -24,8 +24,8 @@ do not descend from, are dropped (acked "stale", counted), not trained.
 Groups that fail a check of node/verify.py (a wrong reward on arrival, sampler logprobs
 far from the learner's in its forward pass) are never trained: "rejected" or "dropped",
 counted, and held against their sending node, which is quarantined after
-`trainer.quarantine_after` failures. Blocking torch and DHT work runs in worker threads
-(`asyncio.to_thread`); the event loop keeps answering peers meanwhile.
+`trainer.quarantine_after` failures. Blocking torch and DHT work crosses the one bridge
+(agentjet/bridge.py `blocking`); the event loop keeps answering peers meanwhile.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ import msgspec
 import torch
 
 from agentjet import protocol, rl
+from agentjet.bridge import blocking
 from agentjet.config import Config
 from agentjet.devices import (
     check_fits,
@@ -288,9 +289,9 @@ class Trainer:
                 lineage=self.lineage,
                 gpus=self.gpus,
             )
-            if not await asyncio.to_thread(self.directory.publish, record):
+            if not await blocking(self.directory.publish, record):
                 log.warning("could not store this trainer's record in the DHT")
-            records = await asyncio.to_thread(self.directory.records_seen_by, self.node_id)
+            records = await blocking(self.directory.records_seen_by, self.node_id)
             if any(r.node_id == self.node_id for r in records):  # else: a read to distrust
                 self.other_trainers = self._other_trainers_in(records)
                 self._set_connected(any(r.node_id != self.node_id for r in records))
@@ -571,7 +572,7 @@ class Trainer:
 
     async def _catch_up(self) -> None:
         """Take the swarm's current state (weights, optimizer state, version)."""
-        downloaded = await asyncio.to_thread(self.swarm.load_state_from_peers)
+        downloaded = await blocking(self.swarm.load_state_from_peers)
         if not downloaded:
             return
         if self.swarm.epoch != self.version:
@@ -609,7 +610,7 @@ class Trainer:
     async def _publish(self) -> None:
         """Serve the current weights as the current version."""
         self.previous = self.published
-        self.published = await asyncio.to_thread(self._snapshot)
+        self.published = await blocking(self._snapshot)
 
     def _snapshot(self) -> PolicySnapshot:
         """The current version as rollout nodes load it: in the compute dtype (the engine's)."""
@@ -629,7 +630,7 @@ class Trainer:
         # batch's round had stored its marks of that step by then.
         others = self._other_versions()
         try:
-            marked = await asyncio.to_thread(self.directory.marked_batches, ids)
+            marked = await blocking(self.directory.marked_batches, ids)
         except Exception as e:  # a DHT error: look again at the next turn
             log.info("could not read the marks of doubtful batches: %r", e)
             return
@@ -676,7 +677,7 @@ class Trainer:
         cfg = self.config
         lags = [rl.policy_lag(s.policy_version, self.version) for g in batch for s in g.samples]
         self.lag_histogram.update(lags)
-        result: StepResult = await asyncio.to_thread(self.learner.train_step, batch)
+        result: StepResult = await blocking(self.learner.train_step, batch)
         self._reject_for_logprobs(batch, result)
         outcome = result.outcome
         groups = self.book.stepped(
@@ -724,7 +725,7 @@ class Trainer:
         due = self.version % cfg.trainer.checkpoint_every == 0
         undurable = len(self.book.undurable) >= MAX_UNDURABLE_GROUPS
         if changed and not self.withheld and (due or undurable):
-            await asyncio.to_thread(self._checkpoint)
+            await blocking(self._checkpoint)
         return now
 
     async def _after_step(
@@ -745,7 +746,7 @@ class Trainer:
             self.counts["groups_trained"] += len(groups.trained)
             ids = [g.group_id for g in groups.trained]
             mark = Mark(self.lineage.id, version)
-            await asyncio.to_thread(self.directory.mark_trained, ids, mark, peer_batches)
+            await blocking(self.directory.mark_trained, ids, mark, peer_batches)
 
     def _reject_for_logprobs(
         self, batch: list[protocol.TrajectoryGroup], result: StepResult

@@ -1,9 +1,9 @@
 """The vLLM engine for real GPUs: same `Generator` interface and contract as the torch engine.
 
-    prompts ──TokensPrompt──▶ vllm.LLM.generate (n samples, per-request seeds, logprobs=0)
-        ──▶ Completion(token ids, sampler logprobs, stop/length)
-    trainer weights ──load_state_dict──▶ collective_rpc("agentjet_load_weights") on every
-        worker ──▶ model.load_weights ──▶ prefix cache reset ──▶ new policy version
+    prompts ──TokensPrompt──▶ (bridge thread) vllm.LLM.generate (n samples, per-request
+        seeds, logprobs=0) ──▶ Completion(token ids, sampler logprobs, stop/length)
+    trainer weights ──load_state_dict──▶ (bridge thread) collective_rpc("agentjet_load_weights")
+        on every worker ──▶ model.load_weights ──▶ prefix cache reset ──▶ new policy version
 
 The only module that imports vLLM, and only inside `VLLMEngine.__init__`/methods, so the rest of
 the node imports on machines without it.
@@ -20,6 +20,12 @@ written on; tests/gpu/test_vllm_engine.py runs the engine contract on a lent GPU
 - Reproducibility comes from per-request seeds drawn from the engine's seed: vLLM gives the
   n children of a request `seed + index`, so request seeds are spaced `MAX_SAMPLES_PER_PROMPT`
   apart and never share a random stream.
+- The interface is asynchronous (`await generate`, `await load_state_dict`, one at a time),
+  but what runs behind it is vLLM's offline, blocking `LLM`, called across the one bridge to
+  a thread (agentjet/bridge.py): a batch is decoded whole, and requests of the next batch
+  wait for it, as with the torch engine. vLLM's own `AsyncLLM` would let requests join a
+  running batch; it is not used because nothing here could run it (no GPU where this was
+  written).
 - Weight reload goes through a worker extension (`worker_extension_cls`) and
   `LLM.collective_rpc`, the path vLLM's own RLHF examples use; tensors travel to the worker
   process serialized, so this suits models up to a few GB. Tied `lm_head.weight` is skipped by
@@ -37,6 +43,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig
 
+from agentjet.bridge import Exclusive, blocking
 from agentjet.devices import check_fits
 from agentjet.episode import Completion, SamplingParams
 from node.model import DTYPES, eos_token_ids, load_causal_lm, load_tokenizer
@@ -59,7 +66,7 @@ class WeightLoaderExtension:
 
 
 class VLLMEngine:
-    """A `Generator` on vLLM's in-process `LLM`, with weight reloads between policy versions.
+    """An `Engine` on vLLM's in-process `LLM`, with weight reloads between policy versions.
 
     `state_dict()` is a CPU copy of the current weights under their HF names (what trainers
     publish), kept because vLLM stores fused, renamed tensors; it costs one model's worth of
@@ -101,6 +108,8 @@ class VLLMEngine:
         share_key = "rollout.gpu_memory_share"
         check_fits("the vLLM engine", weights, self.device, gpu_memory_utilization, share_key)
         self._seeds = random.Random(seed)
+        # One batch or weight load at a time (vLLM's offline `LLM` is not reentrant).
+        self._busy = Exclusive()
         self._llm = LLM(
             model=str(model_path),
             dtype=dtype,
@@ -113,18 +122,15 @@ class VLLMEngine:
             enable_prefix_caching=True,
         )
 
-    def generate(
+    async def generate(
         self, prompts: list[list[int]], n: int, params: SamplingParams
     ) -> list[list[Completion]]:
         """`n` completions per prompt; result[i][j] is sample j of prompt i.
 
         Same meaning as `TorchEngine.generate`: token ids as sampled, each with
         `log_softmax(logits / T)[token]` (T = 1 when greedy), ending at an eos id (kept,
-        "stop") or after max_new_tokens ("length").
+        "stop") or after max_new_tokens ("length"). Checked here, decoded across the bridge.
         """
-        from vllm import SamplingParams as VllmSamplingParams
-        from vllm.inputs import TokensPrompt
-
         check_request(prompts, n, params)
         if n > MAX_SAMPLES_PER_PROMPT:
             raise ValueError(f"n must be <= {MAX_SAMPLES_PER_PROMPT}, got {n}")
@@ -135,6 +141,16 @@ class VLLMEngine:
             )
         if not prompts:
             return []
+        async with self._busy.hold():
+            return await blocking(self._generate, prompts, n, params)
+
+    def _generate(
+        self, prompts: list[list[int]], n: int, params: SamplingParams
+    ) -> list[list[Completion]]:
+        """`generate`'s blocking body (a bridge thread; checked requests only)."""
+        from vllm import SamplingParams as VllmSamplingParams
+        from vllm.inputs import TokensPrompt
+
         requests = [TokensPrompt(prompt_token_ids=list(prompt)) for prompt in prompts]
         sampling = [
             VllmSamplingParams(
@@ -159,14 +175,20 @@ class VLLMEngine:
                 results.append([_completion(sample) for sample in output.outputs])
         return results
 
-    def load_state_dict(self, state: Mapping[str, torch.Tensor], version: int) -> None:
-        """Load a new policy version into every worker; checked first, like the torch engine."""
+    async def load_state_dict(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        """Load a new policy version into every worker; checked first, like the torch engine,
+        then loaded across the bridge once no decode is running."""
         check_state_dict(self._state, state)
+        async with self._busy.hold():
+            self._state = await blocking(self._load_weights, state)
+            self.policy_version = version  # on the loop, before any waiting decode starts
+
+    def _load_weights(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`load_state_dict`'s blocking body (a bridge thread): the CPU copy it loaded."""
         weights = {key: tensor.detach().to("cpu", self._dtype) for key, tensor in state.items()}
         self._llm.collective_rpc("agentjet_load_weights", args=(list(weights.items()),))
         self._llm.reset_prefix_cache()
-        self._state = weights
-        self.policy_version = version
+        return weights
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The weights last loaded, by HF name (a CPU copy, see the class docstring)."""

@@ -1,12 +1,14 @@
 """Built-in environments: what an episode is, how it is played, how it is scored.
 
-    rollout node ── run_group(generator, tasks, n, params) ──▶ Environment ──▶ n Episodes per task
-                                                                 │
-                                                   Generator.generate (one call per turn)
+    rollout node ── await run_group(generator, tasks, n, params) ──▶ Environment ──▶ n Episodes
+                                                                       │       per task
+                                                  await Generator.generate (one call per turn)
 
-`run_group` blocks (the rollout node calls it from a worker thread) and never raises for
-what the model or its programs do wrong: a wrong answer is reward 0, a tool fault is
-reward 0 and an `Episode.error`. Engine failures propagate.
+`run_group` is a coroutine on the caller's event loop (the rollout node's, or the one
+`agentjet eval` runs); blocking work (sandbox programs, the engine's compute) crosses the
+one bridge to a thread (agentjet/bridge.py). It never raises for what the model or its
+programs do wrong: a wrong answer is reward 0, a tool fault is reward 0 and an
+`Episode.error`. Engine failures propagate.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ class Environment(Protocol):
 
     name: str
 
-    def run_group(
+    async def run_group(
         self, generator: Generator, tasks: list[Task], n: int, params: SamplingParams
     ) -> list[list[Episode]]:
         """`n` finished episodes for each task: result[i][j] is sample j of tasks[i].

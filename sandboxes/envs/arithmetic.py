@@ -1,6 +1,6 @@
 """The arithmetic environment: one model turn, reward 1 when the final integer is right.
 
-task prompt ──chat template──▶ prompt ids ──generate(n)──▶ n completions ──▶ n Episodes
+task prompt ──chat template──▶ prompt ids ──await generate(n)──▶ n completions ──▶ n Episodes
                                                              └─ final integer == answer?
 """
 
@@ -37,14 +37,14 @@ class ArithmeticEnv:
         """`system_prompt=None` keeps the chat template's default system message."""
         self.system_prompt = system_prompt
 
-    def run_group(
+    async def run_group(
         self, generator: Generator, tasks: list[Task], n: int, params: SamplingParams
     ) -> list[list[Episode]]:
         """`n` episodes per task, all sampled in one engine call; result[i][j] = task i, j."""
         tokenizer = generator.tokenizer
         prompts = [chat_prompt_ids(tokenizer, self.system_prompt, task.prompt) for task in tasks]
         version = generator.policy_version
-        completions = generator.generate(prompts, n, params)
+        completions = await generator.generate(prompts, n, params)
         groups: list[list[Episode]] = []
         for task, prompt, samples in zip(tasks, prompts, completions, strict=True):
             group = []

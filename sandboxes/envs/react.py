@@ -7,20 +7,21 @@ write an agent, against the official `openai` client and its function calling.
        └─ anything else: remind the format, go on — up to max_turns model calls
 
 The answer must come as "Answer: <integer>" on a turn without tool calls; the strict format
-makes the conversation multi-turn for a model that does not follow it at first. This
-module imports neither torch nor the rollout node: the same agent runs in-process or in
+makes the conversation multi-turn for a model that does not follow it at first. Sandbox
+calls cross the one bridge to a thread (agentjet/bridge.py). This module imports neither
+torch nor the rollout node: the same agent runs in-process or in
 an `agentjet agent` process on another machine.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import re
 from collections.abc import Callable
 from typing import Any
 
+from agentjet.bridge import blocking
 from agentjet.protocol import Task
 from sandboxes.base import Sandbox, SandboxError
 from sandboxes.envs.sandboxed import tool_feedback
@@ -79,10 +80,8 @@ class ReactAgent:
                     for call in message.tool_calls:
                         if sandbox is None:
                             sandbox = self.sandbox_factory()
-                            await asyncio.to_thread(sandbox.start)
-                        output = await asyncio.to_thread(
-                            self._run, sandbox, call.function.arguments
-                        )
+                            await blocking(sandbox.start)
+                        output = await blocking(self._run, sandbox, call.function.arguments)
                         messages.append(
                             {"role": "tool", "tool_call_id": call.id, "content": output}
                         )
@@ -93,7 +92,7 @@ class ReactAgent:
             return 0.0
         finally:
             if sandbox is not None:
-                await asyncio.to_thread(_close, sandbox)
+                await blocking(_close, sandbox)
 
     def _run(self, sandbox: Sandbox, arguments: str) -> str:
         try:

@@ -1,12 +1,16 @@
 """The multi-turn loop every sandboxed environment shares: model turns, tool runs, scoring.
 
-    turn 1:  task prompts ──generate──────────────────▶ model turn ─┬─ no tool call: finished
-    turn k:  each episode's context ids ──generate(1)─▶ model turn ─┘   a code block: run it in
-                 ▲                                                       the episode's sandbox
-                 └── + "Output: …" user message and assistant header ◀──┘ (thread pool)
+    turn 1:  task prompts ──await generate──────────────────▶ model turn ─┬─ no tool call: finished
+    turn k:  each episode's context ids ──await generate(1)─▶ model turn ─┘   a code block: run
+                 ▲                                                            it in the episode's
+                 └── + "Output: …" user message and assistant header ◀────┘ sandbox (bridge)
     finished episodes ──score (may run the task's check in the sandbox)──▶ reward; sandbox back
 
-Each turn batches the model calls of every still-active episode into one engine call.
+`run_group` runs on the caller's event loop. Each turn batches the model calls of every
+still-active episode into one awaited engine call; the turn's tool calls (each taking and
+setting up its episode's sandbox first), the scoring and the sandboxes' return run
+concurrently across the one bridge to threads (agentjet/bridge.py), at most
+`max_concurrent_tool_calls` at once.
 The context grows token-in/token-out (see `chat.py`): the model's ids are appended as
 sampled (loss 1), the tool output and turn framing as context (loss 0). An episode ends on
 a turn without a tool call, or after `max_turns` model calls.
@@ -23,13 +27,14 @@ model's next observation, the episode's `error` and `faults`, never an exception
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Any
 
+from agentjet.bridge import blocking
 from agentjet.episode import Completion, Episode, Generator, SamplingParams
 from agentjet.protocol import Task
 from sandboxes.base import FAULT_UNAVAILABLE, ExecResult, Language, Sandbox, SandboxError
@@ -43,7 +48,7 @@ log = logging.getLogger(__name__)
 MAX_TOOL_OUTPUT_CHARS = 300
 # Characters of the error line (the traceback's last line) fed back after the output.
 MAX_TOOL_ERROR_CHARS = 150
-# Tool calls of one turn that run at once: an endless loop in one sample costs one worker
+# Tool calls of one turn that run at once: an endless loop in one sample costs one slot
 # for `tool_timeout_s`, not the whole batch; mostly idle waiting, so more than the cores.
 MAX_CONCURRENT_TOOL_CALLS = 8
 # Episodes played together when no pool size says otherwise.
@@ -108,10 +113,10 @@ class SandboxedEnv:
 
     # ── the shared loop ────────────────────────────────────────────────────────────
 
-    def run_group(
+    async def run_group(
         self, generator: Generator, tasks: list[Task], n: int, params: SamplingParams
     ) -> list[list[Episode]]:
-        """`n` episodes per task; result[i][j] is sample j of task i. Blocks until all end."""
+        """`n` episodes per task; result[i][j] is sample j of task i, once all have ended."""
         tokenizer = generator.tokenizer
         prompts = [chat_prompt_ids(tokenizer, self.system_prompt, task.prompt) for task in tasks]
         groups = [
@@ -121,15 +126,17 @@ class SandboxedEnv:
         plays = [play for group in groups for play in group]
         size = max(1, self.max_episodes_at_once)
         for start in range(0, len(plays), size):
-            self._play_wave(generator, plays[start : start + size], params)
+            await self._play_wave(generator, plays[start : start + size], params)
         return [[play.episode for play in group] for group in groups]
 
-    def _play_wave(self, generator: Generator, plays: list[Play], params: SamplingParams) -> None:
+    async def _play_wave(
+        self, generator: Generator, plays: list[Play], params: SamplingParams
+    ) -> None:
         tokenizer = generator.tokenizer
         user_turn = UserTurn(tokenizer)
         try:
             version = generator.policy_version
-            completions = _first_turn(generator, plays, params)
+            completions = await _first_turn(generator, plays, params)
             active = plays
             finished: list[Play] = []
             for turn in range(1, self.max_turns + 1):
@@ -145,25 +152,38 @@ class SandboxedEnv:
                         codes.append(code)
                 if not callers:
                     break
-                feedback = self._in_threads(self._run_tool, callers, codes, repeat(turn))
+                feedback = await self._bridged(self._run_tool, callers, codes, repeat(turn))
                 for play, content in zip(callers, feedback, strict=True):
                     play.episode.add_context(user_turn.ids(play.episode.completion_ids, content))
                 active = callers
                 version = generator.policy_version
                 contexts = [play.episode.context_ids for play in active]
-                completions = [samples[0] for samples in generator.generate(contexts, 1, params)]
-            self._in_threads(self._finish, finished)
+                samples = await generator.generate(contexts, 1, params)
+                completions = [group[0] for group in samples]
+            await self._bridged(self._finish, finished)
         finally:
-            for play in plays:
-                _close(play)
+            # Sandboxes still held (the wave failed or was cancelled) go back, concurrently.
+            await self._bridged(_close, [play for play in plays if play.sandbox is not None])
 
-    def _in_threads(self, fn: Callable[..., Any], *iterables: Sequence[Any] | Any) -> list[Any]:
-        items = list(zip(*iterables, strict=False))
-        if not items:
-            return []
-        workers = min(self.max_concurrent_tool_calls, len(items))
-        with ThreadPoolExecutor(workers, thread_name_prefix=f"{self.name}-tool") as pool:
-            return list(pool.map(lambda args: fn(*args), items))
+    async def _bridged(self, fn: Callable[..., Any], *iterables: Sequence[Any] | Any) -> list[Any]:
+        """`fn` on each tuple of `iterables` across the bridge, at most
+        `max_concurrent_tool_calls` at once; the results in order once every call ended (the
+        first failure raised only then, so no sandbox goes back while a call uses it). A
+        cancelled wave (the node stops) does not wait for calls in flight: threads cannot be
+        stopped, and the sandboxes are given back under them."""
+        limit = asyncio.Semaphore(self.max_concurrent_tool_calls)
+
+        async def one(args: tuple[Any, ...]) -> Any:
+            async with limit:
+                return await blocking(fn, *args)
+
+        results = await asyncio.gather(
+            *(one(args) for args in zip(*iterables, strict=False)), return_exceptions=True
+        )
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return results
 
     def _take_turn(
         self, play: Play, completion: Completion, text: str, version: int, last: bool
@@ -254,7 +274,7 @@ class SandboxedEnv:
         return tool_feedback(result, self.tool_timeout_s)
 
 
-def _first_turn(
+async def _first_turn(
     generator: Generator, plays: list[Play], params: SamplingParams
 ) -> list[Completion]:
     """Turn 1 of a wave, in play order: one engine call with each distinct prompt once and
@@ -266,9 +286,10 @@ def _first_turn(
         prompts[id(play.task)] = play.episode.prompt_ids
     if len(set(counts.values())) == 1:
         n = next(iter(counts.values()))
-        samples = generator.generate(list(prompts.values()), n, params)
+        samples = await generator.generate(list(prompts.values()), n, params)
         return [c for group in samples for c in group]
-    return [s[0] for s in generator.generate([p.episode.prompt_ids for p in plays], 1, params)]
+    singles = await generator.generate([p.episode.prompt_ids for p in plays], 1, params)
+    return [s[0] for s in singles]
 
 
 def tool_feedback(result: ExecResult, timeout_s: float) -> str:

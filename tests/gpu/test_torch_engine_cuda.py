@@ -16,6 +16,7 @@ quantity, whatever the engine computes in. Tolerances per token:
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -54,9 +55,10 @@ def test_torch_engine_on_cuda_meets_the_engine_contract(tiny_model_dir: Path, dt
     twin = _engine(tiny_model_dir, dtype, seed=11)
     assert engine.device.type == "cuda"
     assert next(engine.model.parameters()).dtype == getattr(torch, dtype)
-    check_engine_contract(
+    contract = check_engine_contract(
         engine, twin, tiny_model_dir, dtype="float32", logprob_atol=LOGPROB_ATOL[dtype]
     )
+    asyncio.run(contract)
 
 
 def test_a_learner_step_on_cuda_recomputes_the_engines_logprobs_at_lag_0(
@@ -67,7 +69,7 @@ def test_a_learner_step_on_cuda_recomputes_the_engines_logprobs_at_lag_0(
     engine = _engine(tiny_model_dir, "bfloat16", seed=3)
     prompts = chat_prompts(engine)
     params = SamplingParams(temperature=1.0, max_new_tokens=16)
-    sampled = engine.generate(prompts, 4, params)
+    sampled = asyncio.run(engine.generate(prompts, 4, params))
     groups = groups_from_samples(prompts, sampled, "gpu-test")
 
     model, _ = load_causal_lm(tiny_model_dir, "float32")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -44,9 +45,9 @@ def test_vllm_engine_meets_the_engine_contract(
     engine: VLLMEngine, twin: VLLMEngine, tiny_model_dir: Path
 ) -> None:
     # GPU kernels differ from the CPU float32 reference in the last digits, not by more.
-    check_engine_contract(engine, twin, tiny_model_dir, logprob_atol=2e-3)
+    asyncio.run(check_engine_contract(engine, twin, tiny_model_dir, logprob_atol=2e-3))
 
 
 def test_vllm_engine_refuses_top_p_below_one(engine: VLLMEngine) -> None:
     with pytest.raises(ValueError, match="top_p"):
-        engine.generate([[1, 2, 3]], 2, SamplingParams(top_p=0.9))
+        asyncio.run(engine.generate([[1, 2, 3]], 2, SamplingParams(top_p=0.9)))

@@ -3,13 +3,13 @@ isolation, every fault as an outcome, replacement, crash cleanup, episodes under
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
 import sys
 import threading
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -246,7 +246,7 @@ def test_python_tool_runs_on_the_docker_backend(tokenizer: Any, docker_pool: San
 
     env = make_env(EnvConfig(name="python_tool", tool_timeout_s=QUICK_S), docker_pool)
     task = Task(id="t", env="python_tool", prompt="What is 6 * 7?", answer=42)
-    [group] = env.run_group(RuleGenerator(tokenizer, reply), [task], 3, _params())
+    [group] = asyncio.run(env.run_group(RuleGenerator(tokenizer, reply), [task], 3, _params()))
     assert [(e.reward, e.turns, e.error) for e in group] == [(1.0, 2, "")] * 3
 
 
@@ -276,7 +276,7 @@ def test_many_episodes_share_few_sandboxes(tokenizer: Any, docker_pool: SandboxP
     watcher = threading.Thread(target=watch)
     watcher.start()
     try:
-        groups = env.run_group(RuleGenerator(tokenizer, reply), tasks, 2, _params())
+        groups = asyncio.run(env.run_group(RuleGenerator(tokenizer, reply), tasks, 2, _params()))
     finally:
         watching.set()
         watcher.join()
@@ -302,8 +302,8 @@ def test_python_code_is_scored_by_hidden_tests_in_docker(
             return next(replies)
 
     env = make_env(EnvConfig(name="python_code"), docker_pool)
-    groups = env.run_group(RuleGenerator(tokenizer, reply), [task], 1, _params())
-    groups += env.run_group(RuleGenerator(tokenizer, reply), [task], 1, _params())
+    groups = asyncio.run(env.run_group(RuleGenerator(tokenizer, reply), [task], 1, _params()))
+    groups += asyncio.run(env.run_group(RuleGenerator(tokenizer, reply), [task], 1, _params()))
     assert [g[0].reward for g in groups] == [1.0, 0.0]
     assert [g[0].error for g in groups] == ["", ""]
 
@@ -323,10 +323,7 @@ def test_tool_faults_reach_the_episode(tokenizer: Any, docker_pool: SandboxPool)
 
     env = make_env(EnvConfig(name="python_tool", tool_timeout_s=2.0), docker_pool)
     tasks = [Task(id=k, env="python_tool", prompt=f"Task {k}.", answer=1) for k in hogs]
-    with ThreadPoolExecutor(1) as one:  # run_group blocks; as the rollout node calls it
-        groups = one.submit(
-            env.run_group, RuleGenerator(tokenizer, reply), tasks, 1, _params()
-        ).result()
+    groups = asyncio.run(env.run_group(RuleGenerator(tokenizer, reply), tasks, 1, _params()))
     assert [g[0].faults for g in groups] == [[FAULT_OOM], [FAULT_TIMEOUT], [FAULT_PIDS]]
     assert all(g[0].error and g[0].reward == 0.0 for g in groups)
 

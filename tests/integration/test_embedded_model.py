@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,8 @@ def test_the_embedded_model_converts_and_answers(tmp_path: Path) -> None:
         [{"role": "user", "content": "What is the capital of France?"}],
         add_generation_prompt=True,
     )
-    answer = engine.generate([encoded["input_ids"]], 1, SamplingParams(greedy=True))[0][0]
+    [[answer]] = asyncio.run(
+        engine.generate([encoded["input_ids"]], 1, SamplingParams(greedy=True))
+    )
     assert "Paris" in tokenizer.decode(answer.token_ids)
     assert resolve_model(EMBEDDED_MODEL, str(tmp_path)) == path  # cached: no second conversion

@@ -20,11 +20,12 @@ import pytest
 from transformers import AutoTokenizer
 
 from agentjet.agent_runner import run_agents
-from agentjet.episode import Generator, SamplingParams
+from agentjet.bridge import blocking, is_bridge_thread
+from agentjet.episode import Completion, Episode, Generator, SamplingParams
 from agentjet.protocol import Task
 from agentjet.timeline import merge_calls
 from node.agents import AgentEnv
-from node.openai_api import EpisodeHub, OpenAIServer
+from node.openai_api import ApiError, EpisodeHub, OpenAIServer
 from node.torch_engine import TorchEngine
 from sandboxes.envs.react import ReactAgent
 from tests.factories import RuleGenerator
@@ -43,6 +44,11 @@ TOOLS = [
         },
     }
 ]
+# How long the test's engine holds a model call at most (the test lets it go at once).
+HELD_CALL_TIMEOUT_S = 60.0
+# A closing endpoint is done within this, though the engine holds a call (aiohttp's own
+# grace for requests in progress is 60 s).
+CLOSE_TIMEOUT_S = 10.0
 TOOL_CALL = '<tool_call>{"name": "python", "arguments": {"code": "print(2 + 3)"}}</tool_call>'
 
 
@@ -234,11 +240,14 @@ def test_an_agent_that_goes_silent_is_reclaimed_and_its_episode_played_again(
         await client.chat.completions.create(model="m", messages=messages)
         return 1.0
 
-    env = AgentEnv("agent", agent, idle_timeout_s=0.5, episode_timeout_s=60)
-    try:
-        [[episode]] = env.run_group(RuleGenerator(tokenizer, lambda c: "ok"), [TASK], 1, PARAMS)
-    finally:
-        env.close()
+    async def main() -> list[list[Episode]]:
+        env = AgentEnv("agent", agent, idle_timeout_s=0.5, episode_timeout_s=60)
+        try:
+            return await env.run_group(RuleGenerator(tokenizer, lambda c: "ok"), [TASK], 1, PARAMS)
+        finally:
+            await env.close()
+
+    [[episode]] = asyncio.run(main())
     assert len(attempts) == 2
     assert episode.reward == 1.0 and episode.turns == 2  # only the finished attempt
     assert [s.calls for s in episode.sequences] == [2]
@@ -248,33 +257,143 @@ def test_react_agent_in_process_and_an_external_agent_process(tokenizer: Any) ->
     def reply(context: str) -> str:
         return "Answer: 5" if "Tool result: 5" in context else TOOL_CALL
 
-    react = AgentEnv("react", ReactAgent(max_turns=4, tool_timeout_s=10))
-    try:
-        [group] = react.run_group(RuleGenerator(tokenizer, reply), [TASK], 2, PARAMS)
-    finally:
-        react.close()
+    generator = RuleGenerator(tokenizer, reply)
+
+    async def in_process() -> list[list[Episode]]:
+        react = AgentEnv("react", ReactAgent(max_turns=4, tool_timeout_s=10))
+        try:
+            return await react.run_group(generator, [TASK], 2, PARAMS)
+        finally:
+            await react.close()
+
+    [group] = asyncio.run(in_process())
     assert [(e.reward, e.turns, len(e.sequences)) for e in group] == [(1.0, 2, 1)] * 2
 
     # External: the env waits for claims; `run_agents` plays them as `agentjet agent` would.
-    external = AgentEnv(
-        "react", None, external=True, judge=lambda task, messages: 1.0 if messages else 0.0
-    )
-    outcome: list[Any] = []
-    worker = threading.Thread(
-        target=lambda: outcome.append(
-            external.run_group(RuleGenerator(tokenizer, reply), [TASK], 3, PARAMS)
+    async def external() -> tuple[list[list[Episode]], int]:
+        env = AgentEnv(
+            "react", None, external=True, judge=lambda task, messages: 1.0 if messages else 0.0
         )
-    )
-    worker.start()
-    try:
-        while external.server is None or not external.server.base_url:
-            worker.join(0.05)
-        finished = asyncio.run(
-            run_agents(external.server.base_url, ReactAgent(max_turns=4), episodes=3)
-        )
-        worker.join(60)
-    finally:
-        external.close()
+        try:
+            url = await env.start(generator, PARAMS)
+            return await asyncio.gather(
+                env.run_group(generator, [TASK], 3, PARAMS),
+                run_agents(url, ReactAgent(max_turns=4), episodes=3),
+            )
+        finally:
+            await env.close()
+
+    [[*episodes]], finished = asyncio.run(external())
     assert finished == 3
-    [[*episodes]] = outcome[0]
     assert [(e.reward, e.turns) for e in episodes] == [(1.0, 2)] * 3
+
+
+class HeldEngine:
+    """A Generator whose compute, in a bridge thread as a real engine's, holds each call
+    until the test lets it go, and notes the threads each call met on its way."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.rule = RuleGenerator(tokenizer, lambda context: "Answer: 5")
+        self.tokenizer = tokenizer
+        self.policy_version = 0
+        self.awaited_on: list[threading.Thread] = []  # where `generate` was awaited
+        self.computed_on: list[threading.Thread] = []  # where the compute ran
+        self.computing = asyncio.Event()
+        self.go_on = threading.Event()
+
+    async def generate(
+        self, prompts: list[list[int]], n: int, params: SamplingParams
+    ) -> list[list[Completion]]:
+        self.awaited_on.append(threading.current_thread())
+        loop = asyncio.get_running_loop()
+        await blocking(self._compute, loop)
+        return await self.rule.generate(prompts, n, params)
+
+    def _compute(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.computed_on.append(threading.current_thread())
+        loop.call_soon_threadsafe(self.computing.set)
+        assert self.go_on.wait(HELD_CALL_TIMEOUT_S), "the test never let the call go on"
+
+
+def test_an_agents_model_call_crosses_one_bridge_and_the_loop_serves_meanwhile(
+    tokenizer: Any,
+) -> None:
+    """The agent, the endpoint and the engine's caller share the loop that runs run_group:
+    while a model call is held in the engine, that loop answers another request on the
+    endpoint, and the only threads the episode met are the loop's and the bridge's."""
+    engine = HeldEngine(tokenizer)
+    agent_ran_on: list[threading.Thread] = []
+
+    async def agent(task: Task, client: Any) -> float:
+        """Raw HTTP on the episode's key: the openai client looks up its platform once per
+        client in a thread of asyncio's (openai/_base_client.py), a library's detail this
+        test keeps out of the threads it counts."""
+        agent_ran_on.append(threading.current_thread())
+        body = {"model": "m", "messages": [{"role": "user", "content": task.prompt}]}
+        headers = {"Authorization": f"Bearer {client.api_key}"}
+        async with httpx.AsyncClient(base_url=str(client.base_url), headers=headers) as http:
+            reply = (await http.post("chat/completions", json=body)).json()
+        return 1.0 if reply["choices"][0]["message"]["content"] == "Answer: 5" else 0.0
+
+    async def main() -> tuple[list[list[Episode]], set[threading.Thread]]:
+        env = AgentEnv("agent", agent)
+        try:
+            url = await env.start(engine, PARAMS)
+            assert env.server is not None
+            playing = asyncio.ensure_future(env.run_group(engine, [TASK], 1, PARAMS))
+            await engine.computing.wait()  # the model call is in the engine now
+            [episode] = env.server.hub.by_key.values()
+            headers = {"Authorization": f"Bearer {episode.key}"}
+            async with httpx.AsyncClient(base_url=url, headers=headers) as http:
+                models = await http.get("/v1/models")
+            assert models.status_code == 200 and not playing.done()
+            during = set(threading.enumerate())
+            engine.go_on.set()
+            return await playing, during
+        finally:
+            engine.go_on.set()
+            await env.close()
+
+    threads_before = set(threading.enumerate())
+    [[episode]], threads_during = asyncio.run(main())
+    assert episode.reward == 1.0
+    main_thread = threading.current_thread()
+    # The agent ran, and awaited the engine, on the loop of run_group (this thread's)...
+    assert agent_ran_on == engine.awaited_on == [main_thread]
+    # ...and the compute ran in a bridge thread: the one hop of a model call.
+    [compute_thread] = engine.computed_on
+    assert is_bridge_thread(compute_thread)
+    # No thread but the bridge's started while the episode played.
+    new = threads_during - threads_before
+    assert all(is_bridge_thread(t) for t in new), sorted(t.name for t in new)
+
+
+def test_closing_an_agent_env_mid_call_stops_its_endpoint_at_once(tokenizer: Any) -> None:
+    """A node stopping while a model call is in the engine: close() cancels the episode,
+    answers its waiting request 503 and stops the endpoint, though the engine still holds
+    the call (aiohttp alone would wait 60 s for that request)."""
+    engine = HeldEngine(tokenizer)
+
+    async def agent(task: Task, client: Any) -> float:
+        await client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": task.prompt}]
+        )
+        return 1.0
+
+    async def main() -> None:
+        env = AgentEnv("agent", agent)
+        try:
+            playing = asyncio.ensure_future(env.run_group(engine, [TASK], 1, PARAMS))
+            await engine.computing.wait()
+            assert env.server is not None
+            [waiting] = env.server.batcher.waiting
+            await asyncio.wait_for(env.close(), CLOSE_TIMEOUT_S)
+            with pytest.raises(asyncio.CancelledError):
+                await playing
+            error = waiting.exception()
+            assert isinstance(error, ApiError) and error.status == 503
+        finally:
+            engine.go_on.set()
+            await env.close()
+
+    asyncio.run(main())

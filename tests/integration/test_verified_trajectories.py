@@ -49,7 +49,7 @@ def honest_groups(
     tasks = generate_tasks(count, seed=7, difficulties=[1], env="arithmetic")
     params = SamplingParams(temperature=1.0, max_new_tokens=8)
     groups = []
-    played = ArithmeticEnv().run_group(engine, tasks, GROUP_SIZE, params)
+    played = asyncio.run(ArithmeticEnv().run_group(engine, tasks, GROUP_SIZE, params))
     for task, episodes in zip(tasks, played, strict=True):
         for episode, reward in zip(episodes, rewards or [], strict=False):
             episode.reward = reward

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,11 +32,12 @@ def engine(tiny_model_dir: Path) -> Iterator[TorchEngine]:
 def test_torch_engine_meets_the_engine_contract(tiny_model_dir: Path) -> None:
     before = torch.get_num_threads()
     try:
-        check_engine_contract(
+        contract = check_engine_contract(
             TorchEngine(tiny_model_dir, seed=11, threads=1),
             TorchEngine(tiny_model_dir, seed=11, threads=1),
             tiny_model_dir,
         )
+        asyncio.run(contract)
     finally:
         torch.set_num_threads(before)
 
@@ -45,7 +47,7 @@ def test_top_p_logprobs_are_taken_before_truncation(
 ) -> None:
     prompts = chat_prompts(engine)
     params = SamplingParams(temperature=0.7, top_p=0.5, max_new_tokens=8)
-    results = engine.generate(prompts, 4, params)
+    results = asyncio.run(engine.generate(prompts, 4, params))
     reference, _ = load_causal_lm(tiny_model_dir)
     assert_logprobs_match_teacher_forcing(reference, prompts, results, params, atol=1e-4)
 
@@ -74,7 +76,7 @@ def test_temperature_scales_logits_before_the_logprob() -> None:
 def test_repeated_prompts_each_get_n_independent_samples(engine: TorchEngine) -> None:
     prompt = chat_prompts(engine)[0]
     params = SamplingParams(temperature=1.0, max_new_tokens=6)
-    results = engine.generate([prompt, prompt], 3, params)
+    results = asyncio.run(engine.generate([prompt, prompt], 3, params))
     assert [len(s) for s in results] == [3, 3]
     samples = [tuple(c.token_ids) for s in results for c in s]
     assert len(set(samples)) == 6
@@ -84,12 +86,13 @@ def test_repeated_prompts_each_get_n_independent_samples(engine: TorchEngine) ->
 
 def test_finished_rows_stop_growing_while_others_continue(engine: TorchEngine) -> None:
     prompts = chat_prompts(engine)
-    free = engine.generate(prompts, 1, SamplingParams(greedy=True, max_new_tokens=10))
+    greedy = SamplingParams(greedy=True, max_new_tokens=10)
+    free = asyncio.run(engine.generate(prompts, 1, greedy))
     # Make the first prompt's second greedy token a stop token; the others run on.
     stop = free[0][0].token_ids[1]
     engine.eos_token_ids.add(stop)
     try:
-        stopped = engine.generate(prompts, 1, SamplingParams(greedy=True, max_new_tokens=10))
+        stopped = asyncio.run(engine.generate(prompts, 1, greedy))
     finally:
         engine.eos_token_ids.discard(stop)
     assert stopped[0][0].token_ids == free[0][0].token_ids[:2]
@@ -113,9 +116,9 @@ def test_invalid_requests_are_refused(
     engine: TorchEngine, params: SamplingParams, n: int, message: str
 ) -> None:
     with pytest.raises(ValueError, match=message):
-        engine.generate([[1, 2, 3]], n, params)
+        asyncio.run(engine.generate([[1, 2, 3]], n, params))
 
 
 def test_empty_prompt_is_refused(engine: TorchEngine) -> None:
     with pytest.raises(ValueError, match="at least one token"):
-        engine.generate([[]], 1, SamplingParams())
+        asyncio.run(engine.generate([[]], 1, SamplingParams()))

@@ -7,6 +7,7 @@ recomputed logprobs must equal the sampler's, i.e. importance ratios of exactly 
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import deque
 from pathlib import Path
@@ -54,8 +55,8 @@ def test_learner_logprobs_match_the_sampler(tiny_model_dir: Path, one_torch_thre
     temperature = 0.7
     engine = TorchEngine(tiny_model_dir, seed=1)
     prompts = [[1, 5, 9, 200], [1, 7, 300, 400, 500, 600, 700]]
-    completions = engine.generate(
-        prompts, 3, SamplingParams(temperature=temperature, max_new_tokens=6)
+    completions = asyncio.run(
+        engine.generate(prompts, 3, SamplingParams(temperature=temperature, max_new_tokens=6))
     )
     grants, groups = [], []
     for i, (prompt, samples) in enumerate(zip(prompts, completions, strict=True)):
@@ -65,13 +66,14 @@ def test_learner_logprobs_match_the_sampler(tiny_model_dir: Path, one_torch_thre
             episode.add_model_turn(completion)
             if i == 1:  # a tool turn in between: context tokens are never trained
                 episode.add_context([11, 12, 13])
-                episode.add_model_turn(
+                [[turn]] = asyncio.run(
                     engine.generate(
                         [episode.context_ids],
                         1,
                         SamplingParams(temperature=temperature, max_new_tokens=4),
-                    )[0][0]
+                    )
                 )
+                episode.add_model_turn(turn)
             episode.reward = float(j == 0)
             episodes.append(episode)
         task = protocol.Task(id=f"t{i}", env="arithmetic", prompt="", answer=0)

@@ -3,6 +3,7 @@ quarantine bookkeeping, and the learner leaving forged groups out of its gradien
 
 from __future__ import annotations
 
+import asyncio
 import random
 from pathlib import Path
 
@@ -153,7 +154,8 @@ def test_the_learner_leaves_forged_groups_out_of_its_gradients_exactly(
     honest = []
     for i, prompt in enumerate([[1, 5, 9, 200], [1, 7, 300, 400]]):
         episodes = []
-        for j, completion in enumerate(engine.generate([prompt], 3, params)[0]):
+        [samples] = asyncio.run(engine.generate([prompt], 3, params))
+        for j, completion in enumerate(samples):
             episode = Episode(prompt_ids=prompt, reward=float(j == 0))
             episode.add_model_turn(completion)
             episodes.append(episode)

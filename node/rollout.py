@@ -43,8 +43,7 @@ from agentjet.bridge import blocking
 from agentjet.config import AGENT_ENVS, SANDBOXED_ENVS, Config, is_endpoint
 from agentjet.devices import peak_memory
 from agentjet.episode import Episode, SamplingParams
-from agentjet.errors import ProtocolError
-from agentjet.keys import SwarmKeys, swarm_keys
+from agentjet.keys import swarm_keys
 from agentjet.metrics import MetricsWriter
 from agentjet.roles import run_role, supervise
 from agentjet.tasks import TaskSource, draw_tasks
@@ -59,6 +58,7 @@ from node.lora import AdapterMerger
 from node.model import resolve_model
 from node.spool import Spool, SpoolFull
 from node.swarm import Directory, start_dht, visible_maddrs
+from node.trainer_link import answers, probe, trainer_client
 from node.weights import WeightAssembly
 from sandboxes.envs import Environment, make_env
 from sandboxes.pool import SandboxPool, open_pool
@@ -818,45 +818,6 @@ class Rollout:
                 "perf/load_s": time.perf_counter() - start,
             }
         )
-
-
-def trainer_client(
-    endpoint: str, hello: protocol.Hello, config: Config, keys: SwarmKeys | None, timeout_s: float
-) -> Client:
-    """A client of the trainer at `endpoint`, giving up on a reply after `timeout_s`."""
-    return Client(
-        endpoint,
-        protocol.trainer_reply_decoder,
-        hello,
-        config.net.max_message_bytes,
-        timeout_s,
-        keys,
-    )
-
-
-async def answers(
-    endpoint: str, hello: protocol.Hello, config: Config, keys: SwarmKeys | None
-) -> bool:
-    """Whether the trainer at `endpoint` answers within a record's lifetime."""
-    return await probe(endpoint, hello, config, keys) is not None
-
-
-async def probe(
-    endpoint: str, hello: protocol.Hello, config: Config, keys: SwarmKeys | None
-) -> tuple[protocol.Lineage, int] | None:
-    """The lineage and version of the trainer that answers at `endpoint` within a record's
-    lifetime, or None, asked on a socket of its own (the rollout node's usual client may be
-    waiting on a request in flight)."""
-    client = trainer_client(endpoint, hello, config, keys, config.swarm.record_ttl_s)
-    try:
-        reply = await client.request(protocol.GroupStatusQuery(group_ids=[]))
-    except (PeerUnavailable, ProtocolError):
-        return None
-    finally:
-        client.close()
-    if not isinstance(reply, protocol.GroupStatus):
-        return None
-    return reply.lineage, reply.policy_version
 
 
 def main(config: Config) -> int:

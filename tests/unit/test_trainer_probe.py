@@ -15,7 +15,7 @@ import pytest
 from agentjet import protocol
 from agentjet.config import Config, SwarmConfig
 from agentjet.transport import Server
-from node.rollout import answers, probe
+from node.trainer_link import answers, probe
 
 pytestmark = pytest.mark.unit
 

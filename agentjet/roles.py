@@ -8,14 +8,21 @@ so a stopped node leaves no socket, hivemind daemon or half-written file behind.
 calls still running on the bridge (agentjet/bridge.py) end before it unwinds. A node
 killed outright (SIGKILL, the OOM killer) has its lifeline watcher end every process it
 started (agentjet/lifeline.py).
+
+A node that seems stuck tells what it is doing: `kill -USR1 PID` writes every thread's
+stack to its log (Python's faulthandler: works even when the event loop is blocked), and a
+stop that has not finished within STOP_REPORT_S writes them, with the loop's tasks, itself.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import faulthandler
 import logging
 import signal
 import sys
+import threading
 from collections.abc import Coroutine
 from contextlib import ExitStack
 from typing import Any, NoReturn, Protocol
@@ -41,6 +48,25 @@ def setup_logging(name: str) -> None:
     )
 
 
+# A stop still under way after this long writes what it waits on to the log (once).
+STOP_REPORT_S = 20.0
+
+
+def _report_stuck(name: str, loop: asyncio.AbstractEventLoop) -> None:
+    """Write every thread's stack, and (when the loop still runs) its tasks', to stderr."""
+    logging.getLogger(name).warning(
+        "stopping has taken over %.0f s; what each thread and task is doing:", STOP_REPORT_S
+    )
+    faulthandler.dump_traceback(all_threads=True)
+
+    def tasks() -> None:
+        for task in asyncio.all_tasks(loop):
+            task.print_stack(limit=12, file=sys.stderr)
+
+    with contextlib.suppress(RuntimeError):  # the loop has ended: only threads are left
+        loop.call_soon_threadsafe(tasks)
+
+
 def _abort_setup(signum: int, frame: Any) -> NoReturn:
     raise SystemExit(128 + signum)
 
@@ -50,15 +76,27 @@ def run_role(role: Role, name: str) -> int:
     setup_logging(name)
     log = logging.getLogger(name)
 
+    reporter: threading.Timer | None = None
+
     async def main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
+
+        def stopping() -> None:
+            nonlocal reporter
+            stop.set()
+            if reporter is None:
+                reporter = threading.Timer(STOP_REPORT_S, _report_stuck, (name, loop))
+                reporter.daemon = True
+                reporter.start()
+
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, stopping)
         await role.run(stop)
 
     signal.signal(signal.SIGTERM, _abort_setup)
     signal.signal(signal.SIGINT, _abort_setup)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     # Before any other process is started: whatever kills this one, they end with it.
     lifeline = Lifeline.start(name)
     try:
@@ -69,6 +107,8 @@ def run_role(role: Role, name: str) -> int:
             finally:
                 bridge.finish()  # blocking calls end before what they use is released
     finally:
+        if reporter is not None:
+            reporter.cancel()
         if lifeline is not None:
             lifeline.close()  # cleanup ran: the watcher ends only stragglers, then exits
     log.info("%s stopped", name)

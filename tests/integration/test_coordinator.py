@@ -396,6 +396,37 @@ def test_sigterm_stops_cleanly_and_leaves_a_metrics_row(coordinators: Coordinato
     assert last["charts/mean_reward"] == 0.25
 
 
+def test_sigusr1_writes_every_threads_stack_to_the_log_and_the_node_runs_on(
+    coordinators: Coordinators,
+) -> None:
+    proc = coordinators.start(coordinators.config())
+
+    async def serving() -> None:
+        node = coordinators.client("node-a")
+        try:
+            await wait_until_serving(node, proc)
+        finally:
+            node.close()
+
+    asyncio.run(serving())
+    proc.send_signal(signal.SIGUSR1)  # what a user runs on a node that seems stuck
+
+    async def still_serving() -> None:
+        node = coordinators.client("node-a")
+        try:
+            await wait_until_serving(node, proc)
+            assert len(await work(node, "node-a", 1)) == 1
+        finally:
+            node.close()
+
+    asyncio.run(still_serving())  # a signal is handled before its target runs on: dumped
+    log = coordinators.log_path.read_text()
+    assert "Current thread" in log and "(most recent call first)" in log
+    assert "agentjet/roles.py" in log  # the main thread's stack, down to the role runner
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=STOP_TIMEOUT_S) == 0
+
+
 def test_importing_the_coordinator_does_not_import_torch() -> None:
     probe = (
         "import sys, coordinator.service, coordinator.__main__; "

@@ -176,8 +176,24 @@ class Swarm:
             self.spawned |= descendants(proc.pid)
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
-                codes[name] = proc.wait(timeout=STOP_TIMEOUT_S)
+                try:
+                    codes[name] = proc.wait(timeout=STOP_TIMEOUT_S)
+                except subprocess.TimeoutExpired:
+                    raise AssertionError(f"{name} did not stop\n{self.stuck(name)}") from None
         return codes
+
+    def stuck(self, name: str) -> str:
+        """The log of a node that does not stop, ending with every thread's stack (SIGUSR1
+        makes it write them: agentjet/roles.py)."""
+        log = self.dir / f"{name}.log"
+        size = log.stat().st_size
+        self.procs[name].send_signal(signal.SIGUSR1)
+        deadline = time.monotonic() + 10
+        while (
+            time.monotonic() < deadline and "most recent call first" not in log.read_text()[size:]
+        ):
+            time.sleep(POLL_S)  # polling the file the dump is written to
+        return log.read_text()[-30000:]
 
     def reap(self) -> None:
         for proc in self.procs.values():

@@ -23,14 +23,16 @@ import logging
 import signal
 import sys
 import threading
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Coroutine
 from contextlib import ExitStack
-from typing import Any, NoReturn, Protocol
+from typing import Any, NoReturn, Protocol, TypeVar
 
 import uvloop
 
 from agentjet import bridge
 from agentjet.lifeline import Lifeline
+
+T = TypeVar("T")
 
 
 class Role(Protocol):
@@ -146,3 +148,16 @@ async def supervise(stop: asyncio.Event, loops: dict[str, Coroutine[Any, Any, No
         task.result()  # re-raise the failure of a background loop
         if not stop.is_set():
             raise RuntimeError(f"{task.get_name()} stopped unexpectedly")
+
+
+async def wait_for(awaitable: Awaitable[T], timeout_s: float) -> T:
+    """`await awaitable`, or TimeoutError after `timeout_s`: what every role's loops use.
+
+    Not `asyncio.wait_for`: on Python 3.11, when the awaited thing completes in the same
+    loop iteration as the task is cancelled, it returns the result and drops the
+    cancellation, so a `while True` loop that waits on an event never sees its stop, and
+    `supervise` waits for it forever (a rollout node hung at stop so in CI: a trainer's
+    reply set an event just as SIGTERM arrived). `asyncio.timeout` keeps the cancellation.
+    """
+    async with asyncio.timeout(timeout_s):
+        return await awaitable

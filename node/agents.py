@@ -37,6 +37,7 @@ from agentjet.config import EnvConfig, RolloutConfig
 from agentjet.episode import Episode, Generator, SamplingParams
 from agentjet.errors import ConfigError
 from agentjet.protocol import Task
+from agentjet.roles import wait_for
 from agentjet.timeline import Call, merge_calls
 from node.openai_api import AgentEpisode, EpisodeHub, OpenAIServer
 from sandboxes.base import Sandbox
@@ -184,7 +185,7 @@ class AgentEnv:
         """(reward, "") for a finished episode, else (0.0, why it failed)."""
         if self.external:
             try:
-                await asyncio.wait_for(episode.done.wait(), self.episode_timeout_s)
+                await wait_for(episode.done.wait(), self.episode_timeout_s)
             except TimeoutError:
                 return 0.0, f"not finished within {self.episode_timeout_s:g} s"
             if episode.state != "finished" or episode.reward is None:

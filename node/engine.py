@@ -36,9 +36,13 @@ class Engine(Generator, Protocol):
     vocab_size: int
     eos_token_ids: set[int]
     device: torch.device
+    # LoRA versions: True when the engine takes a version's adapter tensors itself (vLLM's
+    # LoRA requests), False when it wants full weights (the rollout node merges them).
+    takes_adapters: bool
 
     async def load_state_dict(self, state: Mapping[str, torch.Tensor], version: int) -> None:
-        """Load a new policy version in place; samples are tagged `version` from then on."""
+        """Load a new policy version in place (full weights, or a LoRA version's adapter
+        tensors when `takes_adapters`); samples are tagged `version` from then on."""
         ...
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -56,8 +60,9 @@ def open_engine(model: ModelConfig, rollout: RolloutConfig, path: Path, seed: in
     if kind == "vllm":
         from node.vllm_engine import VLLMEngine
 
+        lora = model if model.lora_rank else None
         engine = VLLMEngine(
-            path, dtype=dtype, seed=seed, gpu_memory_utilization=share, device=device
+            path, dtype=dtype, seed=seed, gpu_memory_utilization=share, device=device, lora=lora
         )
     else:
         from node.torch_engine import TorchEngine

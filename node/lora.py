@@ -3,17 +3,22 @@
     trainer: model ──add_adapters (peft)──▶ base frozen, adapters trainable
              ──SwarmOptimizer(adapters)──▶ averaged with the other trainers
              ──snapshot(trainable only)──▶ adapter tensors on the wire (a few MB)
-    rollout: adapter tensors ──AdapterMerger──▶ W = W0 + (alpha / rank) · B @ A
+    rollout, torch engine: adapter tensors ──AdapterMerger──▶ W = W0 + (alpha / rank) · B @ A
              ──▶ engine.load_state_dict (full weights, as without LoRA)
+    rollout, vLLM engine (`takes_adapters`): adapter tensors ──write_adapter──▶ a PEFT adapter
+             folder ──▶ the engine's LoRA request (base weights untouched, no merge)
 
-Only this module imports peft. A rollout node keeps a copy of the base weights of the
-adapted layers (W0), so each version is merged from the base, never on top of the last.
+Only this module imports peft. A rollout node that merges keeps a copy of the base weights
+of the adapted layers (W0), so each version is merged from the base, never on top of the
+last.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -63,20 +68,66 @@ class AdapterMerger:
     ) -> dict[str, torch.Tensor]:
         """Full weights: the engine's own for layers without adapters, W0 + scale·B@A for
         the others. Raises ValueError for a key, pair or shape that does not fit."""
-        pairs: dict[str, dict[str, torch.Tensor]] = {}
-        for key, tensor in adapters.items():
-            match = _ADAPTER_KEY.match(key)
-            if match is None:
-                raise ValueError(f"{key!r} is not a LoRA adapter tensor")
-            pairs.setdefault(match["module"] + ".weight", {})[match["ab"]] = tensor
         merged = dict(engine_state)
-        for key, pair in pairs.items():
-            if key not in self.base or pair.keys() != {"A", "B"}:
-                raise ValueError(f"adapter for {key!r} does not fit this model")
-            base = self.base[key]
+        for module, (a, b) in adapter_pairs(adapters, self.base).items():
+            base = self.base[module + ".weight"]
             # Merged where the engine's weights are (its GPU, or the CPU).
-            a, b = pair["A"].to(base.device), pair["B"].to(base.device)
-            if a.dim() != 2 or b.dim() != 2 or (b.shape[0], a.shape[1]) != base.shape:
-                raise ValueError(f"adapter for {key!r} has shapes {a.shape}, {b.shape}")
-            merged[key] = base + self.scale * (b.float() @ a.float()).to(base.dtype)
+            a, b = a.to(base.device), b.to(base.device)
+            merged[module + ".weight"] = base + self.scale * (b.float() @ a.float()).to(base.dtype)
         return merged
+
+
+def adapter_pairs(
+    adapters: Mapping[str, torch.Tensor], base: Mapping[str, torch.Tensor]
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """A version's adapter tensors (peft's names) as {module: (A, B)}, each checked against
+    the base weight it adapts (`base`: HF names). ValueError for a key, pair or shape that
+    does not fit: they come from another node."""
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in adapters.items():
+        match = _ADAPTER_KEY.match(key)
+        if match is None:
+            raise ValueError(f"{key!r} is not a LoRA adapter tensor")
+        pairs.setdefault(match["module"], {})[match["ab"]] = tensor
+    checked = {}
+    for module, pair in pairs.items():
+        weight = base.get(module + ".weight")
+        if weight is None or pair.keys() != {"A", "B"}:
+            raise ValueError(f"adapter for {module + '.weight'!r} does not fit this model")
+        a, b = pair["A"], pair["B"]
+        if a.dim() != 2 or b.dim() != 2 or (b.shape[0], a.shape[1]) != weight.shape:
+            raise ValueError(f"adapter for {module + '.weight'!r} has shapes {a.shape}, {b.shape}")
+        checked[module] = (a, b)
+    return checked
+
+
+def write_adapter(
+    adapters: Mapping[str, torch.Tensor],
+    base: Mapping[str, torch.Tensor],
+    config: ModelConfig,
+    directory: Path,
+) -> Path:
+    """A version's adapters as a PEFT adapter folder (adapter_config.json and
+    adapter_model.safetensors), the format vLLM's LoRA requests and
+    `peft.PeftModel.from_pretrained` load. Checked as `adapter_pairs`; returns `directory`."""
+    from safetensors.torch import save_file
+
+    pairs = adapter_pairs(adapters, base)
+    tensors = {}
+    for module, (a, b) in pairs.items():
+        tensors[f"base_model.model.{module}.lora_A.weight"] = a.detach().cpu().contiguous()
+        tensors[f"base_model.model.{module}.lora_B.weight"] = b.detach().cpu().contiguous()
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(directory / "adapter_model.safetensors"))
+    settings = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": config.lora_rank,
+        "lora_alpha": config.lora_alpha,
+        "target_modules": sorted(config.lora_targets),
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "base_model_name_or_path": None,
+    }
+    (directory / "adapter_config.json").write_text(json.dumps(settings, indent=1))
+    return directory

@@ -52,6 +52,7 @@ from aiohttp import web
 
 from agentjet.episode import Completion, Generator, SamplingParams
 from agentjet.protocol import Task
+from agentjet.roles import wait_for
 from agentjet.timeline import Call
 from sandboxes.envs.chat import UserTurn
 
@@ -353,7 +354,7 @@ class Batcher:
             deadline = loop.time() + BATCH_WINDOW_S
             while len(batch) < MAX_BATCH and (left := deadline - loop.time()) > 0:
                 try:
-                    batch.append(await asyncio.wait_for(self.queue.get(), left))
+                    batch.append(await wait_for(self.queue.get(), left))
                 except TimeoutError:
                     break
             by_params: dict[SamplingParams, list[tuple[list[int], asyncio.Future[Any]]]] = {}
@@ -598,7 +599,7 @@ class OpenAIServer:
                 if left <= 0:
                     return web.Response(status=204)
                 try:
-                    episode = await asyncio.wait_for(self.hub.claimable.get(), left)
+                    episode = await wait_for(self.hub.claimable.get(), left)
                 except TimeoutError:
                     return web.Response(status=204)
             if episode.state == "open":

@@ -45,7 +45,7 @@ from agentjet.devices import peak_memory
 from agentjet.episode import Episode, SamplingParams
 from agentjet.keys import swarm_keys
 from agentjet.metrics import MetricsWriter
-from agentjet.roles import run_role, supervise
+from agentjet.roles import run_role, supervise, wait_for
 from agentjet.tasks import TaskSource, draw_tasks
 from agentjet.timeline import Sequence
 from agentjet.transport import Client, PeerUnavailable
@@ -176,7 +176,7 @@ class Rollout:
         cleanup.callback(self.gpu.close)
         self.gpus: list[protocol.GpuStats] = []  # the last sample
         self.merger: AdapterMerger | None = None
-        if cfg.model.lora_rank:
+        if cfg.model.lora_rank and not self.engine.takes_adapters:
             self.merger = AdapterMerger(self.engine.state_dict(), cfg.model)
         self.pool: SandboxPool | None = None
         if any(env.name in SANDBOXED_ENVS for env in cfg.envs):
@@ -488,7 +488,7 @@ class Rollout:
             if self._has_room():
                 self.room.set()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.unsent.wait(), STATUS_POLL_S)
+                await wait_for(self.unsent.wait(), STATUS_POLL_S)
 
     async def _offer(self, pending: Pending, trainer: TrainerPeer) -> None:
         group_id = pending.group.group_id
@@ -745,7 +745,7 @@ class Rollout:
     async def _sync_weights(self) -> None:
         while True:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.newer_policy.wait(), POLICY_POLL_S)
+                await wait_for(self.newer_policy.wait(), POLICY_POLL_S)
             self.newer_policy.clear()
             # The newest version, from the least loaded trainer that has it; the next
             # one when it does not answer (its record can outlive it by record_ttl_s).
@@ -779,7 +779,7 @@ class Rollout:
                     raise ValueError(f"chunk {index}: {chunk}")
                 assembly.add(index, chunk.data)
             state = await blocking(assembly.finish)
-            if self.merger is not None:  # LoRA: adapters arrive, the engine takes weights
+            if self.merger is not None:  # LoRA: adapters arrive, this engine takes weights
                 state = await blocking(self.merger.merge, state, self.engine.state_dict())
         except (PeerUnavailable, ValueError) as e:
             log.info("policy fetch from %s interrupted (%s); will retry", source.node_id, e)

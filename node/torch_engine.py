@@ -50,6 +50,8 @@ class TorchEngine:
     closing token); a sampled stop id is kept as the completion's last token.
     """
 
+    takes_adapters = False  # LoRA versions arrive merged into full weights
+
     def __init__(
         self,
         model_path: str | Path,

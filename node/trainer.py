@@ -60,7 +60,7 @@ from agentjet.errors import ModelError
 from agentjet.keys import swarm_keys
 from agentjet.lifeline import CLEANUP_AFTER_CHILD_DEATH_S, watch_children
 from agentjet.metrics import MetricsWriter, Rate
-from agentjet.roles import print_join_command, run_role, supervise
+from agentjet.roles import print_join_command, run_role, supervise, wait_for
 from agentjet.tasks import TaskSource
 from agentjet.transport import Server
 from node.gpu_monitor import GpuMonitor
@@ -498,7 +498,7 @@ class Trainer:
             if self.book.doubtful:
                 await self._settle_doubtful()
                 with suppress(TimeoutError):  # look at the doubtful batches again soon
-                    await asyncio.wait_for(self.batch_ready.wait(), cfg.swarm.heartbeat_s)
+                    await wait_for(self.batch_ready.wait(), cfg.swarm.heartbeat_s)
                 if not self.batch_ready.is_set():
                     continue
             await self.batch_ready.wait()

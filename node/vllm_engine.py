@@ -26,7 +26,11 @@ written on; tests/gpu/test_vllm_engine.py runs the engine contract on a lent GPU
   wait for it, as with the torch engine. vLLM's own `AsyncLLM` would let requests join a
   running batch; it is not used because nothing here could run it (no GPU where this was
   written).
-- Weight reload goes through a worker extension (`worker_extension_cls`) and
+- A LoRA policy's versions load as adapters (`lora` given: `enable_lora`): each version is
+  written as a PEFT adapter folder (node/lora.py) and added under its own LoRA id with
+  `llm_engine.add_lora`; batches are sampled with that `LoRARequest`, and the previous
+  version's adapter is removed. The base weights are never touched.
+- Full-weight reload goes through a worker extension (`worker_extension_cls`) and
   `LLM.collective_rpc`, the path vLLM's own RLHF examples use; tensors travel to the worker
   process serialized, so this suits models up to a few GB. Tied `lm_head.weight` is skipped by
   vLLM's Llama loader. The prefix cache holds KV computed with the old weights and is reset.
@@ -36,6 +40,8 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -44,8 +50,10 @@ import torch
 from transformers import AutoConfig
 
 from agentjet.bridge import Exclusive, blocking
+from agentjet.config import ModelConfig
 from agentjet.devices import check_fits
 from agentjet.episode import Completion, SamplingParams
+from node.lora import adapter_pairs, write_adapter
 from node.model import DTYPES, eos_token_ids, load_causal_lm, load_tokenizer
 from node.torch_engine import check_request, check_state_dict
 
@@ -53,6 +61,8 @@ from node.torch_engine import check_request, check_state_dict
 WORKER_EXTENSION = "node.vllm_engine.WeightLoaderExtension"
 # Children of one request use seeds base .. base + n - 1 (vLLM); bases are spaced this far.
 MAX_SAMPLES_PER_PROMPT = 1024
+# The LoRA ranks vLLM accepts as `max_lora_rank`; a policy's rank is rounded up to one.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 class WeightLoaderExtension:
@@ -70,7 +80,7 @@ class VLLMEngine:
 
     `state_dict()` is a CPU copy of the current weights under their HF names (what trainers
     publish), kept because vLLM stores fused, renamed tensors; it costs one model's worth of
-    host memory.
+    host memory. With `lora`, they stay the base weights and versions are adapters.
     """
 
     def __init__(
@@ -82,11 +92,13 @@ class VLLMEngine:
         gpu_memory_utilization: float = 0.5,
         enforce_eager: bool = False,
         device: torch.device | str = "cuda:0",
+        lora: ModelConfig | None = None,
     ) -> None:
         """`gpu_memory_utilization` (rollout.gpu_memory_share) defaults to half the GPU so a
         trainer fits beside it; `enforce_eager` skips CUDA graph capture (faster start,
         slower decode: tests). `device` cuda:N runs vLLM's engine process on GPU N: it sees
-        that GPU alone (CUDA_VISIBLE_DEVICES, which vLLM reads when it starts its worker)."""
+        that GPU alone (CUDA_VISIBLE_DEVICES, which vLLM reads when it starts its worker).
+        `lora` (the model config of a LoRA policy): versions load as adapters."""
         from vllm import LLM
 
         self.device = torch.device(device)
@@ -108,6 +120,14 @@ class VLLMEngine:
         share_key = "rollout.gpu_memory_share"
         check_fits("the vLLM engine", weights, self.device, gpu_memory_utilization, share_key)
         self._seeds = random.Random(seed)
+        self._lora_config = lora
+        self.takes_adapters = lora is not None
+        self._adapter: Any = None  # the LoRARequest of the version loaded, if any
+        self._adapter_dirs = tempfile.TemporaryDirectory(prefix="agentjet-lora-")
+        lora_args: dict[str, Any] = {}
+        if lora is not None:
+            rank = min(r for r in VLLM_LORA_RANKS if r >= lora.lora_rank)
+            lora_args = {"enable_lora": True, "max_lora_rank": rank, "max_loras": 1}
         # One batch or weight load at a time (vLLM's offline `LLM` is not reentrant).
         self._busy = Exclusive()
         self._llm = LLM(
@@ -120,6 +140,7 @@ class VLLMEngine:
             enforce_eager=enforce_eager,
             # A GRPO group is n samples of one prompt, and agent turns extend the last one.
             enable_prefix_caching=True,
+            **lora_args,
         )
 
     async def generate(
@@ -166,7 +187,9 @@ class VLLMEngine:
             )
             for _ in prompts
         ]
-        outputs = self._llm.generate(requests, sampling_params=sampling, use_tqdm=False)
+        outputs = self._llm.generate(
+            requests, sampling_params=sampling, use_tqdm=False, lora_request=self._adapter
+        )
         results = []
         for output in outputs:
             if params.greedy:
@@ -176,12 +199,36 @@ class VLLMEngine:
         return results
 
     async def load_state_dict(self, state: Mapping[str, torch.Tensor], version: int) -> None:
-        """Load a new policy version into every worker; checked first, like the torch engine,
-        then loaded across the bridge once no decode is running."""
-        check_state_dict(self._state, state)
+        """Load a new policy version into every worker (full weights; adapter tensors when
+        `takes_adapters`); checked first, like the torch engine, then loaded across the
+        bridge once no decode is running."""
+        if self.takes_adapters:
+            adapter_pairs(state, self._state)
+        else:
+            check_state_dict(self._state, state)
         async with self._busy.hold():
-            self._state = await blocking(self._load_weights, state)
+            if self.takes_adapters:
+                await blocking(self._load_adapters, state, version)
+            else:
+                self._state = await blocking(self._load_weights, state)
             self.policy_version = version  # on the loop, before any waiting decode starts
+
+    def _load_adapters(self, adapters: Mapping[str, torch.Tensor], version: int) -> None:
+        """`load_state_dict`'s blocking body for a LoRA version: its adapter folder is added
+        under a new LoRA id (ids start at 1), the previous version's removed."""
+        from vllm.lora.request import LoRARequest
+
+        assert self._lora_config is not None
+        folder = Path(self._adapter_dirs.name) / f"v{version}"
+        write_adapter(adapters, self._state, self._lora_config, folder)
+        old = self._adapter
+        new = LoRARequest(f"policy-v{version}", (old.lora_int_id + 1) if old else 1, str(folder))
+        self._llm.llm_engine.add_lora(new)
+        self._adapter = new
+        if old is not None:
+            self._llm.llm_engine.remove_lora(old.lora_int_id)
+            shutil.rmtree(old.lora_path, ignore_errors=True)
+        self._llm.reset_prefix_cache()  # cached KV of the old adapter is stale
 
     def _load_weights(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """`load_state_dict`'s blocking body (a bridge thread): the CPU copy it loaded."""

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from agentjet.config import ModelConfig
-from node.lora import AdapterMerger, add_adapters, merged_weights
+from node.lora import AdapterMerger, add_adapters, merged_weights, write_adapter
 from node.model import load_causal_lm
 from node.weights import snapshot
 
@@ -91,3 +91,33 @@ def test_adapters_that_do_not_fit_are_refused(
     engine_state = {n: p.data for n, p in engine_model.named_parameters()}
     with pytest.raises(ValueError, match=message):
         AdapterMerger(engine_state, CONFIG).merge({key: torch.zeros(shape)}, engine_state)
+
+
+def test_an_adapter_folder_loads_in_peft_as_the_trainers_function(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    # The folder a vLLM engine is given as a LoRA request: PEFT's format, read here by
+    # PEFT itself (vLLM cannot run on this machine; tests/gpu/test_vllm_engine.py runs it).
+    from peft import PeftModel
+
+    trainer_model = trained_adapters(tiny_model_dir)
+    adapters = {n: p.detach() for n, p in trainer_model.named_parameters() if p.requires_grad}
+    base, _ = load_causal_lm(tiny_model_dir)
+    folder = write_adapter(adapters, dict(base.named_parameters()), CONFIG, tmp_path / "v1")
+    loaded = PeftModel.from_pretrained(base, str(folder))
+    tokens = torch.tensor([[1, 5, 9, 200, 31]])
+    with torch.no_grad():
+        expected = trainer_model(input_ids=tokens).logits
+        assert torch.allclose(loaded(input_ids=tokens).logits, expected, atol=1e-5)
+        assert not torch.allclose(load_causal_lm(tiny_model_dir)[0](input_ids=tokens).logits,
+                                  expected, atol=1e-3)  # fmt: skip  # the adapters matter
+
+
+def test_an_adapter_folder_is_not_written_for_adapters_that_do_not_fit(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    base, _ = load_causal_lm(tiny_model_dir)
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight"
+    with pytest.raises(ValueError, match="does not fit"):
+        write_adapter({key: torch.zeros(4, 64)}, dict(base.named_parameters()), CONFIG, tmp_path)
+    assert not (tmp_path / "adapter_model.safetensors").exists()

@@ -148,9 +148,15 @@ def build_parser() -> argparse.ArgumentParser:
     _swarm_args(coord)
     _config_args(coord)
 
-    ev = sub.add_parser("eval", help="accuracy of a checkpoint on a JSONL task file")
+    ev = sub.add_parser("eval", help="accuracy of a checkpoint on a task file")
     ev.add_argument("--checkpoint", required=True, help="checkpoint dir, or 'base'")
-    ev.add_argument("--tasks", required=True, type=Path, help="JSONL task file")
+    ev.add_argument(
+        "--tasks",
+        required=True,
+        type=Path,
+        help="task file: JSONL, JSON, CSV, Parquet or a datasets folder (read as the "
+        "config's [[envs]] entry for --env reads its task_file)",
+    )
     ev.add_argument("--env", default="arithmetic", choices=ENV_NAMES)
     ev.add_argument("--batch-size", type=int, default=64, help="answers per engine batch")
     ev.add_argument(

@@ -17,6 +17,7 @@ import msgspec
 from msgspec import Meta
 
 from agentjet.errors import ConfigError
+from agentjet.task_files import TaskColumns
 
 PositiveFloat = Annotated[float, Meta(gt=0)]
 NonNegFloat = Annotated[float, Meta(ge=0)]
@@ -25,7 +26,7 @@ NonNegInt = Annotated[int, Meta(ge=0)]
 Probability = Annotated[float, Meta(gt=0, le=1)]
 
 EMBEDDED_MODEL = "embedded:smollm2-135m"
-ENV_NAMES = ("arithmetic", "python_tool", "python_code", "shell", "react", "agent")
+ENV_NAMES = ("arithmetic", "prompt", "python_tool", "python_code", "shell", "react", "agent")
 # Environments whose episodes run programs in a sandbox ([sandbox] configures them).
 SANDBOXED_ENVS = ("python_tool", "python_code", "shell", "react")
 # Environments whose episodes are agent programs using the OpenAI-compatible endpoint.
@@ -101,15 +102,33 @@ class RolloutConfig(_Section):
     # on the torch engine's allocator). 0 = auto: 0.9 with the GPU to itself, 0.45 when
     # `agentjet local` puts the trainer on the same GPU.
     gpu_memory_share: Annotated[float, Meta(ge=0, lt=1)] = 0.0
+    # Every `eval_every` policy versions (0 = never), the node scores the new version on
+    # each environment's held-out `eval_file` (greedy, one answer per task) and writes an
+    # "eval" row to its metrics: held-out accuracy and mean reward per environment.
+    eval_every: NonNegInt = 0
     # The OpenAI-compatible endpoint of agent environments: HOST:PORT (port 0 = any free
     # one; give a fixed one for external agents), and the token external agents must send
     # to claim episodes ("" = none; keep the endpoint on loopback then).
     agent_listen: str = "127.0.0.1:0"
     agent_token: str = ""
+    # How agents' tools reach the model (node/tool_templates.py): "auto" (the chat template's
+    # own tool rendering and call format when it has one agentjet parses, else "tags"),
+    # "tags" (tools described in the system message, calls as <tool_call>{json}</tool_call>),
+    # or a template format forced: "hermes" (Qwen) or "llama3_json" (Llama 3).
+    tool_format: Literal["auto", "tags", "hermes", "llama3_json"] = "auto"
+
+
+class RewardTerm(_Section):
+    # One named term of a "prompt" environment's reward: `module:function(task, completion)
+    # -> float` (or async), weighted; the metrics report each term's mean on its own.
+    name: str
+    function: str
+    weight: float = 1.0
 
 
 class EnvConfig(_Section):
-    # Environment: "arithmetic" (one turn), "python_tool" (arithmetic, may run Python first),
+    # Environment: "arithmetic" (one turn), "prompt" (one turn of your task file, scored by
+    # your `reward` function), "python_tool" (arithmetic, may run Python first),
     # "python_code" (write a function, hidden tests), "shell" (multi-turn file tasks),
     # "react" (a built-in agent on the OpenAI endpoint: arithmetic with a python tool) or
     # "agent" (your agent, see `agent`; tasks from task_file, else arithmetic).
@@ -122,8 +141,32 @@ class EnvConfig(_Section):
         default_factory=lambda: [1, 2, 3]
     )
     ops: list[Literal["+", "-", "*"]] = msgspec.field(default_factory=lambda: ["+", "-", "*"])
-    # A JSONL task file (rows: {"id", "prompt", "answer", "op"?, "difficulty"?}); "" = generate.
+    # A task file ("" = generated tasks): JSONL, JSON (a list), CSV, Parquet or a folder
+    # saved by `datasets` (task_split picks a DatasetDict's split; default train). Rows:
+    # an id, a prompt (text, or [{"role", "content"}, ...] chat messages), an answer (any
+    # JSON) and any other fields, which reach reward functions and agents untouched. The
+    # *_field keys name the columns that hold them. A bad row stops the load ("stop") or is
+    # left out and counted ("skip"). eval_file: held-out tasks in the same form (for
+    # rollout.eval_every and `agentjet eval`).
     task_file: str = ""
+    task_split: str = ""
+    id_field: str = "id"
+    prompt_field: str = "prompt"
+    answer_field: str = "answer"
+    bad_rows: Literal["stop", "skip"] = "stop"
+    eval_file: str = ""
+    # "prompt" environments: the reward, `module:function(task, completion) -> float` (or
+    # `async def`); `task` is the row as a dict, `completion` the model's text. Or `rewards`,
+    # several named, weighted terms (the reward is their weighted sum). A function that
+    # raises or returns a non-number scores that sample 0 (counted, logged once per kind).
+    # reward_sandbox: run the function in the sandbox pool ([sandbox]), for scoring code you
+    # do not trust (its module's file is copied in; the task must be JSON). verify_rewards:
+    # trainers re-score a share of groups with the same function (set false for one that is
+    # not deterministic, such as a sampling judge).
+    reward: str = ""
+    rewards: list[RewardTerm] = msgspec.field(default_factory=list)
+    reward_sandbox: bool = False
+    verify_rewards: bool = True
     # Model calls per episode in multi-turn environments.
     max_turns: Annotated[int, Meta(ge=1, le=16)] = 3
     # Wall-clock limit of one sandboxed tool call.
@@ -142,6 +185,19 @@ class EnvConfig(_Section):
     # no request for idle_timeout_s, or it has not finished after episode_timeout_s.
     idle_timeout_s: PositiveFloat = 60.0
     episode_timeout_s: PositiveFloat = 300.0
+
+    def sandboxed(self) -> bool:
+        """Whether its episodes (or its reward) run programs in sandboxes."""
+        return self.name in SANDBOXED_ENVS or (self.name == "prompt" and self.reward_sandbox)
+
+    def columns(self) -> TaskColumns:
+        return TaskColumns(id=self.id_field, prompt=self.prompt_field, answer=self.answer_field)
+
+    def reward_terms(self) -> list[RewardTerm]:
+        """A "prompt" environment's reward as terms (`reward` alone: one named "reward")."""
+        if self.reward:
+            return [RewardTerm(name="reward", function=self.reward)]
+        return list(self.rewards)
 
 
 class SandboxConfig(_Section):
@@ -475,7 +531,13 @@ def _check(config: Config) -> None:
     """Cross-field rules that types alone cannot state."""
     if not config.envs:
         raise ConfigError("config error at envs: at least one environment is required")
+    names = [env.name for env in config.envs]
     for i, env in enumerate(config.envs):
+        if env.name in names[:i]:
+            raise ConfigError(
+                f"config error at envs.{i}.name: {env.name!r} is listed twice "
+                "(one entry per environment; put its tasks in one task file)"
+            )
         if env.name not in ENV_NAMES:
             raise ConfigError(
                 f"config error at envs.{i}.name: unknown environment {env.name!r} "
@@ -491,14 +553,18 @@ def _check(config: Config) -> None:
                 f"config error at envs.{i}.agent: the agent environment needs "
                 'agent = "module:function" or external = true'
             )
-        for key in ("agent", "judge"):
-            spec = getattr(env, key)
+        specs = [("agent", env.agent), ("judge", env.judge), ("reward", env.reward)]
+        specs += [(f"rewards.{j}.function", t.function) for j, t in enumerate(env.rewards)]
+        for key, spec in specs:
             if spec and not re.fullmatch(r"[\w.]+:\w+", spec):
                 raise ConfigError(
                     f"config error at envs.{i}.{key}: {spec!r} is not module:function"
                 )
-        if env.task_file and not Path(env.task_file).expanduser().is_file():
-            raise ConfigError(f"config error at envs.{i}.task_file: {env.task_file} not found")
+        _check_rewards(env, i)
+        for key in ("task_file", "eval_file"):
+            path = getattr(env, key)
+            if path and not Path(path).expanduser().exists():
+                raise ConfigError(f"config error at envs.{i}.{key}: {path} not found")
     _check_envsched(config.coordinator.envsched, {env.name for env in config.envs})
     listen = config.rollout.agent_listen
     if not re.fullmatch(r"[^:\s]+:\d{1,5}", listen):
@@ -527,6 +593,24 @@ def _check(config: Config) -> None:
         raise ConfigError(
             "config error at net.insecure: net.keys is set too; use the keys or run insecure"
         )
+
+
+def _check_rewards(env: EnvConfig, i: int) -> None:
+    where = f"config error at envs.{i}"
+    if env.name != "prompt":
+        if env.reward or env.rewards:
+            raise ConfigError(f'{where}.reward: only "prompt" environments take a reward')
+        return
+    if not env.task_file:
+        raise ConfigError(f'{where}.task_file: a "prompt" environment trains on your task file')
+    if bool(env.reward) == bool(env.rewards):
+        raise ConfigError(
+            f'{where}.reward: a "prompt" environment needs reward = "module:function" '
+            "or [[envs.rewards]] terms (one of the two)"
+        )
+    names = [t.name for t in env.rewards]
+    if len(set(names)) != len(names) or any(not re.fullmatch(r"\w+", n) for n in names):
+        raise ConfigError(f"{where}.rewards: term names must be distinct words, got {names}")
 
 
 def _check_envsched(params: EnvSchedConfig, env_names: set[str]) -> None:
@@ -604,4 +688,7 @@ def _toml_value(v: Any) -> str:
         return msgspec.json.encode(v).decode()
     if isinstance(v, list):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):  # an inline table (a list of tables inside [[envs]])
+        items = (f"{_toml_value(str(k))} = {_toml_value(x)}" for k, x in v.items())
+        return "{" + ", ".join(items) + "}"
     raise TypeError(f"cannot render {type(v).__name__} as TOML")

@@ -72,6 +72,8 @@ class Episode:
     # Sandbox faults of its tool calls, in order (sandboxes.base.FAULTS).
     faults: list[str] = field(default_factory=list)
     policy_version: int = 0
+    # "prompt" environments: each reward term's value (the reward is their weighted sum).
+    reward_terms: dict[str, float] = field(default_factory=dict)
     # Agent episodes (OpenAI endpoint): the model calls merged into training sequences
     # (agentjet.timeline). When set, they are what is trained, not the fields above.
     sequences: list[Sequence] = field(default_factory=list)

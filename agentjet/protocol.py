@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 import numpy as np
@@ -26,7 +26,8 @@ import numpy as np
 # 3: groups are held until trained (GroupStatusQuery); NodeRecord in the swarm's DHT.
 # 4: policy lineages (Lineage in PolicyInfo and NodeRecord, TrajectoryGroup.lineage).
 # 5: NodeRecord.gpus (a v4 peer refuses the unknown field, so it would skip every record).
-PROTOCOL_VERSION = 5
+# 6: Task rows carry anything: chat-message prompts, any JSON answer, Task.fields.
+PROTOCOL_VERSION = 6
 
 # Earlier lineages a Lineage remembers (one per trainer restart from a checkpoint).
 MAX_ANCESTORS = 16
@@ -37,23 +38,47 @@ class _Msg(msgspec.Struct, kw_only=True, tag_field="t", forbid_unknown_fields=Tr
     pass
 
 
-class Task(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
-    """One task of one environment, with what its verifier checks.
+MESSAGE_ROLES = ("system", "user", "assistant")
 
-    Arithmetic environments check `answer`. Sandboxed environments write `setup`, (path,
-    text) pairs (a tuple, so tasks stay hashable), into the episode's work dir before the
-    first turn and score by running `check`, a Python program, in the same sandbox after
-    the last: exit code 0 is success. Neither `answer` nor `check` is shown to the model.
+
+class Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One chat message of a task's prompt."""
+
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class Task(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """One task of one environment: a row of a task file, or a generated one.
+
+    `prompt` is the user's text, or a conversation (system, user and earlier turns; the
+    last message the user's). `answer` is any JSON value (arithmetic environments check an
+    integer). Sandboxed environments write `setup`, (path, text) pairs, into the episode's
+    work dir before the first turn and score by running `check`, a Python program, in the
+    same sandbox after the last: exit code 0 is success. `fields` holds the row's other
+    columns, untouched, for reward functions and agents. Neither `answer`, `check` nor
+    `fields` is shown to the model by the built-in environments.
     """
 
     id: str
     env: str
-    prompt: str
-    answer: int = 0
+    prompt: str | tuple[Message, ...]
+    answer: Any = None
     op: str = ""
     difficulty: int = 0
     setup: tuple[tuple[str, str], ...] = ()
     check: str = ""
+    fields: dict[str, Any] = msgspec.field(default_factory=dict)
+
+    def messages(self) -> list[dict[str, str]]:
+        """The prompt as chat messages (a string prompt is one user message)."""
+        if isinstance(self.prompt, str):
+            return [{"role": "user", "content": self.prompt}]
+        return [{"role": m.role, "content": m.content} for m in self.prompt]
+
+    def prompt_json(self) -> str | list[dict[str, str]]:
+        """The prompt as it appears in a task file."""
+        return self.prompt if isinstance(self.prompt, str) else self.messages()
 
 
 # ── handshake and errors (both sockets) ───────────────────────────────────────────

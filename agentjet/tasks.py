@@ -1,9 +1,8 @@
-"""Task sources: generated tasks of every built-in environment, and JSONL task files.
+"""Task sources: generated tasks of every built-in environment, and task files.
 
-Pure and torch-free, so the coordinator (which hands tasks out) can import it.
-Task file rows: {"id": str, "prompt": str, "answer"?: int, "op"?: str, "difficulty"?: int,
-"setup"?: {path: text}, "check"?: str}. Arithmetic environments (arithmetic, python_tool)
-need "answer"; sandboxed ones scored by a program (python_code, shell) need "check".
+Pure and torch-free, so the coordinator (which hands tasks out) can import it. Task files
+(any row shape, JSONL, JSON, CSV, Parquet or a `datasets` folder) are read by
+agentjet/task_files.py.
 """
 
 from __future__ import annotations
@@ -15,27 +14,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import msgspec
-
-from agentjet.errors import TaskFileError
 from agentjet.protocol import Task
 from agentjet.sandbox_tasks import TASK_MAKERS
+from agentjet.task_files import DEFAULT_COLUMNS, BadRows, TaskColumns, load_tasks, task_row
 
 if TYPE_CHECKING:
     from agentjet.config import EnvConfig
 
 OPS = ("+", "-", "*")
-MAX_TASK_FILE_ROWS = 1_000_000
-
-
-class _Row(msgspec.Struct, forbid_unknown_fields=True):
-    id: str
-    prompt: str
-    answer: int | None = None
-    op: str = ""
-    difficulty: int = 0
-    setup: dict[str, str] = msgspec.field(default_factory=dict)
-    check: str = ""
 
 
 def arithmetic_prompt(a: int, op: str, b: int) -> str:
@@ -87,11 +73,18 @@ class TaskSource:
         difficulties: Sequence[int] = (1, 2, 3),
         ops: Sequence[str] = OPS,
         task_file: str = "",
+        columns: TaskColumns = DEFAULT_COLUMNS,
+        bad_rows: BadRows = "stop",
+        split: str = "",
     ) -> None:
         self.env = env
         self.difficulties = list(difficulties)
         self.ops = list(ops)
-        self.rows = load_task_file(task_file, env) if task_file else None
+        self.rows: list[Task] | None = None
+        self.skipped = 0  # bad rows of the task file left out (bad_rows = "skip")
+        if task_file:
+            loaded = load_tasks(task_file, env, columns, bad_rows, split)
+            self.rows, self.skipped = loaded.tasks, len(loaded.skipped)
         self.by_id = None if self.rows is None else {task.id: task for task in self.rows}
         self.rows_at: dict[int, list[Task]] = {}  # a task file's rows by declared difficulty
         for task in self.rows or []:
@@ -100,7 +93,15 @@ class TaskSource:
     @classmethod
     def from_config(cls, env: EnvConfig) -> TaskSource:
         """The source an `[[envs]]` entry describes."""
-        return cls(env.name, env.difficulties, env.ops, env.task_file)
+        return cls(
+            env.name,
+            env.difficulties,
+            env.ops,
+            env.task_file,
+            env.columns(),
+            env.bad_rows,
+            env.task_split,
+        )
 
     def covers(self, task: Task) -> bool:
         """Whether this source could have drawn `task` (for tasks of an older config)."""
@@ -174,54 +175,7 @@ def generate_tasks(
 
 
 def write_task_file(tasks: Sequence[Task], path: str | Path) -> None:
+    """`tasks` as a JSONL task file (`load_tasks` reads them back as they were)."""
     with open(path, "w") as f:
-        for t in tasks:
-            row: dict[str, object] = {"id": t.id, "prompt": t.prompt, "answer": t.answer}
-            row |= {"op": t.op, "difficulty": t.difficulty}
-            if t.check:
-                row |= {"setup": dict(t.setup), "check": t.check}
-            f.write(json.dumps(row) + "\n")
-
-
-def load_task_file(path: str | Path, env: str = "arithmetic") -> list[Task]:
-    """Read a JSONL task file; a bad row raises TaskFileError naming file and line."""
-    path = Path(path).expanduser()
-    try:
-        lines = path.read_text().splitlines()
-    except OSError as e:
-        raise TaskFileError(f"task file {path}: {e.strerror}") from None
-    decoder = msgspec.json.Decoder(_Row)
-    tasks: list[Task] = []
-    seen: set[str] = set()
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        if len(tasks) >= MAX_TASK_FILE_ROWS:
-            raise TaskFileError(f"task file {path}: more than {MAX_TASK_FILE_ROWS} rows")
-        try:
-            row = decoder.decode(line)
-        except msgspec.DecodeError as e:
-            raise TaskFileError(f"task file {path} line {lineno}: {e}") from None
-        where = f"task file {path} line {lineno}"
-        if row.id in seen:
-            raise TaskFileError(f"{where}: duplicate id {row.id!r}")
-        seen.add(row.id)
-        if env in TASK_MAKERS and not row.check:
-            raise TaskFileError(f'{where}: {env} tasks need a "check" program')
-        if env not in TASK_MAKERS and row.answer is None:
-            raise TaskFileError(f'{where}: {env} tasks need an integer "answer"')
-        tasks.append(
-            Task(
-                id=row.id,
-                env=env,
-                prompt=row.prompt,
-                answer=row.answer or 0,
-                op=row.op,
-                difficulty=row.difficulty,
-                setup=tuple(row.setup.items()),
-                check=row.check,
-            )
-        )
-    if not tasks:
-        raise TaskFileError(f"task file {path} has no tasks")
-    return tasks
+        for task in tasks:
+            f.write(json.dumps(task_row(task)) + "\n")

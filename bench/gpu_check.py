@@ -158,7 +158,7 @@ def install_tokenizer(source: Path, cache_dir: str = DEFAULT_CACHE_DIR) -> None:
 def arithmetic_prompts(tokenizer: Any, count: int, seed: int) -> list[list[int]]:
     """`count` distinct arithmetic chat prompts, as the rollout node builds them."""
     tasks = generate_tasks(count, seed=seed, difficulties=[1, 2, 3], env="arithmetic")
-    return [chat_prompt_ids(tokenizer, ARITHMETIC_SYSTEM_PROMPT, t.prompt) for t in tasks]
+    return [chat_prompt_ids(tokenizer, ARITHMETIC_SYSTEM_PROMPT, t) for t in tasks]
 
 
 # ---- (a) the GPU tests ----------------------------------------------------------------

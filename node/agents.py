@@ -40,6 +40,7 @@ from agentjet.protocol import Task
 from agentjet.roles import wait_for
 from agentjet.timeline import Call, merge_calls
 from node.openai_api import AgentEpisode, EpisodeHub, OpenAIServer
+from node.tool_templates import Setting
 from sandboxes.base import Sandbox
 from sandboxes.envs.react import ReactAgent, react_judge
 
@@ -75,6 +76,7 @@ class AgentEnv:
         idle_timeout_s: float = 60.0,
         listen: str = "127.0.0.1:0",
         agent_token: str = "",
+        tool_format: Setting = "auto",
         attempts: int = ATTEMPTS,
     ) -> None:
         if agent is None and not external:
@@ -89,6 +91,7 @@ class AgentEnv:
         self.host, _, port = listen.rpartition(":")
         self.port = int(port)
         self.agent_token = agent_token
+        self.tool_format = tool_format
         self.attempts = attempts
         self.server: OpenAIServer | None = None
         self._starting = Exclusive()
@@ -130,7 +133,13 @@ class AgentEnv:
         async with self._starting.hold():
             if self.server is None:
                 hub = EpisodeHub(self.idle_timeout_s)
-                server = OpenAIServer(generator, hub, params, agent_token=self.agent_token)
+                server = OpenAIServer(
+                    generator,
+                    hub,
+                    params,
+                    agent_token=self.agent_token,
+                    tool_format=self.tool_format,
+                )
                 try:
                     url = await server.start(self.host, self.port)
                 except OSError as e:
@@ -289,4 +298,5 @@ def make_agent_env(
         idle_timeout_s=config.idle_timeout_s,
         listen=rollout.agent_listen,
         agent_token=rollout.agent_token,
+        tool_format=rollout.tool_format,
     )

@@ -30,14 +30,15 @@ from typing import Any
 
 import uvloop
 
-from agentjet.config import AGENT_ENVS, SANDBOXED_ENVS, Config, EnvConfig
-from agentjet.episode import SamplingParams
+from agentjet.config import AGENT_ENVS, Config, EnvConfig
+from agentjet.episode import Generator, SamplingParams
 from agentjet.errors import ModelError
-from agentjet.tasks import load_task_file
-from node.agents import make_agent_env
+from agentjet.protocol import Task
+from agentjet.task_files import load_tasks
+from node.agents import AgentEnv, make_agent_env
 from node.engine import open_engine
 from node.model import resolve_model
-from sandboxes.envs import make_env
+from sandboxes.envs import Environment, make_env
 from sandboxes.pool import open_pool
 from sandboxes.process import ProcessSandbox
 
@@ -51,15 +52,18 @@ def evaluate_checkpoint(
     samples: int = 0,
 ) -> dict[str, Any]:
     """Accuracy on the task file: greedy (`samples` 0), or the mean of `samples` sampled
-    answers per task; `batch_size` answers go to the engine at once."""
+    answers per task; `batch_size` answers go to the engine at once. The file is read with
+    the `[[envs]]` entry of that name (its columns, split, reward), if the config has one."""
     if checkpoint == "base":
         path = resolve_model(config.model.name, config.model.cache_dir)
     else:
         path = Path(checkpoint).expanduser()
         if not (path / "config.json").is_file():
             raise ModelError(f"{checkpoint} is not a checkpoint folder (no config.json)")
-    tasks = load_task_file(tasks_path, env=env_name)
     env_config = next((e for e in config.envs if e.name == env_name), EnvConfig(name=env_name))
+    tasks = load_tasks(
+        tasks_path, env_name, env_config.columns(), env_config.bad_rows, env_config.task_split
+    ).tasks
     engine = open_engine(config.model, config.rollout, path, config.run.seed)
     sampling = config.rollout.sampling
     params = SamplingParams(
@@ -69,43 +73,55 @@ def evaluate_checkpoint(
         greedy=samples == 0,
     )
     n = samples or 1
-    chunk_size = max(1, batch_size // n)
     start = time.perf_counter()
     with contextlib.ExitStack() as cleanup:
         pool = None
-        if env_name in SANDBOXED_ENVS:
+        if env_config.sandboxed():
             pool = open_pool(config.sandbox, f"eval-{os.getpid()}")
             cleanup.callback(pool.close)
 
-        async def play_all() -> list[float]:
-            """Per task: the share of its answers that are right."""
-            successes: list[float] = []
-            agent_env = None
-            play: Callable[[list[Any]], Awaitable[Sequence[Sequence[Any]]]]  # tasks -> episodes
+        async def play_all() -> list[list[float]]:
+            env: Environment | AgentEnv
             if env_name in AGENT_ENVS:
                 factory = ProcessSandbox if pool is None else pool.lease
-                agent_env = make_agent_env(env_config, config.rollout, factory)
-                play = partial(agent_env.play, engine, n=n, params=params, training=False)
+                env = make_agent_env(env_config, config.rollout, factory)
             else:
-                play = partial(make_env(env_config, pool).run_group, engine, n=n, params=params)
+                env = make_env(env_config, pool)
             try:
-                for i in range(0, len(tasks), chunk_size):
-                    episodes = await play(tasks[i : i + chunk_size])
-                    successes += [
-                        success([e.reward for e in task_episodes], n) for task_episodes in episodes
-                    ]
+                return await play_rewards(env, engine, tasks, n, params, max(1, batch_size // n))
             finally:
-                if agent_env is not None:
-                    await agent_env.close()
-            return successes
+                if isinstance(env, AgentEnv):
+                    await env.close()
 
-        successes = uvloop.run(play_all())
-    return summarize(tasks, successes) | {
+        rewards = uvloop.run(play_all())
+    return summarize(tasks, rewards, n) | {
         "decoding": decoding(env_name, samples, sampling.temperature),
         "checkpoint": checkpoint,
         "env": env_name,
         "seconds": round(time.perf_counter() - start, 1),
     }
+
+
+async def play_rewards(
+    env: Environment | AgentEnv,
+    engine: Generator,
+    tasks: Sequence[Task],
+    n: int,
+    params: SamplingParams,
+    chunk_size: int,
+) -> list[list[float]]:
+    """Per task, the rewards of its answers (fewer than `n` when some failed to play),
+    `chunk_size` tasks at a time; evaluation episodes, never trained."""
+    play: Callable[[list[Task]], Awaitable[Sequence[Sequence[Any]]]]
+    if isinstance(env, AgentEnv):  # agents sample as they are configured
+        play = partial(env.play, engine, n=n, params=params, training=False)
+    else:
+        play = partial(env.run_group, engine, n=n, params=params)
+    rewards: list[list[float]] = []
+    for i in range(0, len(tasks), chunk_size):
+        episodes = await play(list(tasks[i : i + chunk_size]))
+        rewards += [[e.reward for e in task_episodes] for task_episodes in episodes]
+    return rewards
 
 
 def decoding(env_name: str, samples: int, temperature: float) -> str:
@@ -121,8 +137,10 @@ def success(rewards: list[float], n: int) -> float:
     return sum(1.0 for r in rewards if r >= 1.0) / n
 
 
-def summarize(tasks: list[Any], successes: list[float]) -> dict[str, Any]:
-    """Accuracy overall, per difficulty and per op: the mean of the tasks' success shares."""
+def summarize(tasks: Sequence[Task], rewards: list[list[float]], n: int) -> dict[str, Any]:
+    """Accuracy overall, per difficulty and per op (the mean of the tasks' success shares),
+    and the mean reward (failed answers count 0): what a graded reward shows."""
+    successes = [success(task_rewards, n) for task_rewards in rewards]
     by_difficulty: defaultdict[str, list[float]] = defaultdict(list)
     by_op: defaultdict[str, list[float]] = defaultdict(list)
     for task, right in zip(tasks, successes, strict=True):
@@ -136,6 +154,7 @@ def summarize(tasks: list[Any], successes: list[float]) -> dict[str, Any]:
 
     return {
         "overall": mean(successes),
+        "mean_reward": mean([sum(r) / n for r in rewards]),
         "by_difficulty": {k: mean(v) for k, v in sorted(by_difficulty.items())},
         "by_op": {k: mean(v) for k, v in sorted(by_op.items())},
         "n": len(successes),

@@ -21,10 +21,20 @@ with tool-call arguments compared as parsed JSON: the documented fallback for cl
 that re-format history. Anything else (edited history, summaries, another agent's view)
 is rendered afresh with the chat template and becomes a sequence of its own.
 
-**Tools.** The request's `tools` are described in the system message, and the model
-calls one by writing `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; such
-blocks come back as OpenAI `tool_calls` (finish_reason "tool_calls"), and `tool`
-messages go to the model as user turns ("Tool result: ...").
+**Tools.** How tools reach the model depends on its chat template (node/tool_templates.py,
+detected when the server starts; `rollout.tool_format` overrides). A template that renders
+tools (Qwen, Llama 3) gets the request's `tools`, earlier assistant `tool_calls` (arguments
+as JSON objects) and `tool` messages as structured data and renders them itself, and the
+model's calls are parsed in that template's format: `<tool_call>` blocks ("hermes") or a
+whole-reply `{"name", "parameters"}` object ("llama3_json"). A template without tool support
+(SmolLM2) gets the "tags" convention: the tools are described in the system message, the
+model calls one by writing `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
+earlier calls are rendered back as such blocks, and `tool` messages go to the model as user
+turns ("Tool result: ..."). Either way calls come back as OpenAI `tool_calls`
+(finish_reason "tool_calls"); text that is not a valid call of an offered tool stays content.
+With a template's own format, a request extends a recorded call by any number of `tool` and
+user messages: the ids between the sampled reply and the next assistant header are the
+template's own rendering of them (`tool_templates.continuation`).
 
 **Sampling.** Training episodes always use the node's sampler settings (the logprobs the
 trainer needs are those of that sampler); evaluation episodes honour the request's
@@ -54,6 +64,15 @@ from agentjet.episode import Completion, Generator, SamplingParams
 from agentjet.protocol import Task
 from agentjet.roles import wait_for
 from agentjet.timeline import Call
+from node.tool_templates import (
+    TAGS,
+    Setting,
+    TemplateRefused,
+    ToolFormat,
+    choose_tool_format,
+    continuation,
+    render_ids,
+)
 from sandboxes.envs.chat import UserTurn
 
 log = logging.getLogger(__name__)
@@ -75,7 +94,6 @@ TOOL_PROMPT = (
     '<tool_call>{{"name": "<tool name>", "arguments": {{...}}}}</tool_call>. '
     "Tools:\n{tools}"
 )
-_TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
 # Special-token text in message content is defused so it cannot frame a fake turn.
 _SPECIAL = re.compile(r"<\|")
 
@@ -102,34 +120,22 @@ class ApiError(Exception):
 
 
 def normalize_messages(messages: Any, tools: list[dict[str, Any]] | None) -> list[dict[str, str]]:
-    """Request messages as the chat template takes them: role and text content; tool
-    results become user turns, consecutive user turns one; tools described in the system
-    message. ApiError for anything malformed."""
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "messages must be a non-empty list", "invalid_messages")
-    if len(messages) > MAX_MESSAGES:
-        raise ApiError(400, f"at most {MAX_MESSAGES} messages", "too_many_messages")
+    """Request messages as a template without tool support takes them (the "tags"
+    format): role and text content; tool results become user turns, consecutive user turns
+    one; tools described in the system message. ApiError for anything malformed."""
     out: list[dict[str, str]] = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise ApiError(400, f"messages[{i}] must be an object", "invalid_messages")
-        role = message.get("role")
-        content = _text(message.get("content"), i)
-        if role in ("system", "developer"):
-            role = "system"
-        elif role == "assistant":
+    for i, message in enumerate(_message_list(messages)):
+        role, content = _role_and_text(message, i)
+        if role == "assistant":
             content = assistant_text(message, i)
         elif role == "tool":
             role, content = "user", f"Tool result: {content}"
-        elif role != "user":
-            raise ApiError(400, f"messages[{i}].role {role!r} is not supported", "invalid_role")
         content = _SPECIAL.sub("<\u200b|", content) if role != "assistant" else content
         if out and role == "user" and out[-1]["role"] == "user":
             out[-1]["content"] += "\n\n" + content
         else:
             out.append({"role": role, "content": content})
-    if out[-1]["role"] == "assistant":
-        raise ApiError(400, "the last message must be from the user or a tool", "invalid_messages")
+    _check_last(out)
     if tools:
         described = TOOL_PROMPT.format(tools="\n".join(json.dumps(t) for t in _functions(tools)))
         if out[0]["role"] == "system":
@@ -139,43 +145,91 @@ def normalize_messages(messages: Any, tools: list[dict[str, Any]] | None) -> lis
     return out
 
 
-def parse_reply(text: str, tool_names: set[str]) -> tuple[str | None, list[dict[str, Any]]]:
-    """A completion's text as an OpenAI assistant message: content and tool_calls. Blocks
-    that are not valid calls of a known tool stay in the content."""
-    calls: list[dict[str, Any]] = []
+def template_messages(messages: Any) -> list[dict[str, Any]]:
+    """Request messages as a template that renders tools takes them: text content,
+    assistant `tool_calls` with their arguments as JSON objects, tool results as `tool`
+    messages. ApiError for anything malformed."""
+    out: list[dict[str, Any]] = []
+    for i, message in enumerate(_message_list(messages)):
+        role, content = _role_and_text(message, i)
+        if role != "assistant":
+            out.append({"role": role, "content": _SPECIAL.sub("<\u200b|", content)})
+            continue
+        assistant: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls := [_parsed_call(c, i) for c in _tool_calls(message, i)]:
+            if not all(isinstance(arguments, dict) for _, arguments in calls):
+                raise ApiError(400, f"messages[{i}].tool_calls: arguments must be JSON objects",
+                               "invalid_tool_calls")  # fmt: skip
+            assistant["tool_calls"] = [
+                {"type": "function", "function": {"name": name, "arguments": arguments}}
+                for name, arguments in calls
+            ]
+        out.append(assistant)
+    _check_last(out)
+    return out
 
-    def take(match: re.Match[str]) -> str:
-        try:
-            call = json.loads(match.group(1))
-        except json.JSONDecodeError:
-            return match.group(0)
-        name, arguments = call.get("name"), call.get("arguments", {})
-        if not isinstance(call, dict) or name not in tool_names or not isinstance(arguments, dict):
-            return match.group(0)
-        calls.append(
-            {
-                "id": f"call_{uuid.uuid4().hex[:24]}",
-                "type": "function",
-                "function": {"name": name, "arguments": json.dumps(arguments)},
-            }
-        )
-        return ""
 
-    content = _TOOL_CALL.sub(take, text).strip() if tool_names else text
-    return (content or None) if calls else content, calls
+def template_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The request's tools as a chat template takes them (JSON schemas), special-token
+    text defused: the template puts them in the prompt as they are."""
+    return [{"type": "function", "function": _defused(f)} for f in _functions(tools)]
+
+
+def parse_reply(
+    text: str, tool_names: set[str], tool_format: ToolFormat = TAGS
+) -> tuple[str | None, list[dict[str, Any]]]:
+    """A completion's text as an OpenAI assistant message: content and tool_calls in the
+    model's tool format. Text that is not a valid call of a known tool stays content; with
+    no tools offered the text is all content, as written."""
+    return tool_format.parse(text, tool_names) if tool_names else (text, [])
 
 
 def assistant_text(message: dict[str, Any], i: int) -> str:
     """An assistant message as the model wrote it: content, then its tool calls."""
-    calls = message.get("tool_calls") or []
-    if not isinstance(calls, list):
-        raise ApiError(400, f"messages[{i}].tool_calls must be a list", "invalid_tool_calls")
-    return _text(message.get("content"), i) + "".join(_tool_call_text(c, i) for c in calls)
+    calls = _tool_calls(message, i)
+    return _text(message.get("content"), i) + "".join(
+        _call_block(*_parsed_call(c, i)) for c in calls
+    )
+
+
+def reply_text(message: dict[str, Any]) -> str:
+    """A normalized assistant message (either format) as `assistant_text` writes it: what a
+    request's copy of a reply is compared to the recorded reply by."""
+    calls = message.get("tool_calls", [])
+    return message["content"] + "".join(
+        _call_block(c["function"]["name"], c["function"]["arguments"]) for c in calls
+    )
 
 
 def same_text(a: str, b: str) -> bool:
     """Equal up to whitespace: the fallback comparison for re-formatted history."""
     return a.split() == b.split()
+
+
+def _message_list(messages: Any) -> list[Any]:
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "messages must be a non-empty list", "invalid_messages")
+    if len(messages) > MAX_MESSAGES:
+        raise ApiError(400, f"at most {MAX_MESSAGES} messages", "too_many_messages")
+    return messages
+
+
+def _role_and_text(message: Any, i: int) -> tuple[str, str]:
+    """A message's role (developer is system) and text content, checked."""
+    if not isinstance(message, dict):
+        raise ApiError(400, f"messages[{i}] must be an object", "invalid_messages")
+    role = message.get("role")
+    content = _text(message.get("content"), i)
+    if role == "developer":
+        role = "system"
+    if role not in ("system", "user", "assistant", "tool"):
+        raise ApiError(400, f"messages[{i}].role {role!r} is not supported", "invalid_role")
+    return role, content
+
+
+def _check_last(messages: list[dict[str, Any]]) -> None:
+    if messages[-1]["role"] == "assistant":
+        raise ApiError(400, "the last message must be from the user or a tool", "invalid_messages")
 
 
 def _text(content: Any, i: int) -> str:
@@ -199,17 +253,39 @@ def _text(content: Any, i: int) -> str:
     return text
 
 
-def _tool_call_text(call: Any, i: int) -> str:
-    """A tool call as the model writes it (arguments as canonical JSON)."""
+def _tool_calls(message: dict[str, Any], i: int) -> list[Any]:
+    calls = message.get("tool_calls") or []
+    if not isinstance(calls, list):
+        raise ApiError(400, f"messages[{i}].tool_calls must be a list", "invalid_tool_calls")
+    return calls
+
+
+def _parsed_call(call: Any, i: int) -> tuple[str, Any]:
+    """A request's tool call as (name, arguments parsed from their JSON text)."""
     try:
         function = call["function"]
-        arguments = json.loads(function.get("arguments") or "{}")
-        body = {"name": str(function["name"]), "arguments": arguments}
+        return str(function["name"]), json.loads(function.get("arguments") or "{}")
     except (KeyError, TypeError, AttributeError, json.JSONDecodeError):
         raise ApiError(
             400, f"messages[{i}].tool_calls is malformed", "invalid_tool_calls"
         ) from None
+
+
+def _call_block(name: str, arguments: Any) -> str:
+    """A tool call as the tags convention writes it (arguments as canonical JSON)."""
+    body = {"name": name, "arguments": arguments}
     return f"<tool_call>{json.dumps(body, sort_keys=True)}</tool_call>"
+
+
+def _defused(value: Any) -> Any:
+    """A JSON value with special-token text defused in every string."""
+    if isinstance(value, str):
+        return _SPECIAL.sub("<\u200b|", value)
+    if isinstance(value, dict):
+        return {_defused(k): _defused(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_defused(v) for v in value]
+    return value
 
 
 def _functions(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -234,9 +310,10 @@ def _functions(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
 class Recorded:
     """One call of an episode: the normalized request, the reply and the ids as sampled."""
 
-    messages: list[dict[str, str]]
-    reply: str  # the reply as normalize_messages renders an assistant message
+    messages: list[dict[str, Any]]
+    reply: str  # the reply as `assistant_text` writes it
     call: Call
+    tools: list[dict[str, Any]] | None = None  # as the template got them (template formats)
 
 
 @dataclass
@@ -391,9 +468,12 @@ class OpenAIServer:
         *,
         model_name: str = "agentjet-policy",
         agent_token: str = "",
+        tool_format: Setting = "auto",
     ) -> None:
         self.tokenizer = generator.tokenizer
         self.user_turn = UserTurn(self.tokenizer)
+        self.tool_format = choose_tool_format(self.tokenizer, tool_format)
+        log.info("OpenAI endpoint: tool format %r", self.tool_format.name)
         self.hub = hub
         self.batcher = Batcher(generator)
         self.training_params = training_params
@@ -470,11 +550,21 @@ class OpenAIServer:
             raise ApiError(400, "tools must be a list", "invalid_tools")
         if body.get("n", 1) != 1:
             raise ApiError(400, "only n=1 is supported", "unsupported_n")
-        messages = normalize_messages(body.get("messages"), tools)
+        schemas: list[dict[str, Any]] | None = None
+        messages: list[dict[str, Any]]
+        if self.tool_format.in_template:
+            messages = template_messages(body.get("messages"))
+            schemas = template_tools(tools) if tools else None
+        else:
+            messages = normalize_messages(body.get("messages"), tools)
         params = (
             self.training_params if episode.training else _client_params(body, self.training_params)
         )
-        prompt_ids = self._prompt(episode, messages)
+        try:
+            prompt_ids = self._prompt(episode, messages, schemas)
+        except TemplateRefused as e:
+            raise ApiError(400, f"the chat template refused these messages: {e}",
+                           "invalid_messages") from None  # fmt: skip
         episode.in_flight += 1
         try:
             completion, version = await self.batcher.generate(prompt_ids, params)
@@ -485,7 +575,7 @@ class OpenAIServer:
         episode.last_active = time.monotonic()
         text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
         names = {f["name"] for f in _functions(tools)} if tools else set()
-        content, tool_calls = parse_reply(text, names)
+        content, tool_calls = parse_reply(text, names, self.tool_format)
         reply: dict[str, Any] = {"role": "assistant", "content": content}
         if tool_calls:
             reply["tool_calls"] = tool_calls
@@ -495,6 +585,7 @@ class OpenAIServer:
                 reply=assistant_text(reply, 0),
                 call=Call(prompt_ids, completion.token_ids, completion.logprobs, version,
                           completion.finish_reason),
+                tools=schemas,
             )
         )  # fmt: skip
         finish = "tool_calls" if tool_calls else completion.finish_reason
@@ -552,26 +643,45 @@ class OpenAIServer:
         await response.write_eof()
         return response
 
-    def _prompt(self, episode: AgentEpisode, messages: list[dict[str, str]]) -> list[int]:
-        """Token-faithful prompt ids (module docstring)."""
+    def _prompt(
+        self,
+        episode: AgentEpisode,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+    ) -> list[int]:
+        """Token-faithful prompt ids (module docstring). TemplateRefused if the chat
+        template raises on the messages."""
         for recorded in reversed(episode.calls):
             k = len(recorded.messages)
             if (
-                len(messages) == k + 2
+                len(messages) >= k + 2
                 and messages[:k] == recorded.messages
+                and recorded.tools == tools
                 and messages[k]["role"] == "assistant"
-                and same_text(messages[k]["content"], recorded.reply)
-                and messages[k + 1]["role"] == "user"
+                and same_text(reply_text(messages[k]), recorded.reply)
+                and (tail := self._tail(recorded, messages)) is not None
             ):
                 call = recorded.call
-                tail = self.user_turn.ids(call.completion_ids, messages[k + 1]["content"])
                 return call.prompt_ids + call.completion_ids + tail
-        ids = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=False
-        )
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return [int(i) for i in ids]
+        return render_ids(self.tokenizer, messages, tools)
+
+    def _tail(self, recorded: Recorded, messages: list[dict[str, Any]]) -> list[int] | None:
+        """The ids that follow a recorded call's completion when `messages` are its messages,
+        its reply and new messages; None when the new messages do not extend it."""
+        k = len(recorded.messages)
+        new, sampled = messages[k + 1 :], recorded.call.completion_ids
+        if not self.tool_format.in_template:  # tool results are user turns, merged into one
+            if len(new) == 1 and new[0]["role"] == "user":
+                return self.user_turn.ids(sampled, new[0]["content"])
+            return None
+        if any(m["role"] not in ("user", "tool") for m in new):
+            return None
+        text = continuation(self.tokenizer, messages[: k + 1], messages, recorded.tools)
+        if text is None:
+            return None
+        closed = bool(sampled) and sampled[-1] == self.user_turn.end_of_turn_id
+        close = [] if closed else [self.user_turn.end_of_turn_id]
+        return close + [int(i) for i in self.tokenizer.encode(text, add_special_tokens=False)]
 
     # ── /agents ───────────────────────────────────────────────────────────────────────
 

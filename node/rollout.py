@@ -40,7 +40,7 @@ import torch
 
 from agentjet import protocol, rl
 from agentjet.bridge import blocking
-from agentjet.config import AGENT_ENVS, SANDBOXED_ENVS, Config, is_endpoint
+from agentjet.config import AGENT_ENVS, Config, is_endpoint
 from agentjet.devices import peak_memory
 from agentjet.episode import Episode, SamplingParams
 from agentjet.keys import swarm_keys
@@ -54,13 +54,15 @@ from node.delivery import Ledger, Pending, TrainerPeer
 from node.engine import open_engine
 from node.gpu_monitor import GpuMonitor
 from node.gpu_monitor import metrics as gpu_metrics
+from node.held_out import HeldOut
 from node.lora import AdapterMerger
 from node.model import resolve_model
 from node.spool import Spool, SpoolFull
 from node.swarm import Directory, start_dht, visible_maddrs
 from node.trainer_link import answers, probe, trainer_client
 from node.weights import WeightAssembly
-from sandboxes.envs import Environment, make_env
+from sandboxes.envs import Environment, PromptEnv, make_env
+from sandboxes.envs.prompt import rewards_metrics
 from sandboxes.pool import SandboxPool, open_pool
 from sandboxes.process import ProcessSandbox
 
@@ -179,7 +181,7 @@ class Rollout:
         if cfg.model.lora_rank and not self.engine.takes_adapters:
             self.merger = AdapterMerger(self.engine.state_dict(), cfg.model)
         self.pool: SandboxPool | None = None
-        if any(env.name in SANDBOXED_ENVS for env in cfg.envs):
+        if any(env.sandboxed() for env in cfg.envs):
             self.pool = open_pool(cfg.sandbox, self.node_id)
             cleanup.callback(self.pool.close)
         self.envs: dict[str, Environment] = {}
@@ -193,6 +195,10 @@ class Rollout:
             else:
                 self.envs[env.name] = make_env(env, self.pool)
         self.sources = [TaskSource.from_config(env) for env in cfg.envs]
+        for source in self.sources:
+            if source.skipped:
+                self.counts[f"tasks_skipped/{source.env}"] = source.skipped
+        self.held_out = HeldOut(cfg)
         self.rng = random.Random(cfg.run.seed)
         self.coordinator_away = False
         s = cfg.rollout.sampling
@@ -316,6 +322,8 @@ class Rollout:
             await self.room.wait()
             grants = await self._request_work()
             await self._load_ready_weights()
+            if self.held_out.due(self.engine.policy_version):
+                self.metrics.write(await self.held_out.run(self.envs, self.engine))
             by_env: defaultdict[tuple[str, int], list[protocol.WorkGrant]] = defaultdict(list)
             for grant in grants:
                 by_env[(grant.task.env, grant.group_size)].append(grant)
@@ -373,6 +381,8 @@ class Rollout:
                         **self._pool_metrics(),
                         **gpu_metrics(self.gpus),
                         **peak_memory(self.engine.device),
+                        **rewards_metrics([e for eps in episodes for e in eps]),
+                        **(env.metrics() if isinstance(env, PromptEnv) else {}),
                         **self.counts,
                     }
                 )

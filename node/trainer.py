@@ -71,10 +71,10 @@ from node.lora import add_adapters, merged_weights
 from node.model import DTYPES, load_causal_lm, resolve_model
 from node.swarm import Directory, Mark, SwarmOptimizer, start_dht, visible_maddrs
 from node.verify import (
-    REWARD_CHECKS,
     Quarantine,
     find_task,
     picked_for_reward_check,
+    reward_checkers,
     reward_problem,
 )
 from node.weights import (
@@ -108,9 +108,11 @@ class Trainer:
         self.lineage = protocol.Lineage()
         self.quarantine = Quarantine(config.trainer.quarantine_after)
         self.reward_check_secret = os.urandom(16)
-        # Where this trainer rebuilds tasks to re-check rewards (node/verify.py).
+        # What this trainer re-checks rewards with, and where it rebuilds their tasks
+        # (node/verify.py).
+        self.reward_checkers = reward_checkers(config.envs)
         self.task_sources = [
-            TaskSource.from_config(env) for env in config.envs if env.name in REWARD_CHECKS
+            TaskSource.from_config(env) for env in config.envs if env.name in self.reward_checkers
         ]
         self.samples_per_s = 0.0  # over the last SAMPLE_RATE_WINDOW_S (progress, status)
         self.sample_rate = Rate(SAMPLE_RATE_WINDOW_S)
@@ -457,7 +459,8 @@ class Trainer:
         """Why the group's rewards are wrong, when it is picked for a re-check and its task
         can be rebuilt here; else None."""
         fraction = self.config.trainer.reward_check_fraction
-        if group.env not in REWARD_CHECKS or not picked_for_reward_check(
+        check = self.reward_checkers.get(group.env)
+        if check is None or not picked_for_reward_check(
             group.group_id, fraction, self.reward_check_secret
         ):
             return None
@@ -465,7 +468,7 @@ class Trainer:
         if task is None:
             self.counts["groups_reward_unchecked"] += 1
             return None
-        return reward_problem(group, task, self.tokenizer)
+        return reward_problem(group, task, self.tokenizer, check)
 
     def _failed_check(self, node_id: str, reason: str) -> None:
         log.warning("a group from %s failed a check: %s", node_id, reason)

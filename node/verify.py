@@ -7,12 +7,16 @@
                 ──queued ──▶ learner forward: logprob gap > trainer.max_logprob_gap ──▶ "dropped"
     every failed check ──▶ Quarantine.failed(sender) ──▶ quarantined after trainer.quarantine_after
 
-Rewards are re-checked for the environments in REWARD_CHECKS (arithmetic: one turn, scored
-from the completion text alone) when the trainer's own `[[envs]]` can rebuild the task: a
-generated task from its id, a task-file task by its id. Other groups are trained unchecked
-and counted (`groups_reward_unchecked`): multi-turn and sandboxed environments score with
-tools and programs the trainer does not run. The sender is the node id a group names:
-quarantine stops a misbehaving or broken node, not one that forges its name too.
+Rewards are re-checked for the environments `reward_checkers` gives a checker (arithmetic,
+and "prompt" with your reward function imported here, unless it is sandboxed or
+verify_rewards is off: one turn, scored from the completion text alone) when the trainer's
+own `[[envs]]` can rebuild the task: a generated task from its id, a task-file task by its
+id. Other groups are trained unchecked and counted (`groups_reward_unchecked`): multi-turn
+and sandboxed environments score with tools and programs the trainer does not run. A
+sample whose reward function failed on the rollout node (its error says "reward ...") must
+report 0 and is not re-scored: a timeout there need not repeat here. The sender is the
+node id a group names: quarantine stops a misbehaving or broken node, not one that forges
+its name too.
 """
 
 from __future__ import annotations
@@ -24,8 +28,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentjet import protocol
+from agentjet.config import EnvConfig
 from agentjet.tasks import TaskSource
 from sandboxes.envs.arithmetic import score_completion
+from sandboxes.envs.prompt import REWARD_ERROR, Rewards
 
 # Sending nodes whose failures are remembered; the oldest is forgotten beyond this (node ids
 # come from the wire: a flood of made-up ones must not grow memory without bound).
@@ -33,11 +39,30 @@ MAX_TRACKED_NODES = 10_000
 # Quarantined nodes a trainer lists in its directory record (the newest): DHT records are small.
 MAX_LISTED_NODES = 32
 
-# Environments whose rewards a trainer can recompute: env name -> score(tokenizer, completion
-# ids, task), the environment's own scoring function.
-REWARD_CHECKS: dict[str, Callable[[Any, Sequence[int], protocol.Task], float]] = {
-    "arithmetic": score_completion,
-}
+# Re-scores the completions (token ids) of one task, as the environment scores them.
+Checker = Callable[[Any, list[list[int]], protocol.Task], list[float]]
+
+
+def reward_checkers(envs: Sequence[EnvConfig]) -> dict[str, Checker]:
+    """The environments whose rewards this trainer can recompute, with how."""
+
+    def arithmetic(
+        tokenizer: Any, completions: list[list[int]], task: protocol.Task
+    ) -> list[float]:
+        return [score_completion(tokenizer, ids, task) for ids in completions]
+
+    checkers: dict[str, Checker] = {"arithmetic": arithmetic}
+    for env in envs:
+        if env.name == "prompt" and env.verify_rewards and not env.reward_sandbox:
+            rewards = Rewards.from_config(env)
+
+            def prompt(tokenizer: Any, completions: list[list[int]], task: protocol.Task,
+                       rewards: Rewards = rewards) -> list[float]:  # fmt: skip
+                texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in completions]
+                return [scored.reward for scored in rewards.score_now(task, texts)]
+
+            checkers["prompt"] = prompt
+    return checkers
 
 
 def picked_for_reward_check(group_id: str, fraction: float, secret: bytes) -> bool:
@@ -61,24 +86,33 @@ def find_task(
 
 
 def reward_problem(
-    group: protocol.TrajectoryGroup, task: protocol.Task, tokenizer: Any
+    group: protocol.TrajectoryGroup, task: protocol.Task, tokenizer: Any, check: Checker
 ) -> str | None:
     """Why `group`'s rewards are wrong for `task`, or None when every one is right.
 
     A sample must show the model the task's prompt: a reward is only right for the question
     that was asked, and a forger could otherwise pair a right answer with another question.
     """
-    score = REWARD_CHECKS[group.env]
     asks: dict[bytes, bool] = {}  # a group's samples share their prompt: decoded once
+    rescored: list[int] = []
     for i, sample in enumerate(group.samples):
         if sample.prompt_ids not in asks:
             prompt = tokenizer.decode(protocol.unpack_ids(sample.prompt_ids).tolist())
-            asks[sample.prompt_ids] = task.prompt in prompt
+            asks[sample.prompt_ids] = all(m["content"] in prompt for m in task.messages())
         if not asks[sample.prompt_ids]:
             return f"sample {i}: the prompt does not ask task {task.id!r}"
-        reward = score(tokenizer, protocol.unpack_ids(sample.completion_ids).tolist(), task)
-        if reward != sample.reward:
-            return f"sample {i}: reward {sample.reward:g} reported, {reward:g} on re-check"
+        if sample.error.startswith(REWARD_ERROR):
+            if sample.reward != 0:
+                return f"sample {i}: reward {sample.reward:g} reported for a failed reward"
+        else:
+            rescored.append(i)
+    completions = [protocol.unpack_ids(group.samples[i].completion_ids).tolist() for i in rescored]
+    rewards = check(tokenizer, completions, task) if completions else []
+    for i, reward in zip(rescored, rewards, strict=True):
+        if reward != group.samples[i].reward:
+            return (
+                f"sample {i}: reward {group.samples[i].reward:g} reported, {reward:g} on re-check"
+            )
     return None
 
 

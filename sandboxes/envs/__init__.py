@@ -22,6 +22,7 @@ from agentjet.errors import ConfigError
 from agentjet.protocol import Task
 from sandboxes.base import Sandbox
 from sandboxes.envs.arithmetic import ArithmeticEnv
+from sandboxes.envs.prompt import PromptEnv, Rewards
 from sandboxes.envs.python_code import PythonCodeEnv
 from sandboxes.envs.python_tool import PythonToolEnv
 from sandboxes.envs.sandboxed import MAX_EPISODES_AT_ONCE, SandboxedEnv
@@ -32,6 +33,7 @@ from sandboxes.process import ProcessSandbox
 __all__ = [
     "ArithmeticEnv",
     "Environment",
+    "PromptEnv",
     "PythonCodeEnv",
     "PythonToolEnv",
     "ShellEnv",
@@ -66,8 +68,11 @@ def make_env(config: EnvConfig, pool: SandboxPool | None = None) -> Environment:
     gets a fresh ProcessSandbox."""
     if config.name == "arithmetic":
         return ArithmeticEnv()
+    if config.name == "prompt":
+        sandboxes: Callable[[], Sandbox] = ProcessSandbox if pool is None else pool.lease
+        return PromptEnv(Rewards.from_config(config, sandboxes))
     if config.name in _SANDBOXED:
-        factory: Callable[[], Sandbox] = ProcessSandbox if pool is None else pool.lease
+        factory = ProcessSandbox if pool is None else pool.lease
         return _SANDBOXED[config.name](
             max_turns=config.max_turns,
             tool_timeout_s=config.tool_timeout_s,

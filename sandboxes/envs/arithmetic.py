@@ -42,7 +42,7 @@ class ArithmeticEnv:
     ) -> list[list[Episode]]:
         """`n` episodes per task, all sampled in one engine call; result[i][j] = task i, j."""
         tokenizer = generator.tokenizer
-        prompts = [chat_prompt_ids(tokenizer, self.system_prompt, task.prompt) for task in tasks]
+        prompts = [chat_prompt_ids(tokenizer, self.system_prompt, task) for task in tasks]
         version = generator.policy_version
         completions = await generator.generate(prompts, n, params)
         groups: list[list[Episode]] = []

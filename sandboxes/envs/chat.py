@@ -16,20 +16,29 @@ from collections.abc import Mapping
 from typing import Any
 
 from agentjet.errors import ModelError
+from agentjet.protocol import Task
 
 # Placeholders rendered through the chat template to find where message content goes.
 _ASSISTANT_MARK = "\x00ASSISTANT\x00"
 _USER_MARK = "\x00USER\x00"
 
 
-def chat_prompt_ids(tokenizer: Any, system: str | None, user: str) -> list[int]:
-    """Token ids of a conversation's start up to the assistant header.
+def task_messages(task: Task, system: str | None) -> list[dict[str, str]]:
+    """A task's prompt as chat messages, after the environment's `system` message unless
+    the task brings its own."""
+    messages = task.messages()
+    if system is None or messages[0]["role"] == "system":
+        return messages
+    return [{"role": "system", "content": system}, *messages]
+
+
+def chat_prompt_ids(tokenizer: Any, system: str | None, task: Task) -> list[int]:
+    """Token ids of `task`'s conversation up to the assistant header.
 
     `system=None` keeps the template's default system message (SmolLM2 inserts one of
-    ~20 tokens); a string replaces it.
+    ~20 tokens); a string replaces it; a task whose prompt has a system message keeps that.
     """
-    messages = [] if system is None else [{"role": "system", "content": system}]
-    messages.append({"role": "user", "content": user})
+    messages = task_messages(task, system)
     ids = tokenizer.apply_chat_template(
         messages, add_generation_prompt=True, tokenize=True, return_dict=False
     )

@@ -24,6 +24,7 @@ from typing import Any
 from agentjet.bridge import blocking
 from agentjet.protocol import Task
 from sandboxes.base import Sandbox, SandboxError
+from sandboxes.envs.chat import task_messages
 from sandboxes.envs.sandboxed import tool_feedback
 from sandboxes.process import ProcessSandbox
 
@@ -64,10 +65,7 @@ class ReactAgent:
         self.model = model
 
     async def __call__(self, task: Task, client: Any) -> float:
-        messages: list[dict[str, Any]] = [
-            {"role": "system", "content": REACT_SYSTEM_PROMPT},
-            {"role": "user", "content": task.prompt},
-        ]
+        messages: list[dict[str, Any]] = list(task_messages(task, REACT_SYSTEM_PROMPT))
         sandbox: Sandbox | None = None
         try:
             for _ in range(self.max_turns):

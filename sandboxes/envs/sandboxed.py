@@ -118,7 +118,7 @@ class SandboxedEnv:
     ) -> list[list[Episode]]:
         """`n` episodes per task; result[i][j] is sample j of task i, once all have ended."""
         tokenizer = generator.tokenizer
-        prompts = [chat_prompt_ids(tokenizer, self.system_prompt, task.prompt) for task in tasks]
+        prompts = [chat_prompt_ids(tokenizer, self.system_prompt, task) for task in tasks]
         groups = [
             [Play(task, Episode(prompt_ids=list(prompt))) for _ in range(n)]
             for task, prompt in zip(tasks, prompts, strict=True)

@@ -120,6 +120,36 @@ def test_eval_samples_answers_at_the_rollout_temperature(tiny_model_dir: Path, t
     assert result.returncode == 2 and "--samples must be >= 0" in result.stderr
 
 
+def test_eval_scores_a_parquet_held_out_set_with_your_reward_function(
+    tiny_model_dir: Path, tmp_path: Path
+):
+    import pyarrow
+    import pyarrow.parquet
+
+    rows = [{"q": f"Say something {i}", "answer": "x"} for i in range(6)]
+    held_out = tmp_path / "held_out.parquet"
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist(rows), held_out)
+    train = tmp_path / "train.jsonl"
+    train.write_text('{"id": "t", "prompt": "Say something"}\n')
+    config = tmp_path / "config.toml"
+    config.write_text(
+        f"[model]\nname = {json.dumps(str(tiny_model_dir))}\n"
+        "[rollout.sampling]\nmax_new_tokens = 5\n"
+        f'[[envs]]\nname = "prompt"\ntask_file = {json.dumps(str(train))}\n'
+        'prompt_field = "q"\nreward = "tests.rewards:even_length"\n'
+    )
+    result = agentjet(
+        "eval", "--checkpoint", "base", "--tasks", str(held_out), "--env", "prompt",
+        "--config", str(config), "--samples", "4", "--batch-size", "24",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["n"] == 6 and summary["env"] == "prompt"
+    # even_length: a reward of 0 or 1 per answer, so accuracy and mean reward agree
+    assert 0 < summary["mean_reward"] < 1
+    assert summary["overall"] == summary["mean_reward"]
+
+
 def test_eval_rejects_bad_inputs_with_one_line(tiny_model_dir: Path, tmp_path: Path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": "a", "prompt": "1+1?", "answer": 2}\n{"id": "b", "prompt": 5}\n')

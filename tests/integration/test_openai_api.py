@@ -29,6 +29,7 @@ from node.openai_api import ApiError, EpisodeHub, OpenAIServer
 from node.torch_engine import TorchEngine
 from sandboxes.envs.react import ReactAgent
 from tests.factories import RuleGenerator
+from tests.unit.test_tool_templates import hermes_tokenizer
 
 pytestmark = pytest.mark.integration
 
@@ -163,6 +164,51 @@ def test_tool_calls_round_trip_and_stream(tokenizer: Any) -> None:
         calls = [d.tool_calls for d in deltas if d.tool_calls]
         assert calls and calls[0][0].function.name == "python"
         await client.close()
+
+    serve(RuleGenerator(tokenizer, reply), test)
+
+
+def test_a_tool_capable_template_renders_tools_and_its_calls_are_parsed(
+    tiny_model_dir: Path,
+) -> None:
+    """A Qwen-like template (tests/unit/test_tool_templates.py) is detected: tools, calls and
+    results go through it, and the conversation still grows token-in/token-out."""
+    tokenizer = hermes_tokenizer(tiny_model_dir)
+    # compact JSON, unlike the template's rendering of the call: only the sampled ids match
+    call = '<tool_call>{"name":"python","arguments":{"code":"print(2 + 3)"}}</tool_call>'
+
+    def reply(context: str) -> str:
+        return "Answer: 5" if "<tool_response>\n5\n</tool_response>" in context else call
+
+    async def test(server: OpenAIServer, hub: EpisodeHub) -> None:
+        assert server.tool_format.name == "hermes"
+        episode = hub.open(TASK, training=True)
+        client = client_for(server, episode.key)
+        messages: list[dict[str, Any]] = [{"role": "user", "content": TASK.prompt}]
+        response = await client.chat.completions.create(model="m", messages=messages, tools=TOOLS)
+        choice = response.choices[0]
+        [tool_call] = choice.message.tool_calls or []
+        assert (choice.finish_reason, choice.message.content) == ("tool_calls", None)
+        assert json.loads(tool_call.function.arguments) == {"code": "print(2 + 3)"}
+        messages += [
+            choice.message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": tool_call.id, "content": "5"},
+        ]
+        response = await client.chat.completions.create(model="m", messages=messages, tools=TOOLS)
+        assert response.choices[0].message.content == "Answer: 5"
+        await client.close()
+        first, second = (r.call for r in episode.calls)
+        assert '<tools>\n{"type": "function", "function": {"name": "python"' in tokenizer.decode(
+            first.prompt_ids
+        )
+        grown = first.prompt_ids + first.completion_ids
+        assert second.prompt_ids[: len(grown)] == grown  # the call's ids as sampled
+        assert tokenizer.decode(second.prompt_ids[len(grown) :]) == (
+            "\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n"
+            "<|im_start|>assistant\n"
+        )
+        [sequence] = merge_calls([first, second])
+        assert sequence.calls == 2
 
     serve(RuleGenerator(tokenizer, reply), test)
 

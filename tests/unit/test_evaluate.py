@@ -21,9 +21,11 @@ def test_a_tasks_success_is_the_share_of_its_answers_that_are_right() -> None:
 
 def test_accuracy_is_the_mean_success_overall_per_difficulty_and_per_op() -> None:
     tasks = [task(1, "+"), task(1, "*"), task(2, "+")]
-    summary = summarize(tasks, [1.0, 0.5, 0.0])
+    # two answers per task; the third task's second answer failed to play
+    summary = summarize(tasks, [[1.0, 1.0], [1.0, 0.0], [0.5]], 2)
     assert summary == {
         "overall": 0.5,
+        "mean_reward": round((1.0 + 0.5 + 0.25) / 3, 4),  # partial credit counts here
         "by_difficulty": {"1": 0.75, "2": 0.0},
         "by_op": {"*": 0.5, "+": 0.5},
         "n": 3,

@@ -294,7 +294,7 @@ def test_makers_cover_every_difficulty_with_several_families(env: str) -> None:
     for difficulty in DIFFICULTIES:
         assert sum(f.difficulty == difficulty for f in families.values()) >= 3
         task = TASK_MAKERS[env](random.Random(0), difficulty, env)
-        assert (task.env, task.difficulty, task.answer) == (env, difficulty, 0)
+        assert (task.env, task.difficulty, task.answer) == (env, difficulty, None)
         assert task.check
 
 

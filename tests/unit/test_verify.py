@@ -28,6 +28,7 @@ from node.verify import (
     find_task,
     over_gap,
     picked_for_reward_check,
+    reward_checkers,
     reward_problem,
 )
 from sandboxes.envs.chat import chat_prompt_ids
@@ -35,6 +36,8 @@ from tests.factories import forge, make_group
 from tests.unit.test_trainer_logic import lone_swarm
 
 pytestmark = pytest.mark.unit
+
+ARITHMETIC = reward_checkers([])["arithmetic"]
 
 
 def test_logprob_gap_is_the_mean_absolute_difference_over_trained_tokens():
@@ -87,7 +90,7 @@ def test_rewards_are_rechecked_against_the_task_the_prompt_asks(tiny_model_dir: 
     assert task is not None and other is not None
 
     def group(asked: protocol.Task, answers: list[str], rewards: list[float]):
-        prompt = chat_prompt_ids(tokenizer, None, asked.prompt)
+        prompt = chat_prompt_ids(tokenizer, None, asked)
         samples = [
             protocol.Sample(
                 prompt_ids=protocol.pack_ids(prompt),
@@ -102,11 +105,14 @@ def test_rewards_are_rechecked_against_the_task_the_prompt_asks(tiny_model_dir: 
         ]
         return msgspec.structs.replace(make_group(), task_id=task.id, samples=samples)
 
-    assert reward_problem(group(task, ["It is 7.", "5"], [1.0, 0.0]), task, tokenizer) is None
-    wrong = reward_problem(group(task, ["It is 7.", "5"], [1.0, 1.0]), task, tokenizer)
+    assert (
+        reward_problem(group(task, ["It is 7.", "5"], [1.0, 0.0]), task, tokenizer, ARITHMETIC)
+        is None
+    )
+    wrong = reward_problem(group(task, ["It is 7.", "5"], [1.0, 1.0]), task, tokenizer, ARITHMETIC)
     assert wrong == "sample 1: reward 1 reported, 0 on re-check"
     # a right answer to another question, claimed for this task
-    asked_other = reward_problem(group(other, ["7"], [1.0]), task, tokenizer)
+    asked_other = reward_problem(group(other, ["7"], [1.0]), task, tokenizer, ARITHMETIC)
     assert asked_other == "sample 0: the prompt does not ask task 'd1:3+4'"
 
 
@@ -211,4 +217,4 @@ def test_random_prompts_do_not_break_the_reward_check(tiny_model_dir: Path):
             policy_version=0,
         )
         group = msgspec.structs.replace(make_group(), samples=[sample])
-        assert reward_problem(group, task, tokenizer) is not None
+        assert reward_problem(group, task, tokenizer, ARITHMETIC) is not None

@@ -39,3 +39,10 @@ def returns_nan(task: dict[str, Any], completion: str) -> float:
 async def never_returns(task: dict[str, Any], completion: str) -> float:
     await asyncio.Event().wait()
     return 0.0
+
+
+def mutates(task: dict[str, Any], completion: str) -> float:
+    """Changes the row it was given: no other call may see that."""
+    task["answer"] = "something else"
+    task.setdefault("seen", []).append(completion)
+    return 0.0

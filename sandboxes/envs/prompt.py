@@ -16,6 +16,7 @@ once per kind; the run goes on. The same `Rewards` re-scores groups on trainers
 from __future__ import annotations
 
 import asyncio
+import copy
 import inspect
 import json
 import logging
@@ -127,26 +128,28 @@ class Rewards:
     # ── where the functions run ───────────────────────────────────────────────────────
 
     async def _here(self, row: dict[str, Any], completions: Sequence[str]) -> list[dict[str, Any]]:
+        """Sync terms across the bridge (one call for the group), async ones on the loop,
+        all at once; each call gets its own copy of the row (a function may change it)."""
         values: list[dict[str, Any]] = [{} for _ in completions]
-        sync = [n for n, f in self.functions.items() if not inspect.iscoroutinefunction(f)]
-        if sync:
+        sync = [n for n, f in self.functions.items() if not _is_async(f)]
 
-            def run_sync() -> None:  # every sync term of the group in one bridge call
-                for i, completion in enumerate(completions):
-                    for name in sync:
-                        values[i][name] = _call(self.functions[name], row, completion)
-
-            await blocking(run_sync)
-        for name, function in self.functions.items():
-            if name in sync:
-                continue
+        def run_sync() -> None:
             for i, completion in enumerate(completions):
-                try:
-                    values[i][name] = await wait_for(function(row, completion), self.timeout_s)
-                except TimeoutError:
-                    values[i][name] = _Failed(f"ran past {self.timeout_s:g} s")
-                except Exception as e:  # noqa: BLE001 - the user's function failed
-                    values[i][name] = _Failed(f"raised {type(e).__name__}", str(e))
+                for name in sync:
+                    values[i][name] = _call(self.functions[name], copy.deepcopy(row), completion)
+
+        async def run_async(i: int, name: str) -> None:
+            try:
+                call = self.functions[name](copy.deepcopy(row), completions[i])
+                values[i][name] = await wait_for(call, self.timeout_s)
+            except TimeoutError:
+                values[i][name] = _Failed(f"ran past {self.timeout_s:g} s")
+            except Exception as e:  # noqa: BLE001 - the user's function failed
+                values[i][name] = _Failed(f"raised {type(e).__name__}", str(e))
+
+        calls = [run_async(i, n) for n in self.functions if n not in sync
+                 for i in range(len(completions))]  # fmt: skip
+        await asyncio.gather(*calls, *([blocking(run_sync)] if sync else []))
         return values
 
     async def _in_sandbox(
@@ -216,6 +219,12 @@ class Rewards:
 class _Failed:
     kind: str
     detail: str = ""
+
+
+def _is_async(function: Callable[..., Any]) -> bool:
+    """An `async def` function, or an object whose __call__ is one."""
+    call = getattr(function, "__call__", None)  # noqa: B004 - the method, not callability
+    return inspect.iscoroutinefunction(function) or inspect.iscoroutinefunction(call)
 
 
 def _call(function: Callable[..., Any], row: dict[str, Any], completion: str) -> Any:

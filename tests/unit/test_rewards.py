@@ -76,3 +76,10 @@ def test_a_function_that_cannot_be_loaded_fails_at_start_in_one_line() -> None:
         Rewards([RewardTerm(name="r", function="tests.rewards:no_such_function")])
     with pytest.raises(ConfigError, match="cannot be loaded"):
         Rewards([RewardTerm(name="r", function="no_such_module:score")])
+
+
+def test_each_call_gets_its_own_copy_of_the_row() -> None:
+    terms = [("meddle", "tests.rewards:mutates", 1.0), ("right", "tests.rewards:says_answer", 1.0)]
+    first, second = score(terms, ["Paris", "paris"])
+    assert first.reward == second.reward == 1.0  # says_answer still saw "Paris"
+    assert TASK.answer == "Paris" and "seen" not in TASK.fields

@@ -233,6 +233,12 @@ def build_parser() -> argparse.ArgumentParser:
     agent.add_argument("--token", default="", help="the node's rollout.agent_token")
     agent.add_argument("--concurrency", type=int, default=4, help="episodes played at once")
     agent.add_argument("--episodes", type=int, default=0, help="stop after N (0 = run on)")
+    agent.add_argument(
+        "--app-dir",
+        default=".",
+        metavar="DIR",
+        help="import MODULE from DIR first (default: the current directory), as uvicorn does",
+    )
     return parser
 
 
@@ -375,13 +381,24 @@ def _keys_init(path: Path) -> int:
 
 def _agent(args: argparse.Namespace) -> int:
     import asyncio
+    import logging
     import signal
 
+    import uvloop
+
     from agentjet.agent_runner import load_callable, run_agents
+    from agentjet.roles import setup_logging
 
     if args.concurrency < 1 or args.episodes < 0:
         raise AgentjetError("--concurrency must be >= 1 and --episodes >= 0")
-    agent = load_callable(args.agent, "--agent")
+    if not args.rollout.startswith(("http://", "https://")):
+        raise AgentjetError(f"--rollout {args.rollout!r} must be a URL: http://HOST:PORT")
+    if not Path(args.app_dir).is_dir():
+        raise AgentjetError(f"--app-dir {args.app_dir}: no such directory")
+    agent = load_callable(args.agent, "--agent", args.app_dir)
+    setup_logging("agent")
+    for chatty in ("httpx", "httpx2", "httpcore", "openai"):  # a line per request otherwise
+        logging.getLogger(chatty).setLevel(logging.WARNING)
 
     async def main() -> int:
         stop = asyncio.Event()
@@ -397,7 +414,7 @@ def _agent(args: argparse.Namespace) -> int:
             stop=stop,
         )
 
-    finished = asyncio.run(main())
+    finished = uvloop.run(main())
     print(f"{finished} episodes finished")
     return 0
 

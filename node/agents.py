@@ -19,6 +19,13 @@ raised, went silent past `idle_timeout_s`, ran past `episode_timeout_s`, returne
 finite reward, or never called the model) is discarded, never trained, and played again
 from scratch up to `attempts` times; a task whose episodes keep failing yields no group
 (the rollout node reports it as failed).
+
+External episodes wait for a claim without a bound (the endpoint says once when none is
+claimed and no agent is connected); their `episode_timeout_s` counts from the claim. When
+the node stops, `close()` discards the episodes still out to agents (never trained) and the
+endpoint answers their agents 503 at once, so the stop does not wait on them. Agent and
+judge modules are imported from the node's current directory first (`load_callable`, as
+`agentjet agent` does), so `agentjet local` started in the agent's folder finds it.
 """
 
 from __future__ import annotations
@@ -152,8 +159,16 @@ class AgentEnv:
             self.server.training_params = params
             return self.server.base_url
 
+    def metrics(self) -> dict[str, float]:
+        """For the rollout node's metrics rows (`EpisodeHub.stats`): `agents/unclaimed`,
+        `agents/playing` and `agents/claim_wait_s`, the time episodes waited for agents."""
+        return self.server.hub.stats() if self.server is not None else {}
+
     async def close(self) -> None:
-        """Stop the endpoint; a run_group still waiting on episodes raises CancelledError."""
+        """Stop the endpoint; a run_group still waiting on episodes raises CancelledError
+        (its episodes, claimed or not, are discarded)."""
+        if self.server is not None:
+            self.server.hub.close()  # their agents hear 503 "stopping" from now on
         for group in list(self._running):
             group.cancel()
         await asyncio.gather(*self._running, return_exceptions=True)
@@ -193,10 +208,11 @@ class AgentEnv:
     async def _play_one(self, episode: AgentEpisode) -> tuple[float, str]:
         """(reward, "") for a finished episode, else (0.0, why it failed)."""
         if self.external:
+            await episode.started.wait()  # unbounded: the clock starts at the claim
             try:
                 await wait_for(episode.done.wait(), self.episode_timeout_s)
             except TimeoutError:
-                return 0.0, f"not finished within {self.episode_timeout_s:g} s"
+                return 0.0, f"not finished within {self.episode_timeout_s:g} s of its claim"
             if episode.state != "finished" or episode.reward is None:
                 return 0.0, episode.error or episode.state
             return await self._judged(episode, episode.reward)

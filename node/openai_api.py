@@ -58,6 +58,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import msgspec
 from aiohttp import web
 
 from agentjet.episode import Completion, Generator, SamplingParams
@@ -84,6 +85,9 @@ MAX_BATCH = 64
 # node is stopping, and aiohttp's default (60 s) would hold its shutdown for a long-polled
 # claim.
 SHUTDOWN_GRACE_S = 1.0
+# External episodes unclaimed this long, with no agent connected for as long, are reported
+# (once): a node whose agents are not running looks idle otherwise.
+AGENTS_AWAY_S = 10.0
 # Largest request body (a long conversation is far below this).
 MAX_REQUEST_BYTES = 4 << 20
 # Most messages per request and characters per message.
@@ -326,17 +330,27 @@ class AgentEpisode:
     calls: list[Recorded] = field(default_factory=list)
     reward: float | None = None
     error: str = ""
+    opened_at: float = field(default_factory=time.monotonic)
     last_active: float = field(default_factory=time.monotonic)
     in_flight: int = 0  # requests being answered: a waiting agent is not a silent one
+    # Set once the episode's clock starts (an agent claimed it; in-process: at once), or it
+    # closed unclaimed: its episode_timeout_s counts from the claim, not from the open.
+    started: asyncio.Event = field(default_factory=asyncio.Event)
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def live(self) -> bool:
         return self.state in ("open", "claimed")
 
+    def claim(self) -> None:
+        self.state = "claimed"
+        self.last_active = time.monotonic()
+        self.started.set()
+
     def close(self, state: EpisodeState, error: str = "") -> None:
         if self.live:
             self.state, self.error = state, error
+            self.started.set()
             self.done.set()
 
 
@@ -347,7 +361,13 @@ class EpisodeHub:
         self.idle_timeout_s = idle_timeout_s
         self.by_key: dict[str, AgentEpisode] = {}
         self.by_id: dict[str, AgentEpisode] = {}
-        self.claimable: asyncio.Queue[AgentEpisode] = asyncio.Queue()
+        self.unclaimed: dict[str, AgentEpisode] = {}  # external episodes, oldest first
+        self._offered = asyncio.Event()  # set when an episode becomes claimable, or closing
+        self.closing = False
+        self.claims_waiting = 0  # claim requests in progress (long-polled)
+        self.asked_at = time.monotonic()  # the last claim request began or ended
+        self.agents_away = False  # the node has said that no agent claims its episodes
+        self.claim_wait_s = 0.0  # external episodes' waits from open to claim, summed
 
     def open(self, task: Task, training: bool, *, external: bool = False) -> AgentEpisode:
         episode = AgentEpisode(
@@ -357,17 +377,74 @@ class EpisodeHub:
         self.by_key[episode.key] = episode
         self.by_id[episode.id] = episode
         if external:
-            self.claimable.put_nowait(episode)
+            self.unclaimed[episode.id] = episode
+            self._offered.set()
         else:
-            episode.state = "claimed"  # its agent runs in-process, now
+            episode.claim()  # its agent runs in-process, now
         return episode
 
     def forget(self, episode: AgentEpisode) -> None:
         episode.close("aborted", episode.error or "forgotten")
         self.by_key.pop(episode.key, None)
         self.by_id.pop(episode.id, None)
+        self.unclaimed.pop(episode.id, None)
+
+    async def claim(self, wait_s: float) -> AgentEpisode | None:
+        """The oldest unclaimed episode, claimed now, waiting up to `wait_s` for one; None
+        if none came. ApiError 503 once the hub is closing (the node is stopping)."""
+        self.claims_waiting += 1
+        self.asked_at = time.monotonic()
+        try:
+            async with asyncio.timeout(wait_s):
+                while not self.unclaimed and not self.closing:
+                    self._offered.clear()  # no await between the check and the wait
+                    await self._offered.wait()
+        except TimeoutError:
+            return None
+        finally:
+            self.claims_waiting -= 1
+            self.asked_at = time.monotonic()
+        if self.closing:
+            raise ApiError(503, "the rollout node is stopping", "stopping", "server_error")
+        episode = self.unclaimed.pop(next(iter(self.unclaimed)))  # open: closing one forgets it
+        episode.claim()
+        self.claim_wait_s += episode.last_active - episode.opened_at
+        if self.agents_away:
+            self.agents_away = False
+            log.info("an external agent is claiming episodes")
+        return episode
+
+    def close(self) -> None:
+        """Answer every waiting and later request with 503: the node is stopping."""
+        self.closing = True
+        self._offered.set()
+
+    def waiting_for_agents(self, now: float, after_s: float) -> tuple[int, float] | None:
+        """(episodes unclaimed, seconds since an agent last asked) when episodes have waited
+        `after_s` for a claim and no agent is connected (none asking, none playing), else
+        None."""
+        if not self.unclaimed or self.claims_waiting:
+            return None
+        oldest = next(iter(self.unclaimed.values()))
+        if now - oldest.opened_at < after_s or now - self.asked_at < after_s:
+            return None
+        if any(e.state == "claimed" for e in self.by_id.values()):
+            return None
+        return len(self.unclaimed), now - self.asked_at
+
+    def stats(self) -> dict[str, float]:
+        """Metrics: episodes waiting for an external agent's claim and being played now,
+        and the seconds external episodes have waited for a claim in all."""
+        playing = sum(e.state == "claimed" for e in self.by_id.values())
+        return {
+            "agents/unclaimed": len(self.unclaimed),
+            "agents/playing": playing,
+            "agents/claim_wait_s": round(self.claim_wait_s, 3),
+        }
 
     def authorize(self, header: str | None) -> AgentEpisode:
+        if self.closing:  # its episodes are being discarded: say why, not "unknown key"
+            raise ApiError(503, "the rollout node is stopping", "stopping", "server_error")
         key = (header or "").removeprefix("Bearer ").strip()
         episode = self.by_key.get(key)
         if episode is None:
@@ -505,8 +582,9 @@ class OpenAIServer:
         return self.base_url
 
     async def close(self) -> None:
-        """Stop serving: waiting model calls are answered 503 at once, other requests in
-        progress (long-polled claims) get `SHUTDOWN_GRACE_S`."""
+        """Stop serving: waiting model calls and long-polled claims are answered 503 at
+        once, other requests in progress get `SHUTDOWN_GRACE_S`."""
+        self.hub.close()
         self.batcher.close()
         for task in self._tasks:
             task.cancel()
@@ -519,6 +597,16 @@ class OpenAIServer:
             await asyncio.sleep(min(1.0, self.hub.idle_timeout_s / 4))
             for episode in self.hub.sweep():
                 log.warning("episode %s expired: %s", episode.id, episode.error)
+            waiting = self.hub.waiting_for_agents(time.monotonic(), AGENTS_AWAY_S)
+            if waiting is not None and not self.hub.agents_away:
+                self.hub.agents_away = True
+                unclaimed, since_s = waiting
+                log.warning(
+                    "%d episodes wait for an external agent to claim them (none connected in "
+                    "the last %.0f s); start one: agentjet agent --rollout %s --agent "
+                    "MODULE:FUNCTION",
+                    unclaimed, since_s, self.base_url,
+                )  # fmt: skip
 
     @web.middleware
     async def _errors(
@@ -694,34 +782,24 @@ class OpenAIServer:
                 )
 
     async def _claim(self, request: web.Request) -> web.Response:
-        """The next unclaimed episode, waiting up to `wait_s` (body) for one; 204 if none."""
+        """The oldest unclaimed episode, waiting up to `wait_s` (body) for one; 204 if none,
+        503 once the node is stopping."""
         self._check_agent(request)
         body = await _json_body(request, required=False)
         wait_s = body.get("wait_s", 10.0)
         if not isinstance(wait_s, int | float) or not 0 <= wait_s <= 60:
             raise ApiError(400, "wait_s must be a number of seconds in [0, 60]", "invalid_wait")
-        deadline = time.monotonic() + float(wait_s)
-        while True:
-            try:
-                episode = self.hub.claimable.get_nowait()
-            except asyncio.QueueEmpty:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return web.Response(status=204)
-                try:
-                    episode = await wait_for(self.hub.claimable.get(), left)
-                except TimeoutError:
-                    return web.Response(status=204)
-            if episode.state == "open":
-                break
-        episode.state = "claimed"
-        episode.last_active = time.monotonic()
+        episode = await self.hub.claim(float(wait_s))
+        if episode is None:
+            return web.Response(status=204)
         task = episode.task
         return web.json_response(
             {
                 "episode_id": episode.id,
-                "task": {"id": task.id, "env": task.env, "prompt": task.prompt,
-                         "difficulty": task.difficulty, "op": task.op},
+                # The task as its row minus what scores it (the node's judge does)
+                "task": msgspec.to_builtins(
+                    msgspec.structs.replace(task, answer=None, setup=(), check="")
+                ),
                 "base_url": f"{self.base_url}/v1",
                 "api_key": episode.key,
                 "training": episode.training,

@@ -382,7 +382,7 @@ class Rollout:
                         **gpu_metrics(self.gpus),
                         **peak_memory(self.engine.device),
                         **rewards_metrics([e for eps in episodes for e in eps]),
-                        **(env.metrics() if isinstance(env, PromptEnv) else {}),
+                        **(env.metrics() if isinstance(env, PromptEnv | AgentEnv) else {}),
                         **self.counts,
                     }
                 )

@@ -400,6 +400,19 @@ class RunConfig(_Section):
     max_steps: NonNegInt = 0
 
 
+class LogConfig(_Section):
+    # Where metrics go besides <run dir>/metrics/<role>.jsonl, which is always written:
+    # "tensorboard" (event files in <run dir>/tensorboard/<role>/; `tensorboard --logdir
+    # runs/` shows every role on one time axis; pip install tensorboard), "wandb" and
+    # "trackio" (one tracker run per role, each only when installed and named here). A
+    # tracker that fails mid-run costs a warning and is dropped; the JSONL keeps every row.
+    backends: list[Literal["tensorboard", "wandb", "trackio"]] = msgspec.field(default_factory=list)
+    # wandb/trackio: the project the runs go to, and the group that holds one run's roles
+    # ("" = the run dir's name; give the peers of a swarm one group to see them together).
+    project: str = "agentjet"
+    group: str = ""
+
+
 class Config(_Section):
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     rollout: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
@@ -410,6 +423,7 @@ class Config(_Section):
     coordinator: CoordinatorConfig = msgspec.field(default_factory=CoordinatorConfig)
     net: NetConfig = msgspec.field(default_factory=NetConfig)
     run: RunConfig = msgspec.field(default_factory=RunConfig)
+    log: LogConfig = msgspec.field(default_factory=LogConfig)
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:

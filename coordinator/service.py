@@ -163,7 +163,7 @@ class Coordinator:
             keys,
         )
         cleanup.callback(self.server.close)
-        self.metrics = MetricsWriter(self.config.run.dir, "coordinator")
+        self.metrics = MetricsWriter(self.config.run.dir, "coordinator", self.config.log)
         cleanup.callback(self.metrics.close)
         log.info("coordinator serving on %s, history in %s", self.server.endpoint, self.db_path)
         if self.config.coordinator.publish:

@@ -218,7 +218,7 @@ class Rollout:
         else:
             self._connect_coordinator(cfg.coordinator.endpoint)
             self._add_trainer(TrainerPeer(STATIC_TRAINER, cfg.net.trainer_endpoint))
-        self.metrics = MetricsWriter(Path(cfg.run.dir), "rollout")
+        self.metrics = MetricsWriter(Path(cfg.run.dir), "rollout", cfg.log)
         cleanup.callback(self.metrics.close)
         self._restore_spool(cleanup)
         log.info("rollout node %s ready (envs: %s)", self.node_id, ", ".join(self.envs))

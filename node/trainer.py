@@ -224,7 +224,7 @@ class Trainer:
             keys,
         )
         cleanup.callback(self.server.close)
-        self.metrics = MetricsWriter(self.run_dir, "trainer")
+        self.metrics = MetricsWriter(self.run_dir, "trainer", cfg.log)
         cleanup.callback(self.metrics.close)
         cleanup.callback(self._final_checkpoint)
         self.batch_ready = asyncio.Event()

@@ -106,6 +106,11 @@ class RolloutConfig(_Section):
     # each environment's held-out `eval_file` (greedy, one answer per task) and writes an
     # "eval" row to its metrics: held-out accuracy and mean reward per environment.
     eval_every: NonNegInt = 0
+    # For the trajectory viewer: share of groups (0 = none) the node writes, decoded token by
+    # token, to <run dir>/trajectories.jsonl (node/trajectory_log.py), a file capped at
+    # `trajectory_log_mb` MiB (past the cap its oldest half is dropped).
+    trajectory_share: Annotated[float, Meta(ge=0, le=1)] = 0.1
+    trajectory_log_mb: PositiveFloat = 16.0
     # The OpenAI-compatible endpoint of agent environments: HOST:PORT (port 0 = any free
     # one; give a fixed one for external agents), and the token external agents must send
     # to claim episodes ("" = none; keep the endpoint on loopback then).

@@ -60,6 +60,7 @@ from node.model import resolve_model
 from node.spool import Spool, SpoolFull
 from node.swarm import Directory, start_dht, visible_maddrs
 from node.trainer_link import answers, probe, trainer_client
+from node.trajectory_log import TrajectoryLog
 from node.weights import WeightAssembly
 from sandboxes.envs import Environment, PromptEnv, make_env
 from sandboxes.envs.prompt import rewards_metrics
@@ -199,6 +200,12 @@ class Rollout:
             if source.skipped:
                 self.counts[f"tasks_skipped/{source.env}"] = source.skipped
         self.held_out = HeldOut(cfg)
+        self.trajectories = TrajectoryLog(
+            cfg.run.dir,
+            cfg.rollout.trajectory_share,
+            int(cfg.rollout.trajectory_log_mb * (1 << 20)),
+            cfg.run.seed,
+        )
         self.rng = random.Random(cfg.run.seed)
         self.coordinator_away = False
         s = cfg.rollout.sampling
@@ -354,6 +361,7 @@ class Rollout:
                         self.ledger.add(group, write=False)
                         self.counts["groups_unspooled"] += 1
                     created.append(group.group_id)
+                    self.trajectories.maybe_record(group, self.engine.tokenizer)
                     self._queue_report(grant, eps, wall_s / len(env_grants), "")
                 self.counts["groups_created"] += len(created)
                 self.counts["groups_failed"] += len(env_grants) - len(created)

@@ -79,6 +79,11 @@ docker-up: ensure
       tail -20 /var/log/agentjet-dockerd.log; exit 1
     {{bin}}/agentjet sandbox build-image
 
+# Debian, as root: Chromium for the dashboard's browser test (Playwright drives /usr/bin/chromium)
+browser:
+    command -v chromium >/dev/null \
+      || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null)
+
 # Learning benchmark: SmolLM2-135M, held-out accuracy before/after (writes bench/results/learn.json)
 bench-learn *ARGS: ensure
     {{bin}}/python bench/learn.py {{ARGS}}

@@ -9,6 +9,7 @@
     agentjet keys         init: make the swarm's key file (every node needs a copy)
     agentjet sandbox      build-image: the docker sandbox image, offline from Debian packages
     agentjet agent        play a rollout node's agent episodes from another process
+    agentjet dashboard    watch a run in a browser: curves, nodes, trajectories
 
 Heavy imports (torch, hivemind) happen only after arguments and config are valid, so
 `--help` and `--dry-run` are instant and every user error is one clear line.
@@ -239,6 +240,25 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="import MODULE from DIR first (default: the current directory), as uvicorn does",
     )
+
+    dashboard = sub.add_parser(
+        "dashboard",
+        help="watch a run in a browser: curves, nodes, trajectories down to the token",
+        description="serve a run dir (running or finished) as a live web page; settings "
+        "not given here come from [dashboard] in the run dir's config.toml",
+    )
+    dashboard.add_argument("--run-dir", type=Path, required=True, help="the run to show")
+    dashboard.add_argument(
+        "--listen",
+        metavar="HOST:PORT",
+        help="where to serve (default dashboard.listen: 127.0.0.1 on a free port); any "
+        "address but loopback needs a token",
+    )
+    dashboard.add_argument(
+        "--token",
+        help="what the browser must send (?token= or Authorization: Bearer); default "
+        "dashboard.token",
+    )
     return parser
 
 
@@ -301,6 +321,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _build_image(args)
     if args.command == "agent":
         return _agent(args)
+    if args.command == "dashboard":
+        return _dashboard(args)
     if args.command == "keys" and args.action == "init":
         return _keys_init(args.out)
     if args.command == "local":
@@ -417,6 +439,29 @@ def _agent(args: argparse.Namespace) -> int:
     finished = uvloop.run(main())
     print(f"{finished} episodes finished")
     return 0
+
+
+def _dashboard(args: argparse.Namespace) -> int:
+    import tomllib
+
+    from agentjet.config import config_from_dict, dashboard_address
+
+    if not args.run_dir.is_dir():
+        raise AgentjetError(f"--run-dir {args.run_dir}: no such directory")
+    section = {}
+    run_config = args.run_dir / "config.toml"
+    if run_config.is_file():
+        try:
+            section = tomllib.loads(run_config.read_text()).get("dashboard", {})
+        except tomllib.TOMLDecodeError as e:
+            raise AgentjetError(f"{run_config} is not valid TOML: {e}") from None
+    settings = config_from_dict({"dashboard": section}).dashboard
+    token = settings.token if args.token is None else args.token
+    where = "--listen" if args.listen else f"dashboard.listen in {run_config}"
+    host, port = dashboard_address(args.listen or settings.listen, token, where)
+    from agentjet.dashboard.server import run_dashboard
+
+    return run_dashboard(args.run_dir, host, port, token)
 
 
 def _build_image(args: argparse.Namespace) -> int:

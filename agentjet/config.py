@@ -8,6 +8,7 @@ what is allowed (`ConfigError`, one line). Every field documents itself where de
 
 from __future__ import annotations
 
+import ipaddress
 import re
 import tomllib
 from pathlib import Path
@@ -418,6 +419,17 @@ class LogConfig(_Section):
     group: str = ""
 
 
+class DashboardConfig(_Section):
+    # `agentjet dashboard` and the one `agentjet local` starts: HOST:PORT to serve the
+    # run's curves, nodes and trajectories on (port 0 = a free port, printed at start).
+    listen: str = "127.0.0.1:0"
+    # Required on any address but loopback (whoever reaches it reads the run's prompts and
+    # completions): the browser sends it as ?token= or Authorization: Bearer.
+    token: str = ""
+    # `agentjet local` starts the dashboard beside the roles (and stops it with them).
+    enabled: bool = True
+
+
 class Config(_Section):
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     rollout: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
@@ -429,6 +441,7 @@ class Config(_Section):
     net: NetConfig = msgspec.field(default_factory=NetConfig)
     run: RunConfig = msgspec.field(default_factory=RunConfig)
     log: LogConfig = msgspec.field(default_factory=LogConfig)
+    dashboard: DashboardConfig = msgspec.field(default_factory=DashboardConfig)
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
@@ -612,6 +625,34 @@ def _check(config: Config) -> None:
         raise ConfigError(
             "config error at net.insecure: net.keys is set too; use the keys or run insecure"
         )
+    dashboard_address(
+        config.dashboard.listen, config.dashboard.token, "config error at dashboard.listen"
+    )
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (a name or an IP address) is this machine's loopback interface."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def dashboard_address(listen: str, token: str, where: str) -> tuple[str, int]:
+    """The dashboard's (host, port) from `listen`; off loopback only with a token.
+    `where` starts the error's one line (the key or flag that said it)."""
+    host, sep, port = listen.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ConfigError(f"{where}: {listen!r} is not HOST:PORT")
+    if not token and not is_loopback(host):
+        raise ConfigError(
+            f"{where}: {host} is not a loopback address and the dashboard "
+            "shows the run's prompts and completions to whoever reaches it: give a token "
+            "(--token or dashboard.token), or listen on 127.0.0.1"
+        )
+    return host.strip("[]"), int(port)
 
 
 def _check_rewards(env: EnvConfig, i: int) -> None:

@@ -1,6 +1,8 @@
 """`agentjet local`: coordinator, trainer and rollout node as processes on one box.
 
     launcher ──spawn (own session each)──▶ coordinator, trainer, rollout  (logs/<role>.log)
+        ├── and, unless dashboard.enabled = false: agentjet dashboard on the run dir
+        │   (logs/dashboard.log; prints its URL; a dashboard that fails stops no training)
         │
         └── every PROGRESS_POLL_S: tail metrics/<role>.jsonl ──▶ one progress line per version
             stop on Ctrl-C / SIGTERM, at --max-steps (the trainer exits), or when a role dies:
@@ -25,7 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from agentjet.config import Config, load_config, to_toml
+from agentjet.config import Config, dashboard_address, load_config, to_toml
+from agentjet.dashboard import dashboard_url
 from agentjet.errors import ConfigError
 from agentjet.keys import DEFAULT_KEYS_FILE, write_keys
 from agentjet.lifeline import descendants, process_table
@@ -42,9 +45,9 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h
 PLACE_TIMEOUT_S = 120.0
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
         return int(s.getsockname()[1])
 
 
@@ -206,7 +209,23 @@ def spawn(role: str, config_path: Path, run_dir: Path) -> Child:
     argv = [sys.executable, "-m", "agentjet.cli"]
     argv += ["coordinator"] if role == "coordinator" else ["node", "--role", role]
     argv += ["--config", str(config_path)]
-    log_path = run_dir / "logs" / f"{role}.log"
+    return _start(role, argv, run_dir)
+
+
+def spawn_dashboard(config: Config, run_dir: Path) -> tuple[Child, str]:
+    """`agentjet dashboard` on the run dir at dashboard.listen (port 0: a free one), and
+    its URL. It reads its token from the run dir's config.toml, not from its argv (which
+    every user of the machine can read)."""
+    where = "config error at dashboard.listen"
+    host, port = dashboard_address(config.dashboard.listen, config.dashboard.token, where)
+    port = port or free_port(host)
+    argv = [sys.executable, "-m", "agentjet.cli", "dashboard", "--run-dir", str(run_dir)]
+    argv += ["--listen", f"{host}:{port}"]
+    return _start("dashboard", argv, run_dir), dashboard_url(host, port, config.dashboard.token)
+
+
+def _start(name: str, argv: list[str], run_dir: Path) -> Child:
+    log_path = run_dir / "logs" / f"{name}.log"
     with open(log_path, "ab") as log_file:
         process = subprocess.Popen(
             argv,
@@ -216,7 +235,7 @@ def spawn(role: str, config_path: Path, run_dir: Path) -> Child:
             start_new_session=True,  # own process group: we can stop it and its daemons
             preexec_fn=_die_with_launcher if sys.platform == "linux" else None,
         )
-    return Child(role, process, log_path)
+    return Child(name, process, log_path)
 
 
 def stop_children(children: list[Child], seen: set[int], grace_s: float = STOP_GRACE_S) -> None:
@@ -269,6 +288,7 @@ def run_local(config: Config, run_dir: Path, out: TextIO = sys.stdout) -> int:
     print(f"run dir: {run_dir}  (config.toml, metrics/, logs/, checkpoints/)", file=out)
     print(describe_placement(load_config(config_path)), file=out)
     children: list[Child] = []
+    dashboard: Child | None = None  # watched apart: its end stops no training
     seen: set[int] = set()  # every PID observed below the launcher
     stopping = False
 
@@ -290,10 +310,20 @@ def run_local(config: Config, run_dir: Path, out: TextIO = sys.stdout) -> int:
             file=out,
             flush=True,
         )
+        if config.dashboard.enabled:
+            dashboard, url = spawn_dashboard(config, run_dir)
+            print(f"dashboard: {url}", file=out, flush=True)
         while not stopping:
             time.sleep(PROGRESS_POLL_S)
             seen |= descendants(os.getpid())
             progress.poll(run_dir)
+            if dashboard is not None and dashboard.process.poll() is not None:
+                print(
+                    f"dashboard exited with code {dashboard.process.returncode} (training goes "
+                    f"on); last log lines:\n{dashboard.tail()}",
+                    file=sys.stderr,
+                )
+                dashboard = None
             finished = [c for c in children if c.process.poll() is not None]
             if not finished:
                 continue
@@ -311,7 +341,7 @@ def run_local(config: Config, run_dir: Path, out: TextIO = sys.stdout) -> int:
             break
     finally:
         print("stopping all roles ...", file=out, flush=True)
-        stop_children(children, seen)
+        stop_children(children + ([dashboard] if dashboard is not None else []), seen)
         progress.poll(run_dir)
     latest = run_dir / "checkpoints" / "latest"
     if latest.exists():

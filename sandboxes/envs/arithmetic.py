@@ -11,7 +11,7 @@ from typing import Any
 
 from agentjet.episode import Episode, Generator, SamplingParams
 from agentjet.protocol import Task
-from sandboxes.envs.chat import chat_prompt_ids
+from sandboxes.envs.chat import single_turn_episodes
 from sandboxes.envs.parsing import exact_answer_reward
 
 # None keeps SmolLM2's default system message ("You are a helpful AI assistant named
@@ -41,17 +41,8 @@ class ArithmeticEnv:
         self, generator: Generator, tasks: list[Task], n: int, params: SamplingParams
     ) -> list[list[Episode]]:
         """`n` episodes per task, all sampled in one engine call; result[i][j] = task i, j."""
-        tokenizer = generator.tokenizer
-        prompts = [chat_prompt_ids(tokenizer, self.system_prompt, task) for task in tasks]
-        version = generator.policy_version
-        completions = await generator.generate(prompts, n, params)
-        groups: list[list[Episode]] = []
-        for task, prompt, samples in zip(tasks, prompts, completions, strict=True):
-            group = []
-            for completion in samples:
-                episode = Episode(prompt_ids=list(prompt), policy_version=version)
-                episode.add_model_turn(completion)
-                episode.reward = score_completion(tokenizer, completion.token_ids, task)
-                group.append(episode)
-            groups.append(group)
+        groups = await single_turn_episodes(generator, self.system_prompt, tasks, n, params)
+        for task, group in zip(tasks, groups, strict=True):
+            for episode in group:
+                episode.reward = score_completion(generator.tokenizer, episode.completion_ids, task)
         return groups

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from agentjet.episode import Episode, Generator, SamplingParams
 from agentjet.errors import ModelError
 from agentjet.protocol import Task
 
@@ -45,6 +46,25 @@ def chat_prompt_ids(tokenizer: Any, system: str | None, task: Task) -> list[int]
     if isinstance(ids, Mapping):  # some transformers versions return a BatchEncoding anyway
         ids = ids["input_ids"]
     return [int(i) for i in ids]
+
+
+async def single_turn_episodes(
+    generator: Generator, system: str | None, tasks: list[Task], n: int, params: SamplingParams
+) -> list[list[Episode]]:
+    """`n` one-turn episodes per task, all sampled in one engine call, not yet scored:
+    result[i][j] is sample j of tasks[i] (single-turn environments score them)."""
+    prompts = [chat_prompt_ids(generator.tokenizer, system, task) for task in tasks]
+    version = generator.policy_version
+    completions = await generator.generate(prompts, n, params)
+    groups: list[list[Episode]] = []
+    for prompt, samples in zip(prompts, completions, strict=True):
+        group = []
+        for completion in samples:
+            episode = Episode(prompt_ids=list(prompt), policy_version=version)
+            episode.add_model_turn(completion)
+            group.append(episode)
+        groups.append(group)
+    return groups
 
 
 class UserTurn:

@@ -38,7 +38,7 @@ from agentjet.protocol import Task
 from agentjet.roles import wait_for
 from agentjet.task_files import task_row
 from sandboxes.base import Sandbox
-from sandboxes.envs.chat import chat_prompt_ids
+from sandboxes.envs.chat import single_turn_episodes
 
 log = logging.getLogger(__name__)
 
@@ -274,27 +274,20 @@ class PromptEnv:
     async def run_group(
         self, generator: Generator, tasks: list[Task], n: int, params: SamplingParams
     ) -> list[list[Episode]]:
-        tokenizer = generator.tokenizer
-        prompts = [chat_prompt_ids(tokenizer, self.system_prompt, task) for task in tasks]
-        version = generator.policy_version
-        completions = await generator.generate(prompts, n, params)
-        texts = [
-            [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in samples]
-            for samples in completions
-        ]
+        groups = await single_turn_episodes(generator, self.system_prompt, tasks, n, params)
+        decode = generator.tokenizer.decode
         scores = await asyncio.gather(
-            *(self.rewards.score(task, group) for task, group in zip(tasks, texts, strict=True))
+            *(
+                self.rewards.score(
+                    task, [decode(e.completion_ids, skip_special_tokens=True) for e in group]
+                )
+                for task, group in zip(tasks, groups, strict=True)
+            )
         )
-        groups: list[list[Episode]] = []
-        for prompt, samples, scored in zip(prompts, completions, scores, strict=True):
-            group = []
-            for completion, score in zip(samples, scored, strict=True):
-                episode = Episode(prompt_ids=list(prompt), policy_version=version)
-                episode.add_model_turn(completion)
+        for group, scored in zip(groups, scores, strict=True):
+            for episode, score in zip(group, scored, strict=True):
                 episode.reward, episode.reward_terms = score.reward, score.terms
                 episode.error = score.error
-                group.append(episode)
-            groups.append(group)
         return groups
 
     def metrics(self) -> dict[str, int]:

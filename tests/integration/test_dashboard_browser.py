@@ -30,6 +30,7 @@ from typing import Any
 import pytest
 
 from agentjet.lifeline import descendants, running
+from tests.integration.test_local import local_argv
 
 pytestmark = pytest.mark.integration
 
@@ -107,26 +108,6 @@ def url_in(output: Path) -> str | None:
     return found.group(1) if found else None
 
 
-def local_argv(tiny_model_dir: Path, run_dir: Path) -> list[str]:
-    return [
-        sys.executable, "-m", "agentjet.cli", "local",
-        "--run-dir", str(run_dir),
-        "--max-steps", str(MAX_STEPS),
-        "--set", f"model.name={json.dumps(str(tiny_model_dir))}",
-        "--set", "rollout.group_size=4",
-        "--set", "rollout.groups_per_batch=2",
-        "--set", "rollout.sampling.max_new_tokens=8",
-        "--set", "trainer.groups_per_step=2",
-        "--set", "trainer.max_queued_groups=2",
-        "--set", "trainer.max_policy_lag=1",
-        "--set", "rollout.max_unacked_groups=2",
-        "--set", "trainer.lr=1e-3",
-        "--set", "trainer.checkpoint_every=2",
-        "--set", "envs.0.difficulties=[1]",
-        "--set", "rollout.trajectory_share=1.0",
-    ]  # fmt: skip
-
-
 @pytest.fixture
 def browser() -> Iterator[Any]:
     if not CHROMIUM.exists() or shutil.which("chromium") is None:
@@ -183,7 +164,9 @@ def test_the_dashboard_follows_a_local_run_live_and_shows_it_down_to_the_token(
     output = tmp_path / "local.out"
 
     # ── live: the dashboard `agentjet local` starts, while the run trains ──────────────
-    with started(local_argv(tiny_model_dir, run_dir), output) as (local, spawned):
+    with started(
+        local_argv(tiny_model_dir, run_dir, MAX_STEPS, ("rollout.trajectory_share=1.0",)), output
+    ) as (local, spawned):
         url = wait_until("the dashboard's URL", lambda: url_in(output), START_TIMEOUT_S)
         assert url.startswith("http://127.0.0.1:")
         wait_until("the dashboard to answer", lambda: answers(url), START_TIMEOUT_S)

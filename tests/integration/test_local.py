@@ -28,20 +28,11 @@ RUN_TIMEOUT_S = 600
 MAX_STEPS = 5
 
 
-def run_local(
-    tiny_model_dir: Path,
-    run_dir: Path,
-    max_steps: int = MAX_STEPS,
-    interrupt_when: Callable[[], bool] | None = None,
-    settings: tuple[str, ...] = (),
-    kill_when: Callable[[], bool] | None = None,
-) -> tuple[int, str, set[int]]:
-    """Run `agentjet local` to the end, or SIGINT it (like Ctrl-C) once `interrupt_when()`,
-    or SIGKILL it and every process it started (a power cut) once `kill_when()`.
-    `settings`: more `--set key=value` overrides.
-
-    Returns (exit code, output, every PID it spawned).
-    """
+def local_argv(
+    tiny_model_dir: Path, run_dir: Path, max_steps: int, settings: tuple[str, ...] = ()
+) -> list[str]:
+    """`agentjet local` on the tiny model with the tests' small settings, plus `settings`
+    (more `--set key=value` overrides)."""
     argv = [
         sys.executable, "-m", "agentjet.cli", "local",
         "--run-dir", str(run_dir),
@@ -63,7 +54,24 @@ def run_local(
         "--set", "trainer.checkpoint_every=2",
         "--set", "envs.0.difficulties=[1]",
     ]  # fmt: skip
-    argv += [arg for setting in settings for arg in ("--set", setting)]
+    return argv + [arg for setting in settings for arg in ("--set", setting)]
+
+
+def run_local(
+    tiny_model_dir: Path,
+    run_dir: Path,
+    max_steps: int = MAX_STEPS,
+    interrupt_when: Callable[[], bool] | None = None,
+    settings: tuple[str, ...] = (),
+    kill_when: Callable[[], bool] | None = None,
+) -> tuple[int, str, set[int]]:
+    """Run `agentjet local` to the end, or SIGINT it (like Ctrl-C) once `interrupt_when()`,
+    or SIGKILL it and every process it started (a power cut) once `kill_when()`.
+    `settings`: more `--set key=value` overrides.
+
+    Returns (exit code, output, every PID it spawned).
+    """
+    argv = local_argv(tiny_model_dir, run_dir, max_steps, settings)
     output_path = run_dir.with_name(run_dir.name + ".out")
     with open(output_path, "ab") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)

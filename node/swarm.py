@@ -573,14 +573,15 @@ class _WholeStateAverager(TrainingStateAverager, _AveragerWatch):  # type: ignor
     While this trainer is itself downloading state it refuses to serve (two trainers
     downloading from each other would each wait for the other's lock).
 
-    hivemind copies the averager's buffers into the parameters after a parameter round
-    even when it stopped waiting for the round (its timeout) while the round still runs
-    and writes averaged parts into those buffers: the parameters would be a mix of this
-    trainer's own and averaged parts, a weight set no other trainer has (seen on a fresh
-    2-core clone: 6e-4 apart at one version). Here only a whole average is copied;
-    otherwise the parameters stay this trainer's own and `unapplied` counts it, for
-    `SwarmOptimizer` to take a peer's state for that version. Checked against hivemind
-    1.1.12's TrainingStateAverager._do and _apply_averaging_results_.
+    A parameter round averages copies of the parameters (the optimizer is not offloaded:
+    `SwarmOptimizer`), which hivemind copies back after the round, even when it stopped
+    waiting for the round (its timeout) while the round still runs and writes averaged
+    parts into them: the parameters would be a mix of this trainer's own and averaged
+    parts, a weight set no other trainer has (seen on a fresh 2-core clone: 6e-4 apart at
+    one version). Here only a whole average is copied; otherwise the parameters stay this
+    trainer's own and `unapplied` counts it, for `SwarmOptimizer` to take a peer's state
+    for that version. Checked against hivemind 1.1.12's TrainingStateAverager._do, step
+    and _apply_averaging_results_.
     """
 
     unapplied = 0
@@ -978,6 +979,13 @@ class SwarmOptimizer:
                 grad_averager_factory=partial(
                     _ExactGradientAverager, request_timeout=config.request_timeout_s
                 ),
+                # hivemind offloads the optimizer by default, and then averages parameters in
+                # place: the averager's process writes each averaged part straight into the
+                # optimizer's parameters as it arrives, even after a step stopped waiting for
+                # the round, so nothing could keep a broken round's parts out of a version
+                # (`_WholeStateAverager` copies only a whole average). Not offloaded, a round
+                # averages copies. The optimizer then steps where the model is.
+                offload_optimizer=False,
                 verbose=False,
             )
         except BaseException:

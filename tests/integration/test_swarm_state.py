@@ -43,6 +43,9 @@ def test_a_trainer_behind_takes_the_state_of_one_that_keeps_stepping() -> None:
         run, model_a.parameters(), lr=1e-2, weight_decay=0.0, target_batch_size=1,
         other_trainers=lambda: others_of_a[0],
     )  # fmt: skip
+    # Parameter rounds average copies, never the optimizer's own parameters in place: a
+    # broken round's parts must not reach a version (node/swarm.py _WholeStateAverager).
+    assert not a.optimizer.offload_optimizer and not a.optimizer.state_averager.reuse_tensors
     b: SwarmOptimizer | None = None
     stop, stepping = threading.Event(), threading.Event()
     outcomes: list[StepOutcome] = []

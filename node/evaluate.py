@@ -6,7 +6,9 @@
 
 The engine and sandbox pool are made first; then every chunk of tasks is played in one
 event loop (uvloop), as a rollout node plays them: an agent environment's endpoint is
-started on that loop and closed on it before it ends.
+started on that loop and closed on it before it ends. Tasks done / total and their rate go
+to stderr as each chunk ends (a bar on a terminal, a line every few seconds otherwise;
+agentjet/progress.py), so the JSON on stdout stays clean.
 
 By default one greedy answer per task. With `samples` > 0, that many answers per task are
 sampled as rollouts sample them (`rollout.sampling`: temperature, top-p), so the figure is
@@ -33,6 +35,7 @@ import uvloop
 from agentjet.config import AGENT_ENVS, Config, EnvConfig
 from agentjet.episode import Generator, SamplingParams
 from agentjet.errors import ModelError
+from agentjet.progress import ProgressReport
 from agentjet.protocol import Task
 from agentjet.task_files import load_tasks
 from node.agents import AgentEnv, make_agent_env
@@ -80,7 +83,7 @@ def evaluate_checkpoint(
             pool = open_pool(config.sandbox, f"eval-{os.getpid()}")
             cleanup.callback(pool.close)
 
-        async def play_all() -> list[list[float]]:
+        async def play_all(played: Callable[[int], object]) -> list[list[float]]:
             env: Environment | AgentEnv
             if env_name in AGENT_ENVS:
                 factory = ProcessSandbox if pool is None else pool.lease
@@ -88,12 +91,14 @@ def evaluate_checkpoint(
             else:
                 env = make_env(env_config, pool)
             try:
-                return await play_rewards(env, engine, tasks, n, params, max(1, batch_size // n))
+                chunk_size = max(1, batch_size // n)
+                return await play_rewards(env, engine, tasks, n, params, chunk_size, played)
             finally:
                 if isinstance(env, AgentEnv):
                     await env.close()
 
-        rewards = uvloop.run(play_all())
+        with ProgressReport(f"eval {env_name}", len(tasks), "tasks") as report:
+            rewards = uvloop.run(play_all(report.update))
     return summarize(tasks, rewards, n) | {
         "decoding": decoding(env_name, samples, sampling.temperature),
         "checkpoint": checkpoint,
@@ -109,9 +114,11 @@ async def play_rewards(
     n: int,
     params: SamplingParams,
     chunk_size: int,
+    played: Callable[[int], object] | None = None,
 ) -> list[list[float]]:
     """Per task, the rewards of its answers (fewer than `n` when some failed to play),
-    `chunk_size` tasks at a time; evaluation episodes, never trained."""
+    `chunk_size` tasks at a time; evaluation episodes, never trained. `played` is told how
+    many tasks each chunk held once it is done (a progress report's `update`)."""
     play: Callable[[list[Task]], Awaitable[Sequence[Sequence[Any]]]]
     if isinstance(env, AgentEnv):  # agents sample as they are configured
         play = partial(env.play, engine, n=n, params=params, training=False)
@@ -121,6 +128,8 @@ async def play_rewards(
     for i in range(0, len(tasks), chunk_size):
         episodes = await play(list(tasks[i : i + chunk_size]))
         rewards += [[e.reward for e in task_episodes] for task_episodes in episodes]
+        if played is not None:
+            played(len(episodes))
     return rewards
 
 

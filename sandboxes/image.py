@@ -5,6 +5,10 @@
         ──▶ tar stream ──▶ docker import (PATH, LANG, WORKDIR /work, CMD sleep infinity)
         ──▶ check: /bin/sh, python3 with its stdlib and coreutils run in a container
 
+debootstrap's steps (each line it prints: retrieving, unpacking, configuring a package) and
+the bytes of the tar stream are shown as they go (agentjet/progress.py: a bar on a terminal,
+a line every few seconds otherwise). No `docker build` runs, so there are no build steps.
+
 No image registry is reachable where this project runs, but the apt mirror the host installs
 from is, so the image is made from those packages. Building needs root (debootstrap chroots
 and creates device nodes) and takes ~30 s; an image already present is reused unless forced.
@@ -15,18 +19,23 @@ from __future__ import annotations
 
 import json
 import os
+import selectors
 import shutil
+import stat
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import TextIO
 
 import docker
 import docker.errors
 import requests.exceptions
 from docker.utils import parse_repository_tag
 
+from agentjet.progress import ProgressReport
 from sandboxes.base import SandboxError
 from sandboxes.docker_sandbox import DEFAULT_IMAGE, connect
 
@@ -135,12 +144,15 @@ def build_image(
     packages: Sequence[str] = ("python3",),
     force: bool = False,
     progress: Callable[[str], None] = print,
+    out: TextIO | None = None,
 ) -> str:
     """Build `tag` from Debian packages (see the module docstring) and return its image id.
 
     An existing `tag` is returned as is unless `force`. `mirror` and `suite` default to the
-    machine's apt sources (`apt_mirror`). Progress goes to `progress`, one line at a time.
+    machine's apt sources (`apt_mirror`). Progress goes to `progress`, one line at a time, and
+    that of debootstrap and the import to `out` (default stdout), a bar on a terminal.
     """
+    out = out if out is not None else sys.stdout
     client = connect()
     try:
         if not force and (existing := _image_id(client, tag)):
@@ -158,13 +170,16 @@ def build_image(
                 f"debootstrap {suite} (minbase + {', '.join(packages) or 'nothing'}) "
                 f"from {mirror} into {rootfs}; this takes ~30 s"
             )
-            _debootstrap(debootstrap, rootfs, mirror, suite, packages)
+            _debootstrap(debootstrap, rootfs, mirror, suite, packages, out)
             _trim(rootfs)
+            tar_bytes = _tar_bytes(rootfs)
             progress(
                 f"rootfs ready in {time.monotonic() - started:.0f} s "
-                f"({_tree_bytes(rootfs) / 1e6:.0f} MB); importing it into docker as {tag}"
+                f"({tar_bytes / 1e6:.0f} MB); importing it into docker as {tag}"
             )
-            image_id = _import(client, rootfs, tag)
+            with ProgressReport("docker import", tar_bytes, "B", out) as report:
+                image_id = _import(client, rootfs, tag, report.update)
+                report.total = report.done  # what was sent, in place of the estimate
         finally:
             _remove_build_dir(build_dir, progress)
         _smoke_test(client, tag, image_id)
@@ -198,29 +213,57 @@ def _debootstrap_command() -> str:
 
 
 def _debootstrap(
-    debootstrap: str, rootfs: Path, mirror: str, suite: str, packages: Sequence[str]
+    debootstrap: str,
+    rootfs: Path,
+    mirror: str,
+    suite: str,
+    packages: Sequence[str],
+    out: TextIO,
 ) -> None:
+    """Run debootstrap, showing each line it prints as a step on `out`."""
     include = [f"--include={','.join(packages)}"] if packages else []
     argv = [debootstrap, "--variant=minbase", *include, suite, str(rootfs), mirror]
-    try:
-        done = subprocess.run(
-            argv,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            errors="replace",
-            timeout=DEBOOTSTRAP_TIMEOUT_S,
-        )
-    except subprocess.TimeoutExpired:
-        raise SandboxError(
-            f"debootstrap did not finish within {DEBOOTSTRAP_TIMEOUT_S} s; is {mirror} reachable?"
-        ) from None
-    if done.returncode != 0:
+    deadline = time.monotonic() + DEBOOTSTRAP_TIMEOUT_S
+    output: list[str] = []
+    with (
+        subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as process,
+        ProgressReport("debootstrap", unit="steps", out=out) as steps,
+    ):
+        for line in _output_lines(process, deadline):
+            output.append(line)
+            steps.update(1, line.removeprefix("I: "))
+        try:
+            returncode = process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            raise SandboxError(
+                f"debootstrap did not finish within {DEBOOTSTRAP_TIMEOUT_S} s; "
+                f"is {mirror} reachable?"
+            ) from None
+    if returncode != 0:
         # Its output often only points at its log, which is deleted with the rootfs.
         log = rootfs / "debootstrap/debootstrap.log"
         log_lines = log.read_text(errors="replace").splitlines() if log.is_file() else []
-        tail = _tail(done.stdout.splitlines()) + _tail(log_lines)
-        raise SandboxError(f"debootstrap failed (exit {done.returncode}): {' | '.join(tail)}")
+        tail = _tail(output) + _tail(log_lines)
+        raise SandboxError(f"debootstrap failed (exit {returncode}): {' | '.join(tail)}")
+
+
+def _output_lines(process: subprocess.Popen[bytes], deadline: float) -> Iterator[str]:
+    """`process`'s output, a line at a time as it comes, until it closes its output or the
+    clock passes `deadline` (a hung mirror)."""
+    assert process.stdout is not None
+    fd = process.stdout.fileno()
+    pending = b""
+    with selectors.DefaultSelector() as selector:
+        selector.register(fd, selectors.EVENT_READ)
+        while selector.select(timeout=max(0.0, deadline - time.monotonic())):
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            *lines, pending = (pending + chunk).split(b"\n")
+            yield from (line.decode(errors="replace") for line in lines if line.strip())
+    if pending.strip():
+        yield pending.decode(errors="replace")
 
 
 def _tail(lines: list[str]) -> list[str]:
@@ -255,23 +298,30 @@ def _remove_children(directory: Path, keep: Callable[[Path], bool] = lambda path
             child.unlink()
 
 
-def _tree_bytes(root: Path) -> int:
-    return sum(
-        os.lstat(os.path.join(parent, name)).st_size
-        for parent, dirnames, filenames in os.walk(root)
-        for name in (*dirnames, *filenames)
-    )
+def _tar_bytes(root: Path) -> int:
+    """About the size of `root` as a tar stream: a 512-byte header per entry, and file data
+    padded to 512 bytes (long names' extra headers and the end-of-archive blocks left out)."""
+    total = 0
+    for parent, dirnames, filenames in os.walk(root):
+        for name in (*dirnames, *filenames):
+            info = os.lstat(os.path.join(parent, name))
+            data = info.st_size if stat.S_ISREG(info.st_mode) else 0
+            total += 512 + -(-data // 512) * 512
+    return total
 
 
-def _import(client: docker.DockerClient, rootfs: Path, tag: str) -> str:
-    """Stream `rootfs` as a tar into `docker import`; the new image's id."""
+def _import(
+    client: docker.DockerClient, rootfs: Path, tag: str, sent: Callable[[int], object]
+) -> str:
+    """Stream `rootfs` as a tar into `docker import`, telling `sent` each chunk's size; the
+    new image's id."""
     repository, image_tag = parse_repository_tag(tag)
     argv = ["tar", "--numeric-owner", "-C", str(rootfs), "-c", "."]
     with tempfile.TemporaryFile() as tar_errors:
         tar = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=tar_errors)
         tar_out = tar.stdout
         assert tar_out is not None
-        stream = iter(lambda: tar_out.read(TAR_CHUNK_BYTES), b"")
+        stream = _counted(iter(lambda: tar_out.read(TAR_CHUNK_BYTES), b""), sent)
         try:
             reply = client.api.import_image_from_data(
                 stream, repository=repository, tag=image_tag, changes=list(IMAGE_CHANGES)
@@ -291,6 +341,12 @@ def _import(client: docker.DockerClient, rootfs: Path, tag: str) -> str:
     if errors or not messages:
         raise SandboxError(f"docker could not import the rootfs as {tag}: {errors or reply!r}")
     return str(messages[-1]["status"])
+
+
+def _counted(chunks: Iterator[bytes], sent: Callable[[int], object]) -> Iterator[bytes]:
+    for chunk in chunks:
+        yield chunk
+        sent(len(chunk))
 
 
 def _smoke_test(client: docker.DockerClient, tag: str, image_id: str) -> None:

@@ -40,6 +40,8 @@ def agentjet(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess
         ["agent"],
         ["keys"],
         ["keys", "init"],
+        ["plot"],
+        ["dashboard"],
     ],
 )
 def test_every_subcommand_has_help(command):

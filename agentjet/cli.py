@@ -9,7 +9,8 @@
     agentjet keys         init: make the swarm's key file (every node needs a copy)
     agentjet sandbox      build-image: the docker sandbox image, offline from Debian packages
     agentjet agent        play a rollout node's agent episodes from another process
-    agentjet dashboard    watch a run in a browser: curves, nodes, trajectories
+    agentjet dashboard    watch a run (--run-dir) or a live swarm (--join) in a browser
+    agentjet plot         PNGs of a run's main curves, for reports
 
 Heavy imports (torch, hivemind) happen only after arguments and config are valid, so
 `--help` and `--dry-run` are instant and every user error is one clear line.
@@ -244,10 +245,25 @@ def build_parser() -> argparse.ArgumentParser:
     dashboard = sub.add_parser(
         "dashboard",
         help="watch a run in a browser: curves, nodes, trajectories down to the token",
-        description="serve a run dir (running or finished) as a live web page; settings "
-        "not given here come from [dashboard] in the run dir's config.toml",
+        description="serve a run dir (running or finished), or a live swarm (--join), as a "
+        "live web page; with --run-dir, settings not given here come from [dashboard] in the "
+        "run dir's config.toml",
     )
-    dashboard.add_argument("--run-dir", type=Path, required=True, help="the run to show")
+    shown = dashboard.add_mutually_exclusive_group(required=True)
+    shown.add_argument("--run-dir", type=Path, help="the run to show")
+    shown.add_argument(
+        "--join",
+        action="append",
+        metavar="MULTIADDR",
+        help="a peer of a live swarm: show its nodes from the directory (repeatable)",
+    )
+    dashboard.add_argument(
+        "--run-id", default="agentjet", help="the swarm's swarm.run_id (with --join)"
+    )
+    _keys_arg(dashboard)
+    dashboard.add_argument(
+        "--insecure", action="store_true", help="a swarm that runs with net.insecure (--join)"
+    )
     dashboard.add_argument(
         "--listen",
         metavar="HOST:PORT",
@@ -259,6 +275,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="what the browser must send (?token= or Authorization: Bearer); default "
         "dashboard.token",
     )
+
+    plot = sub.add_parser(
+        "plot",
+        help="PNGs of a run's main curves, for reports",
+        description="draw a run dir's curves (reward, held-out accuracy, zero-variance "
+        "share, samples/s, staleness, step time, logprob gap, losses, an overview) as PNG "
+        "files with matplotlib; x axis: wall time since the run's first metrics row",
+    )
+    plot.add_argument("--run-dir", type=Path, required=True, help="the run to plot")
+    plot.add_argument("--out", type=Path, help="where the PNGs go (default <run dir>/plots)")
+    plot.add_argument("--dpi", type=int, help="pixels per inch (default 100)")
     return parser
 
 
@@ -323,6 +350,11 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _agent(args)
     if args.command == "dashboard":
         return _dashboard(args)
+    if args.command == "plot":
+        from agentjet.plot import DEFAULT_DPI, write_plots
+
+        write_plots(args.run_dir, args.out, DEFAULT_DPI if args.dpi is None else args.dpi)
+        return 0
     if args.command == "keys" and args.action == "init":
         return _keys_init(args.out)
     if args.command == "local":
@@ -446,6 +478,10 @@ def _dashboard(args: argparse.Namespace) -> int:
 
     from agentjet.config import config_from_dict, dashboard_address
 
+    if args.join:
+        return _live_dashboard(args)
+    if args.keys or args.insecure or args.run_id != "agentjet":
+        raise AgentjetError("--keys, --insecure and --run-id go with --join (a live swarm)")
     if not args.run_dir.is_dir():
         raise AgentjetError(f"--run-dir {args.run_dir}: no such directory")
     section = {}
@@ -462,6 +498,18 @@ def _dashboard(args: argparse.Namespace) -> int:
     from agentjet.dashboard.server import run_dashboard
 
     return run_dashboard(args.run_dir, host, port, token)
+
+
+def _live_dashboard(args: argparse.Namespace) -> int:
+    from agentjet.config import DashboardConfig, NetConfig, SwarmConfig, dashboard_address
+
+    keys = swarm_keys(NetConfig(keys=str(args.keys or ""), insecure=args.insecure))
+    token = args.token or ""
+    host, port = dashboard_address(args.listen or DashboardConfig().listen, token, "--listen")
+    config = SwarmConfig(run_id=args.run_id, initial_peers=args.join)
+    from agentjet.dashboard.swarm import run_live_dashboard
+
+    return run_live_dashboard(config, keys, host, port, token)
 
 
 def _build_image(args: argparse.Namespace) -> int:
@@ -566,25 +614,14 @@ def _gpu_cell(gpu: GpuStats) -> str:
 async def _fetch_status(
     endpoint: str, timeout_s: float, keys: SwarmKeys | None
 ) -> CoordinatorStatus:
-    import os
-
     from agentjet import protocol
-    from agentjet.config import NetConfig
-    from agentjet.transport import Client, PeerUnavailable
+    from agentjet.transport import PeerUnavailable, outsider_client
 
     if not is_endpoint(endpoint):
         raise AgentjetError(f"--coordinator {endpoint!r}: expected tcp://HOST:PORT or ipc://PATH")
     if timeout_s <= 0:
         raise AgentjetError(f"--timeout-s must be > 0, got {timeout_s}")
-    hello = protocol.Hello(node_id=f"status-{os.getpid()}", role="client")
-    client = Client(
-        endpoint,
-        protocol.coordinator_reply_decoder,
-        hello,
-        NetConfig().max_message_bytes,
-        timeout_s,
-        keys,
-    )
+    client = outsider_client(endpoint, "coordinator", keys, timeout_s, "status")
     try:
         reply = await client.request(protocol.StatusRequest())
     except PeerUnavailable:

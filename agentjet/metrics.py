@@ -1,9 +1,11 @@
 """Metrics: one writer per role; every row to a JSON lines file, numbers to trackers.
 
     role ──write(row)──▶ MetricsWriter ──▶ <run dir>/metrics/<role>.jsonl    every row, as is
-                                     └──▶ trackers ([log] backends)         numbers only
-                                            tensorboard: <run dir>/tensorboard/<role>/
-                                            wandb, trackio: one tracker run per role
+                                     ├──▶ trackers ([log] backends)         numbers only
+                                     │      tensorboard: <run dir>/tensorboard/<role>/
+                                     │      wandb, trackio: one tracker run per role
+                                     └──▶ RecentRows (in memory, the newest RECENT_ROWS)
+                                            ◀── MetricsRequest(since) from the dashboard
 
 Keys are namespaced (`charts/…`, `losses/…`, `perf/…`) as in cleanrl; every row carries
 `time` (unix seconds) and `role`. A tracker gets a row's finite ints and floats (not
@@ -35,6 +37,7 @@ from typing import Any, Protocol
 
 from agentjet.config import LogConfig
 from agentjet.errors import ConfigError
+from agentjet.protocol import Error, MetricsRequest, MetricsRows
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +45,12 @@ log = logging.getLogger(__name__)
 AXIS_KEYS = frozenset({"time", "policy_version"})
 # What `pip install` needs for each backend.
 BACKEND_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"}
+# Rows a role keeps in memory for MetricsRequest: a trainer's step row is ~3 KB, so about
+# 3 MB; the dashboard polls every few seconds, and older rows are in the JSONL file.
+RECENT_ROWS = 1000
+# Bytes of rows one MetricsRows reply carries at most (a row longer than this goes alone):
+# far under net.max_message_bytes, and a reply the role encodes in a millisecond.
+MAX_ROWS_REPLY_BYTES = 1 << 20
 
 
 class Tracker(Protocol):
@@ -62,6 +71,7 @@ class MetricsWriter:
         for backend in backends:
             _require(backend)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.recent = RecentRows()  # what the role answers MetricsRequest with
         # Line-buffered so readers see whole rows; held open for the role's lifetime.
         self._file = open(self.path, "a", buffering=1)  # noqa: SIM115
         # Trackers that failed, and how: each cost one warning and a "tracker_failed" row.
@@ -106,7 +116,9 @@ class MetricsWriter:
 
     def _append(self, row: dict[str, Any]) -> dict[str, Any]:
         record = {"time": time.time(), "role": self.role, **row}
-        self._file.write(json.dumps(record) + "\n")
+        text = json.dumps(record)
+        self._file.write(text + "\n")
+        self.recent.add(text)
         return record
 
     def _step(self, record: dict[str, Any]) -> int:
@@ -128,6 +140,47 @@ class MetricsWriter:
             self.path,
         )
         self._append({"event": "tracker_failed", "backend": backend, "error": what})
+
+
+class RecentRows:
+    """The newest rows a role wrote, as JSON text, at most `capacity` of them.
+
+    Rows are numbered from 0 in writing order; `answer` serves a MetricsRequest from row
+    `since` on, which is how the dashboard follows a live role without reading its disk.
+    Written and read on the role's event loop only.
+    """
+
+    def __init__(self, capacity: int = RECENT_ROWS) -> None:
+        self.rows: deque[str] = deque(maxlen=capacity)
+        self.written = 0
+
+    def add(self, text: str) -> None:
+        self.rows.append(text)
+        self.written += 1
+
+    def answer(
+        self, request: MetricsRequest, max_bytes: int = MAX_ROWS_REPLY_BYTES
+    ) -> MetricsRows | Error:
+        """The rows from `request.since` on, as many as fit in `max_bytes`."""
+        since = request.since
+        if not 0 <= since <= self.written:
+            return Error(
+                code="invalid",
+                message=f"since={since}: this role has written rows 0 to {self.written - 1}; "
+                "ask from 0, then from each reply's `next`",
+            )
+        first = self.written - len(self.rows)  # the oldest row still held
+        start = max(since, first)
+        rows: list[str] = []
+        size = 0
+        for text in itertools.islice(self.rows, start - first, None):
+            if rows and size + len(text) > max_bytes:
+                break
+            rows.append(text)
+            size += len(text)
+        return MetricsRows(
+            rows=rows, next=start + len(rows), written=self.written, dropped=start - since
+        )
 
 
 class Rate:

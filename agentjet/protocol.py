@@ -7,6 +7,9 @@ Two sockets, each with its own tagged union and decoder:
     trainer     (ROUTER) ◀── TrainerRequest     ── rollout node (DEALER)
                           ── TrainerReply       ──▶
 
+Both answer `MetricsRequest` (the dashboard's live mode) from the rows their metrics
+writer keeps in memory (agentjet/metrics.py `RecentRows`).
+
 Handshake: a node's first message on a socket is `Hello`; the server answers `Welcome`
 or `Error(code="version")` when `protocol_version` differs. Token arrays travel as
 packed little-endian bytes (int32 ids, float32 logprobs, uint8 masks), not lists.
@@ -27,7 +30,9 @@ import numpy as np
 # 4: policy lineages (Lineage in PolicyInfo and NodeRecord, TrajectoryGroup.lineage).
 # 5: NodeRecord.gpus (a v4 peer refuses the unknown field, so it would skip every record).
 # 6: Task rows carry anything: chat-message prompts, any JSON answer, Task.fields.
-PROTOCOL_VERSION = 6
+# 7: MetricsRequest / MetricsRows on both sockets (a role's recent metrics rows);
+#    GroupStatus.node_id.
+PROTOCOL_VERSION = 7
 
 # Earlier lineages a Lineage remembers (one per trainer restart from a checkpoint).
 MAX_ANCESTORS = 16
@@ -104,6 +109,24 @@ class Error(_Msg, tag="error"):
 
 class Ok(_Msg, tag="ok"):
     pass
+
+
+class MetricsRequest(_Msg, tag="metrics_request"):
+    """The role's recent metrics rows from row number `since` on (rows are numbered from 0
+    in the order the role wrote them; ask again from `MetricsRows.next`)."""
+
+    since: int
+
+
+class MetricsRows(_Msg, tag="metrics_rows"):
+    """Rows `next - len(rows)` to `next - 1`, each the JSON text of one line of the role's
+    metrics/<role>.jsonl. A role keeps only its newest rows: `dropped` counts those after
+    `since` that it no longer holds; `written` is how many rows it has written."""
+
+    rows: list[str]
+    next: int
+    written: int = 0
+    dropped: int = 0
 
 
 # ── coordinator ───────────────────────────────────────────────────────────────────
@@ -184,8 +207,8 @@ class CoordinatorStatus(_Msg, tag="coordinator_status"):
     denied_handshakes: int = 0  # connection attempts without the swarm's keys (transport.py)
 
 
-CoordinatorRequest = Hello | WorkRequest | GroupReport | Heartbeat | StatusRequest
-CoordinatorReply = Welcome | WorkGrants | Ok | CoordinatorStatus | Error
+CoordinatorRequest = Hello | WorkRequest | GroupReport | Heartbeat | StatusRequest | MetricsRequest
+CoordinatorReply = Welcome | WorkGrants | Ok | CoordinatorStatus | MetricsRows | Error
 
 
 # ── trainer ───────────────────────────────────────────────────────────────────────
@@ -334,6 +357,8 @@ class GroupStatus(_Msg, tag="group_status"):
     policy_version: int
     # The lineage of the answering trainer's weights (its policy_version is of that lineage).
     lineage: Lineage = msgspec.field(default_factory=Lineage)
+    # The answering trainer's node id: a trainer restarted on the same endpoint is another.
+    node_id: str = ""
 
 
 class PolicyQuery(_Msg, tag="policy_query"):
@@ -361,8 +386,10 @@ class WeightChunk(_Msg, tag="weight_chunk"):
     data: bytes
 
 
-TrainerRequest = Hello | SubmitGroup | GroupStatusQuery | PolicyQuery | WeightChunkRequest
-TrainerReply = Welcome | GroupAck | GroupStatus | PolicyInfo | WeightChunk | Error
+TrainerRequest = (
+    Hello | SubmitGroup | GroupStatusQuery | PolicyQuery | WeightChunkRequest | MetricsRequest
+)
+TrainerReply = Welcome | GroupAck | GroupStatus | PolicyInfo | WeightChunk | MetricsRows | Error
 
 
 # ── discovery (values in the swarm's DHT, not on a socket) ────────────────────────

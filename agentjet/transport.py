@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 import zmq
@@ -31,6 +32,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from agentjet import protocol
+from agentjet.config import NetConfig
 from agentjet.errors import ProtocolError
 from agentjet.keys import SwarmKeys
 
@@ -255,3 +257,28 @@ class Client:
 
     def close(self) -> None:
         self._reset()
+
+
+def outsider_client(
+    endpoint: str,
+    role: Literal["coordinator", "trainer"],
+    keys: SwarmKeys | None,
+    timeout_s: float,
+    name: str,
+) -> Client:
+    """A client that only looks (`agentjet status`, the dashboard): it says Hello as role
+    "client", so the coordinator counts it as no node of the swarm."""
+    decoder: msgspec.msgpack.Decoder[Any] = (
+        protocol.coordinator_reply_decoder
+        if role == "coordinator"
+        else protocol.trainer_reply_decoder
+    )
+    hello = protocol.Hello(node_id=f"{name}-{os.getpid()}", role="client")
+    return Client(
+        endpoint,
+        decoder,
+        hello,
+        NetConfig().max_message_bytes,
+        timeout_s,
+        keys,
+    )

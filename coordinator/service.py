@@ -10,6 +10,7 @@
                setup(): replay Store.accepted_reports() into Scheduler        per request)
     lease sweeper (every sweep_interval_s) ── Store.expire_silent ──▶ regrant queue ──▶ next grants
     metrics (every METRICS_EVERY_S)        ── Store.stats ──▶ <run dir>/metrics/coordinator.jsonl
+    dashboard ── StatusRequest, MetricsRequest ──▶ status table, MetricsWriter.recent (in memory)
 
 Leases are per node: every request from a node refreshes its `last_seen`, and a node silent for
 longer than `coordinator.lease_s` loses its open grants, whose tasks go to the next WorkRequest.
@@ -46,6 +47,7 @@ from agentjet.protocol import (
     GroupReport,
     Heartbeat,
     Hello,
+    MetricsRequest,
     Ok,
     StatusRequest,
     Task,
@@ -234,6 +236,8 @@ class Coordinator:
                 return Ok()
             case StatusRequest():
                 return self.status(now)
+            case MetricsRequest():
+                return self.metrics.recent.answer(msg)
             case _:
                 assert_never(msg)
 

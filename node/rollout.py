@@ -615,7 +615,7 @@ class Rollout:
             return  # our own record is missing: this read is not to be trusted
         for trainer_id in self._apply_trainers(records, now=time.monotonic()):
             trainer = self.trainers[trainer_id]
-            if await answers(trainer.endpoint, self.hello, self.config, self.keys):
+            if await answers(trainer.endpoint, trainer_id, self.hello, self.config, self.keys):
                 # A directory read can miss a live peer's record (a partial DHT lookup under
                 # load): re-sending its groups would train them twice.
                 self.missing_since.pop(trainer_id, None)
@@ -649,7 +649,7 @@ class Rollout:
         answered = await asyncio.gather(
             *(probe(t.endpoint, self.hello, config, keys) for t in self.trainers.values())
         )
-        live = [state for state in answered if state is not None]
+        live = [(s.lineage, s.policy_version) for s in answered if s is not None]
         if not live:
             return
         for trainer_id, since in list(self.departed.items()):

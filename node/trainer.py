@@ -342,6 +342,7 @@ class Trainer:
                     statuses={g: self.book.status(g) for g in ids},
                     policy_version=self.version,
                     lineage=self.lineage,
+                    node_id=self.node_id,
                 )
             case protocol.PolicyQuery():
                 snap = self.published
@@ -362,6 +363,8 @@ class Trainer:
                             version=version, index=index, data=snap.chunk(index)
                         )
                 return protocol.Error(code="gone", message=f"policy version {version} is gone")
+            case protocol.MetricsRequest():
+                return self.metrics.recent.answer(msg)
         return protocol.Error(code="unknown", message=f"unexpected {type(msg).__name__}")
 
     def _receive(self, group: protocol.TrajectoryGroup) -> protocol.GroupAck | protocol.Error:

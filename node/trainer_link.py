@@ -1,10 +1,12 @@
 """How a rollout node reaches a trainer: its client, and a direct probe of who answers.
 
     rollout node ──trainer_client──▶ Client(endpoint, hello, keys, timeout)   (its usual socket)
-                 ──probe──▶ fresh socket ──GroupStatusQuery([])──▶ (lineage, version) | None
+                 ──probe──▶ fresh socket ──GroupStatusQuery([])──▶ GroupStatus | None
 
 A probe is how a rollout node tells a live trainer from a record that outlives its trainer
-(swarm.record_ttl_s): only what answers now, with the lineage it answers with, counts.
+(swarm.record_ttl_s): only what answers now, with the lineage it answers with, counts, and
+only as the trainer whose node id answers (a trainer restarted on the same endpoint is a
+new node: the one the record named is gone).
 """
 
 from __future__ import annotations
@@ -31,18 +33,19 @@ def trainer_client(
 
 
 async def answers(
-    endpoint: str, hello: protocol.Hello, config: Config, keys: SwarmKeys | None
+    endpoint: str, node_id: str, hello: protocol.Hello, config: Config, keys: SwarmKeys | None
 ) -> bool:
-    """Whether the trainer at `endpoint` answers within a record's lifetime."""
-    return await probe(endpoint, hello, config, keys) is not None
+    """Whether the trainer `node_id` answers at `endpoint` within a record's lifetime."""
+    status = await probe(endpoint, hello, config, keys)
+    return status is not None and status.node_id == node_id
 
 
 async def probe(
     endpoint: str, hello: protocol.Hello, config: Config, keys: SwarmKeys | None
-) -> tuple[protocol.Lineage, int] | None:
-    """The lineage and version of the trainer that answers at `endpoint` within a record's
-    lifetime, or None, asked on a socket of its own (the rollout node's usual client may be
-    waiting on a request in flight)."""
+) -> protocol.GroupStatus | None:
+    """What the trainer that answers at `endpoint` within a record's lifetime says of itself
+    (node id, lineage, version), or None, asked on a socket of its own (the rollout node's
+    usual client may be waiting on a request in flight)."""
     client = trainer_client(endpoint, hello, config, keys, config.swarm.record_ttl_s)
     try:
         reply = await client.request(protocol.GroupStatusQuery(group_ids=[]))
@@ -50,6 +53,4 @@ async def probe(
         return None
     finally:
         client.close()
-    if not isinstance(reply, protocol.GroupStatus):
-        return None
-    return reply.lineage, reply.policy_version
+    return reply if isinstance(reply, protocol.GroupStatus) else None

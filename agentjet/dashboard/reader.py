@@ -50,6 +50,15 @@ QUEUE_KEYS = ("queue", "unacked", "coordinator/leases_open")
 # Prefixes and keys of memory and GPU figures (node/gpu_monitor.py, agentjet/devices.py).
 MEMORY_PREFIXES = ("gpu/", "mem/", "memory/")
 MEMORY_KEYS = ("perf/gpu_peak_mb",)
+# A trainer's counts of gradient rounds with its peers (node/swarm.py SwarmOptimizer.counts),
+# by the nodes table's column.
+ROUND_KEYS = {
+    "failed": "counts/swarm_failed_rounds",
+    "partial": "counts/swarm_partial_rounds",
+    "repaired": "counts/swarm_repairs",
+}
+# Quarantined node ids one row of the nodes table lists at most.
+MAX_QUARANTINED_SHOWN = 50
 
 
 class BadOffset(ValueError):
@@ -153,10 +162,12 @@ def node_row(role: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
         return None
 
     memory: dict[str, float] = {}
+    quarantined: set[str] = set()
     for row in rows:  # oldest first: newer values win
         for key, value in row.items():
             if (key.startswith(MEMORY_PREFIXES) or key in MEMORY_KEYS) and _is_number(value):
                 memory[key] = value
+        quarantined |= quarantined_in(row)
     last = rows[-1] if rows else {}
     return {
         "role": role,
@@ -166,7 +177,21 @@ def node_row(role: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
         "time": newest("time"),
         "event": last.get("event") if isinstance(last.get("event"), str) else None,
         "memory": memory,
+        **{f"rounds_{name}": newest(key) for name, key in ROUND_KEYS.items()},
+        "quarantined": sorted(quarantined)[:MAX_QUARANTINED_SHOWN],
+        "quarantined_count": newest("counts/nodes_quarantined"),
     }
+
+
+def quarantined_in(row: dict[str, Any]) -> set[str]:
+    """The nodes a trainer's row says it quarantined: an `event: quarantined` row names
+    one, its `stopped` row lists them all."""
+    if row.get("event") == "quarantined" and isinstance(row.get("node_id"), str):
+        return {row["node_id"]}
+    listed = row.get("quarantined")
+    if isinstance(listed, list):
+        return {node for node in listed if isinstance(node, str)}
+    return set()
 
 
 def _is_number(value: Any) -> bool:

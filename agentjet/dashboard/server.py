@@ -1,17 +1,27 @@
-"""The dashboard's web server: a run dir, read only, as JSON and one page.
+"""The dashboard's web server: a run dir or a live swarm, read only, as JSON and one page.
 
     browser ──GET /, /static/*──────────▶ index.html, app.js, style.css (nothing external)
-            ──GET /api/* every 2.5 s────▶ DashboardApp ──reader.py──▶ <run dir> (read only)
+            ──GET /api/* every 2.5 s────▶ DashboardApp ──▶ a DataSource (source.py):
+                                            RunDirSource  <run dir> (read only, reader.py)
+                                            SwarmSource   the swarm's directory and sockets
+                                                          (swarm.py, `--join`)
 
-    /api/roles                          the roles with a metrics file, and each file's size
-    /api/metrics?role=R&offset=N        complete rows of metrics/R.jsonl after byte N, and
-                                        the next offset (bounded: `more` says to ask again)
+    /api/roles                          the roles (run dir: metrics files; swarm: nodes), each
+                                        with its kind: coordinator, trainer or rollout
+    /api/metrics?role=R&offset=N        R's complete rows after cursor N (run dir: a byte
+                                        offset in metrics/R.jsonl; swarm: a row number), and
+                                        the next cursor (bounded: `more` says to ask again)
     /api/nodes                          one row per role: version, queue, samples/s, time,
+                                        rounds failed/partial/repaired, quarantined nodes,
                                         memory and GPU figures
+    /api/scheduler                      the coordinator's CoordinatorStatus (EnvSched's envs,
+                                        cells, top tasks), asked over ZMQ; "running": false
+                                        and a message when it does not answer
     /api/trajectories?env=E&limit=N     the newest groups of trajectories.jsonl, newest first
     /api/trajectories/<group_id>        one group, as the rollout node wrote it
 
 Run it:  agentjet dashboard --run-dir runs/<run> [--listen HOST:PORT] [--token TOKEN]
+         agentjet dashboard --join MULTIADDR --keys FILE [--run-id ID]   (a live swarm)
 (`agentjet local` starts one by itself and prints its URL.)
 
 Every input is checked: a bad query is a 400 with a JSON error, an unknown name a 404,
@@ -40,26 +50,18 @@ import uvloop
 from aiohttp import web
 
 from agentjet.dashboard import dashboard_url
-from agentjet.dashboard.reader import (
-    ENV_PATTERN,
-    GROUP_ID_PATTERN,
-    ROLE_PATTERN,
-    BadOffset,
-    TrajectoryIndex,
-    node_row,
-    read_rows,
-    tail_rows,
-)
+from agentjet.dashboard.reader import ENV_PATTERN, GROUP_ID_PATTERN, ROLE_PATTERN
+from agentjet.dashboard.source import ApiError, DataSource, RunDirSource
 from agentjet.errors import AgentjetError
+from agentjet.roles import supervise
 
 # The largest `limit` of /api/trajectories (the viewer asks for 100).
 MAX_LIST_LIMIT = 500
 # Groups listed when the request names no limit.
 DEFAULT_LIST_LIMIT = 100
-# Requests in progress at shutdown get this long (they are small reads).
+# Requests in progress at shutdown get this long (small reads; a scheduler request still
+# waiting on a silent coordinator is cut short).
 SHUTDOWN_GRACE_S = 2.0
-# Roles listed first, in this order; any other metrics file follows by name.
-ROLE_ORDER = ("coordinator", "trainer", "rollout")
 STATIC_FILES = {
     "index.html": "text/html",
     "app.js": "text/javascript",
@@ -77,16 +79,10 @@ SECURITY_HEADERS = {
 _dumps = functools.partial(json.dumps, allow_nan=False, separators=(",", ":"))
 
 
-class ApiError(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-
-    def response(self) -> web.Response:
-        return web.json_response(
-            {"error": self.message, "status": self.status}, status=self.status, dumps=_dumps
-        )
+def _error(e: ApiError) -> web.Response:
+    return web.json_response(
+        {"error": e.message, "status": e.status}, status=e.status, dumps=_dumps
+    )
 
 
 def _json(body: dict[str, Any]) -> web.Response:
@@ -94,13 +90,11 @@ def _json(body: dict[str, Any]) -> web.Response:
 
 
 class DashboardApp:
-    """The handlers over one run dir. `token`: "" lets every request in."""
+    """The handlers over one data source. `token`: "" lets every request in."""
 
-    def __init__(self, run_dir: Path, token: str = "") -> None:
-        self.run_dir = run_dir
-        self.metrics_dir = run_dir / "metrics"
+    def __init__(self, source: DataSource, token: str = "") -> None:
+        self.source = source
         self.token = token
-        self.trajectories = TrajectoryIndex(run_dir / "trajectories.jsonl")
         static = resources.files("agentjet.dashboard") / "static"
         self.static = {name: (static / name).read_bytes() for name in STATIC_FILES}
 
@@ -111,6 +105,7 @@ class DashboardApp:
         app.router.add_get("/api/roles", self._roles)
         app.router.add_get("/api/metrics", self._metrics)
         app.router.add_get("/api/nodes", self._nodes)
+        app.router.add_get("/api/scheduler", self._scheduler)
         app.router.add_get("/api/trajectories", self._trajectory_list)
         app.router.add_get("/api/trajectories/{group_id}", self._trajectory)
         return app
@@ -125,9 +120,9 @@ class DashboardApp:
                 self._authorize(request)
             response = await handler(request)
         except ApiError as e:
-            response = e.response()
+            response = _error(e)
         except web.HTTPException as e:  # aiohttp's own: no such route, wrong method
-            response = ApiError(e.status, e.reason).response()
+            response = _error(ApiError(e.status, e.reason))
         response.headers.update(SECURITY_HEADERS)
         return response
 
@@ -156,87 +151,34 @@ class DashboardApp:
 
     async def _roles(self, request: web.Request) -> web.Response:
         _allow(request)
-        roles = [{"role": role, "bytes": size} for role, size in self._metric_files()]
-        return _json({"run": self.run_dir.resolve().name, "roles": roles})
+        return _json({"run": self.source.name, "mode": self.source.mode} | self.source.roles())
 
     async def _metrics(self, request: web.Request) -> web.Response:
         _allow(request, "role", "offset")
         role = _name(request, "role", ROLE_PATTERN, required=True)
         offset = _integer(request, "offset", default=0, low=0, high=1 << 62)
-        path = self.metrics_dir / f"{role}.jsonl"
-        try:
-            rows = read_rows(path, offset)
-        except BadOffset as e:
-            raise ApiError(400, f"metrics/{role}.jsonl: {e}") from None
-        except OSError:
-            raise ApiError(404, f"no metrics for role {role!r} in this run") from None
-        return _json(
-            {
-                "role": role,
-                "offset": offset,
-                "next_offset": rows.next_offset,
-                "size": rows.size,
-                "more": rows.more,
-                "skipped": rows.skipped,
-                "rows": rows.rows,
-            }
-        )
+        return _json(self.source.metrics(role, offset))
 
     async def _nodes(self, request: web.Request) -> web.Response:
         _allow(request)
-        nodes = []
-        for role, _ in self._metric_files():
-            try:
-                rows = tail_rows(self.metrics_dir / f"{role}.jsonl")
-            except OSError:  # removed since it was listed
-                continue
-            nodes.append(node_row(role, rows))
-        return _json({"nodes": nodes})
+        return _json({"mode": self.source.mode, "nodes": self.source.node_rows()})
+
+    async def _scheduler(self, request: web.Request) -> web.Response:
+        _allow(request)
+        return _json({"mode": self.source.mode} | await self.source.scheduler())
 
     async def _trajectory_list(self, request: web.Request) -> web.Response:
         _allow(request, "env", "limit")
         env = _name(request, "env", ENV_PATTERN, required=False)
         limit = _integer(request, "limit", DEFAULT_LIST_LIMIT, low=1, high=MAX_LIST_LIMIT)
-        self._refresh_trajectories()
-        index = self.trajectories
-        return _json(
-            {
-                "groups": index.newest(limit, env),
-                "envs": index.envs(),
-                "indexed": len(index.groups),
-                "skipped": index.skipped,
-            }
-        )
+        return _json(self.source.trajectories(env, limit))
 
     async def _trajectory(self, request: web.Request) -> web.Response:
         _allow(request)
         group_id = request.match_info["group_id"]
         if not GROUP_ID_PATTERN.fullmatch(group_id):
             raise ApiError(400, "a group id is letters, digits and _.:- (at most 128)")
-        self._refresh_trajectories()
-        try:
-            group = self.trajectories.read(group_id)
-        except OSError:
-            group = None
-        if group is None:
-            raise ApiError(404, f"no group {group_id!r} among this run's recent trajectories")
-        return _json(group)
-
-    def _refresh_trajectories(self) -> None:
-        try:
-            self.trajectories.refresh()
-        except OSError as e:  # not a file, not readable: the list stays as it was
-            raise ApiError(404, f"cannot read trajectories.jsonl: {e.strerror}") from None
-
-    def _metric_files(self) -> list[tuple[str, int]]:
-        """(role, bytes) of each metrics/<role>.jsonl, the known roles first."""
-        try:
-            paths = [p for p in self.metrics_dir.glob("*.jsonl") if p.is_file()]
-        except OSError:
-            return []
-        found = {p.stem: p.stat().st_size for p in paths if ROLE_PATTERN.fullmatch(p.stem)}
-        order = {role: i for i, role in enumerate(ROLE_ORDER)}
-        return sorted(found.items(), key=lambda item: (order.get(item[0], len(order)), item[0]))
+        return _json(self.source.trajectory(group_id))
 
 
 def _allow(request: web.Request, *names: str) -> None:
@@ -267,10 +209,11 @@ def _integer(request: web.Request, key: str, default: int, low: int, high: int) 
     return int(raw)
 
 
-async def serve(run_dir: Path, host: str, port: int, token: str, stop: asyncio.Event) -> None:
-    """Serve until `stop` is set; prints the URL once listening."""
+async def serve(source: DataSource, host: str, port: int, token: str, stop: asyncio.Event) -> None:
+    """Serve until `stop` is set, with the source's background loops (a loop that fails
+    stops the dashboard with its error); prints the URL once listening."""
     runner = web.AppRunner(
-        DashboardApp(run_dir, token).app(), access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S
+        DashboardApp(source, token).app(), access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S
     )
     await runner.setup()
     try:
@@ -284,20 +227,24 @@ async def serve(run_dir: Path, host: str, port: int, token: str, stop: asyncio.E
             ) from None
         bound = runner.addresses[0][1]
         print(f"dashboard: {dashboard_url(host, bound, token)}", flush=True)
-        await stop.wait()
+        await supervise(stop, source.loops())
     finally:
         await runner.cleanup()
 
 
 def run_dashboard(run_dir: Path, host: str, port: int, token: str) -> int:
-    """`agentjet dashboard`: serve `run_dir` until SIGINT or SIGTERM."""
+    """`agentjet dashboard --run-dir`: serve `run_dir` until SIGINT or SIGTERM."""
+    source = RunDirSource(run_dir)
 
     async def main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        await serve(run_dir, host, port, token, stop)
+        await serve(source, host, port, token, stop)
 
-    uvloop.run(main())
+    try:
+        uvloop.run(main())
+    finally:
+        source.close()
     return 0

@@ -7,7 +7,9 @@ Every process it starts (the launcher and what it spawns, a second dashboard, th
 browser) is reaped by PID; every wait is bounded.
 
 AGENTJET_SCREENSHOTS=DIR also saves each tab as DIR/dashboard-<tab>.png (1200x800); the
-README's pictures are the same page, 1200x800, on a SmolLM2-135M `just bench-learn` run.
+README's pictures are the same page, 1200x800, on a SmolLM2-135M `just bench-learn` run,
+but for the scheduler's, which is this test's own run (the scheduler tab shows a live
+coordinator, and the bench's has ended by the time its dir is served).
 """
 
 from __future__ import annotations
@@ -164,9 +166,11 @@ def test_the_dashboard_follows_a_local_run_live_and_shows_it_down_to_the_token(
     output = tmp_path / "local.out"
 
     # ── live: the dashboard `agentjet local` starts, while the run trains ──────────────
-    with started(
-        local_argv(tiny_model_dir, run_dir, MAX_STEPS, ("rollout.trajectory_share=1.0",)), output
-    ) as (local, spawned):
+    settings = ("rollout.trajectory_share=1.0", 'coordinator.scheduler="envsched"')
+    with started(local_argv(tiny_model_dir, run_dir, MAX_STEPS, settings), output) as (
+        local,
+        spawned,
+    ):
         url = wait_until("the dashboard's URL", lambda: url_in(output), START_TIMEOUT_S)
         assert url.startswith("http://127.0.0.1:")
         wait_until("the dashboard to answer", lambda: answers(url), START_TIMEOUT_S)
@@ -184,6 +188,19 @@ def test_the_dashboard_follows_a_local_run_live_and_shows_it_down_to_the_token(
             "#nodes tbody tr", "rows => rows.map(r => r.dataset.role)"
         )
         assert roles == ["coordinator", "trainer", "rollout"]
+        # the scheduler tab: the coordinator's table, asked over its socket while it runs
+        live.tab("scheduler")
+        live.wait_for("document.querySelectorAll('#scheduler table[data-level=env] tr').length > 1")
+        # read in one go: a poll may redraw the tables between two reads
+        status, shown = live.page.evaluate(
+            """() => [window.agentjetState.scheduler.status,
+                      [...document.querySelectorAll('#scheduler table tbody tr td:first-child')]
+                          .map(c => c.textContent)]"""
+        )
+        assert status["scheduler"] == "envsched" and status["grants_issued"] > 0
+        assert shown == [row["name"] for row in status["table"]]
+        assert "grants issued" in live.page.inner_text("#scheduler .facts")
+        live.screenshot("scheduler", tmp_path)
         assert live.errors == []
         live.page.close()  # before the run ends: a poll of a stopped server is an error
         deadline = time.monotonic() + RUN_TIMEOUT_S
@@ -270,4 +287,10 @@ def test_the_dashboard_follows_a_local_run_live_and_shows_it_down_to_the_token(
             if sum(masks):
                 assert "logprob" in seen["title"] and "advantage" in seen["title"]
         page.screenshot("trajectories", tmp_path)
+
+        # the scheduler of a finished run: said plainly, not an error
+        page.tab("scheduler")
+        page.wait_for("!!document.getElementById('scheduler-message')")
+        message = page.page.inner_text("#scheduler-message")
+        assert "the coordinator is not running (the run has ended)" in message
         assert page.errors == []

@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -108,6 +109,12 @@ class Swarm:
         argv = [sys.executable, "-m", module, *args]
         argv += ["--config", str(self.config_path), "--run-dir", str(run_dir)]
         argv += ["--keys", str(self.keys_file)]
+        return self.launch(name, argv, host)
+
+    def launch(
+        self, name: str, argv: list[str], host: Node | None = None
+    ) -> subprocess.Popen[bytes]:
+        """Start `argv` as it is (its output in <name>.out, its log in <name>.log)."""
         with (
             open(self.dir / f"{name}.out", "wb") as out,
             open(self.dir / f"{name}.log", "wb") as log,
@@ -257,6 +264,59 @@ def swarm_status(join: str, run_id: str, keys_file: Path) -> str:
     return done.stdout
 
 
+def api(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=STATUS_TIMEOUT_S) as reply:
+        return json.load(reply)
+
+
+def check_the_live_dashboard(swarm: Swarm, join: str) -> None:
+    """`agentjet dashboard --join` on the running swarm: every node from the directory, the
+    trainers' and the coordinator's rows over their sockets as their files hold them, the
+    coordinator's scheduler, and a rollout node as its directory record says."""
+    argv = [sys.executable, "-m", "agentjet.cli", "dashboard", "--join", join]
+    argv += ["--run-id", "swarm-test", "--keys", str(swarm.keys_file)]
+    swarm.launch("dashboard", argv)
+    found: list[str] = []
+
+    def printed() -> bool:
+        found[:] = re.findall(r"dashboard: (http://\S+)", swarm.output("dashboard"))
+        return bool(found)
+
+    swarm.wait_for("the live dashboard's URL", printed)
+    url = found[0]
+
+    def every_node_with_rows() -> bool:
+        roles = api(url + "api/roles")["roles"]
+        kinds = sorted(r["kind"] for r in roles)
+        wanted = ["coordinator", "rollout", "trainer", "trainer"]
+        return kinds == wanted and all(r["rows"] for r in roles if r["kind"] == "trainer")
+
+    # a read under load can miss a live node's record, as `agentjet status` can: asked again
+    swarm.wait_for("the dashboard to list every node, and the trainers' rows", every_node_with_rows)
+    roles = {r["label"]: r for r in api(url + "api/roles")["roles"]}
+    nodes = {n["label"]: n for n in api(url + "api/nodes")["nodes"]}
+    for name in ("trainer-a", "trainer-b"):
+        [started] = [r for r in swarm.metrics(name, "trainer") if r.get("event") == "started"]
+        node_id = started["node_id"]
+        rows = api(url + f"api/metrics?role={roles[node_id]['role']}")["rows"]
+        written = {(r["time"], r.get("event")) for r in swarm.metrics(name, "trainer")}
+        assert rows and all((r["time"], r.get("event")) in written for r in rows)
+        assert any(r.get("event") == "step" for r in rows)
+        node = nodes[node_id]
+        assert node["kind"] == "trainer" and node["source"] == "metrics" and not node["error"]
+        assert node["policy_version"] >= 3 and node["endpoint"].startswith("tcp://127.0.0.1:")
+        assert isinstance(node["rounds_failed"], int) and node["quarantined"] == []
+    [rollout] = [n for n in nodes.values() if n["kind"] == "rollout"]
+    assert rollout["source"] == "directory" and rollout["capacity"] == 4  # max_unacked_groups
+    heartbeats = api(url + f"api/metrics?role={rollout['role']}")["rows"]
+    assert heartbeats and {r["event"] for r in heartbeats} == {"heartbeat"}
+    scheduler = api(url + "api/scheduler")
+    assert scheduler["running"], scheduler
+    assert scheduler["status"]["grants_issued"] > 0
+    assert [r["name"] for r in scheduler["status"]["table"] if r["level"] == "env"] == ["agent"]
+    assert api(url + "api/trajectories")["note"]
+
+
 def leftovers(swarm: Swarm) -> dict[int, str]:
     """Processes a stopped swarm left running, with their command lines. torch's
     shared-memory manager exits on its own once its last client is gone: allow it that."""
@@ -401,6 +461,7 @@ def test_two_trainers_hold_identical_weights_and_lose_nothing(swarm_factory: Cal
     for name in ("trainer-a", "trainer-b"):
         endpoint = re.search(r"tcp://127\.0\.0\.1:\d+", (swarm.dir / f"{name}.log").read_text())
         assert endpoint and endpoint.group(0) in shown
+    check_the_live_dashboard(swarm, join)
     codes = swarm.stop()
     assert set(codes.values()) == {0}, swarm.logs()
     check_every_group_accounted_for(swarm, ["trainer-a", "trainer-b"])

@@ -21,6 +21,7 @@ from agentjet.cli import main as cli_main
 from agentjet.config import dashboard_address, load_config
 from agentjet.dashboard.reader import TrajectoryIndex, read_rows
 from agentjet.dashboard.server import MAX_LIST_LIMIT, DashboardApp
+from agentjet.dashboard.source import RunDirSource
 from agentjet.errors import ConfigError
 
 pytestmark = pytest.mark.unit
@@ -77,7 +78,8 @@ def run_dir(tmp_path: Path) -> Path:
 
 def served(run_dir: Path, check: Check, token: str = "") -> None:
     async def go() -> None:
-        async with TestClient(TestServer(DashboardApp(run_dir, token).app())) as client:
+        app = DashboardApp(RunDirSource(run_dir), token).app()
+        async with TestClient(TestServer(app)) as client:
             await check(client)
 
     asyncio.run(go())
@@ -250,6 +252,27 @@ def test_nodes_take_each_figure_from_the_newest_row_that_has_it(run_dir: Path) -
     served(run_dir, check)
 
 
+def test_nodes_show_a_trainers_failed_rounds_and_the_nodes_it_quarantined(run_dir: Path) -> None:
+    counts = {"counts/swarm_failed_rounds": 3, "counts/swarm_partial_rounds": 1,
+              "counts/swarm_repairs": 2, "counts/nodes_quarantined": 2}  # fmt: skip
+    with (run_dir / "metrics" / "trainer.jsonl").open("ab") as f:
+        f.write(b"01.0}\n")  # the torn row ends
+        f.write(line({"time": 1003.0, "event": "quarantined", "node_id": "rollout-x"}))
+        f.write(line(step(3, **counts)))
+        f.write(line({"time": 1004.0, "event": "stopped", "quarantined": ["rollout-x", "r-y"]}))
+
+    async def check(client: TestClient[Any, Any]) -> None:
+        nodes = {n["role"]: n for n in (await get(client, "/api/nodes"))["nodes"]}
+        trainer = nodes["trainer"]
+        rounds = [trainer[f"rounds_{k}"] for k in ("failed", "partial", "repaired")]
+        assert rounds == [3, 1, 2]
+        assert trainer["quarantined"] == ["r-y", "rollout-x"]
+        assert trainer["quarantined_count"] == 2 and trainer["kind"] == "trainer"
+        assert nodes["rollout"]["rounds_failed"] is None and nodes["rollout"]["quarantined"] == []
+
+    served(run_dir, check)
+
+
 def test_trajectories_are_listed_newest_first_and_opened_whole(run_dir: Path) -> None:
     async def check(client: TestClient[Any, Any]) -> None:
         listed = await get(client, "/api/trajectories")
@@ -345,6 +368,18 @@ def test_the_command_refuses_a_public_address_without_a_token_in_one_line(
     assert err.count("\n") == 1 and "give a token" in err
     missing = cli_main(["dashboard", "--run-dir", str(run_dir / "nope")])
     assert missing == 2 and "no such directory" in capsys.readouterr().err
+
+
+def test_the_live_mode_needs_the_swarms_keys_and_its_flags_go_with_join_only(
+    run_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = cli_main(["dashboard", "--join", "/ip4/127.0.0.1/tcp/1/p2p/Qm", "--run-id", "r"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "no swarm keys" in err
+    code = cli_main(["dashboard", "--run-dir", str(run_dir), "--run-id", "r"])
+    assert code == 2 and "go with --join" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # argparse: one of the two, not both
+        cli_main(["dashboard", "--run-dir", str(run_dir), "--join", "/ip4/127.0.0.1/tcp/1"])
 
 
 def test_the_dashboard_loads_no_torch_and_nothing_of_node() -> None:

@@ -21,6 +21,7 @@ pytestmark = pytest.mark.unit
 
 HELLO = protocol.Hello(node_id="rollout-test", role="rollout")
 LINEAGE = protocol.Lineage(id="3a3d9c4b1325", ancestors={"": 146})
+TRAINER = "trainer-box-4242-1a2b3c"
 CONFIG = msgspec.structs.replace(Config(), swarm=SwarmConfig(record_ttl_s=0.5))
 
 
@@ -36,15 +37,24 @@ def test_a_trainer_that_answers_is_not_gone_and_a_silent_one_is() -> None:
                 elif replying:
                     await server.reply(
                         envelope,
-                        protocol.GroupStatus(statuses={}, policy_version=3, lineage=LINEAGE),
+                        protocol.GroupStatus(
+                            statuses={}, policy_version=3, lineage=LINEAGE, node_id=TRAINER
+                        ),
                     )
 
         task = asyncio.create_task(serve(replying=True))
         try:
-            assert await answers(server.endpoint, HELLO, CONFIG, None)
+            assert await answers(server.endpoint, TRAINER, HELLO, CONFIG, None)
             # What the process at the endpoint holds now, not what its record said: the
             # marks of gone trainers are read against it.
-            assert await probe(server.endpoint, HELLO, CONFIG, None) == (LINEAGE, 3)
+            status = await probe(server.endpoint, HELLO, CONFIG, None)
+            assert status is not None
+            assert (status.lineage, status.policy_version) == (LINEAGE, 3)
+            # Another trainer at that endpoint (the one the record named restarted there):
+            # the one the record named is gone.
+            assert not await answers(
+                server.endpoint, "trainer-box-4242-0f0f0f", HELLO, CONFIG, None
+            )
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
@@ -53,7 +63,7 @@ def test_a_trainer_that_answers_is_not_gone_and_a_silent_one_is() -> None:
         task = asyncio.create_task(serve(replying=False))
         try:
             start = time.monotonic()
-            assert not await answers(server.endpoint, HELLO, CONFIG, None)
+            assert not await answers(server.endpoint, TRAINER, HELLO, CONFIG, None)
             assert time.monotonic() - start < 5 * CONFIG.swarm.record_ttl_s
         finally:
             task.cancel()

@@ -1,5 +1,6 @@
-// agentjet dashboard: polls the run's /api every POLL_MS, keeps what it read in
-// window.agentjetState, draws line charts on canvases and shows trajectories token by token.
+// agentjet dashboard: polls /api every POLL_MS (a run dir, or a live swarm: the same JSON),
+// keeps what it read in window.agentjetState, draws charts on canvases, shows the nodes,
+// the coordinator's scheduler and trajectories token by token.
 // No libraries and nothing from another origin: the page works offline.
 "use strict";
 
@@ -12,12 +13,20 @@
   // What the page has read; tests read it too (series lengths against the metrics files).
   const state = {
     run: "",
-    rows: {},     // role -> rows read from metrics/<role>.jsonl
-    offsets: {},  // role -> byte offset of the next read
+    mode: "",     // "run" (a run dir) or "swarm" (live, --join)
+    kinds: {},    // role -> coordinator | trainer | rollout (which charts its rows feed)
+    labels: {},   // role -> what the page calls it (a node id in a swarm)
+    rows: {},     // role -> rows read (metrics/<role>.jsonl, or a node's recent rows)
+    offsets: {},  // role -> cursor of the next read (a byte offset, or a row number)
     series: {},   // chart id -> series name -> [[unix time, value], ...]
+    histograms: {},  // chart id -> bucket -> count
     nodes: [],
+    problems: [],
+    scheduler: null,  // the last /api/scheduler reply
+    schedulerPolls: 0,
     groups: [],
     envs: [],
+    groupsNote: "",
     openGroup: null,
     polls: 0,
     lastError: "",
@@ -29,11 +38,16 @@
   const stepRow = (r) => r.event === "step";
   const batchRow = (r) => r.event === "batch";
 
-  // Each chart: which role's rows feed it, and the [series, value] points a row gives.
+  const heartbeatRow = (r) => r.event === "heartbeat";  // a rollout node's record (live mode)
+  const points = (pairs) => pairs.filter((p) => isNumber(p[1]));
+
+  // Each chart: which kind of role's rows feed it, and the [series, value] points a row
+  // gives (a histogram chart: the [bucket, count] a row adds).
   const CHARTS = [
-    {id: "reward", title: "Reward mean (rollout batches, per env)", from: {
+    {id: "reward", title: "Reward mean (rollout batches per env; coordinator: reported groups)", from: {
       rollout: (r) => batchRow(r) && isNumber(r["charts/reward_mean"])
-        ? [[r.env || "all", r["charts/reward_mean"]]] : []}},
+        ? [[r.env || "all", r["charts/reward_mean"]]] : [],
+      coordinator: (r) => points([["coordinator", r["charts/mean_reward"]]])}},
     {id: "eval", title: "Held-out accuracy (per env)", from: {
       rollout: (r) => r.event !== "eval" ? [] : Object.keys(r)
         .filter((k) => /^eval\/.+\/accuracy$/.test(k) && isNumber(r[k]))
@@ -44,17 +58,25 @@
         const zero = r["charts/zero_variance_groups"];
         return stepRow(r) && isNumber(zero) && groups > 0 ? [["share", Math.min(zero / groups, 1)]] : [];
       }}},
-    {id: "samples", title: "Samples/s", from: {
-      trainer: (r) => stepRow(r) && isNumber(r["perf/samples_per_s"]) ? [["trainer", r["perf/samples_per_s"]]] : [],
-      rollout: (r) => batchRow(r) && isNumber(r["perf/samples_per_s"]) ? [["rollout", r["perf/samples_per_s"]]] : []}},
+    {id: "samples", title: "Samples/s (effective: samples with a gradient, per second of step)", from: {
+      trainer: (r) => !stepRow(r) ? [] : points([
+        ["trainer", r["perf/samples_per_s"]],
+        ["trainer effective", r["charts/trained_samples"] / r["perf/s_per_version"]]]),
+      rollout: (r) => (batchRow(r) || heartbeatRow(r)) && isNumber(r["perf/samples_per_s"])
+        ? [["rollout", r["perf/samples_per_s"]]] : []}},
     {id: "gen_tokens", title: "Generated tokens/s (rollout)", from: {
       rollout: (r) => batchRow(r) && isNumber(r["perf/gen_tokens_per_s"]) ? [["rollout", r["perf/gen_tokens_per_s"]]] : []}},
     {id: "staleness", title: "Staleness (policy versions behind)", from: {
-      trainer: (r) => !stepRow(r) ? [] : [["mean", r["charts/staleness_mean"]], ["max", r["charts/staleness_max"]]]
-        .filter((p) => isNumber(p[1]))}},
-    {id: "step_time", title: "Step time (s)", from: {
-      trainer: (r) => !stepRow(r) ? [] : [["learner step", r["perf/step_s"]], ["per version", r["perf/s_per_version"]]]
-        .filter((p) => isNumber(p[1]))}},
+      trainer: (r) => !stepRow(r) ? [] : points([["mean", r["charts/staleness_mean"]], ["max", r["charts/staleness_max"]]])}},
+    {id: "staleness_hist", histogram: true, title: "Staleness of trained groups (versions behind, count)", from: {
+      trainer: (r) => !stepRow(r) || !Array.isArray(r.trained_group_versions) ? [] : r.trained_group_versions
+        .filter(isNumber).map((v) => [Math.max(0, r.policy_version - 1 - v), 1])}},
+    {id: "step_time", title: "Step time (s): learner step, waiting for groups, rollout batch, weight load", from: {
+      trainer: (r) => !stepRow(r) ? [] : points([
+        ["learner step", r["perf/step_s"]],
+        ["waiting for groups", Math.max(0, r["perf/s_per_version"] - r["perf/step_s"])],
+        ["per version", r["perf/s_per_version"]]]),
+      rollout: (r) => points([["rollout batch", r["perf/batch_s"]], ["weight load", r["perf/load_s"]]])}},
     {id: "logprob_gap", title: "Logprob gap, sampler vs learner (nats)", from: {
       trainer: (r) => {
         if (!stepRow(r)) return [];
@@ -68,6 +90,15 @@
   // One chart per losses/* key of the trainer's step rows, made when the key first appears.
   const lossChart = (key) => ({id: key, title: key, from: {
     trainer: (r) => stepRow(r) && isNumber(r[key]) ? [[key.slice("losses/".length), r[key]]] : []}});
+  // Scheduler tables: [column, row key, digits] (digits "%": a share).
+  const SCHEDULER_COLUMNS = {
+    env: [["visits", "visits"], ["reward", "mean_reward", 3], ["variance", "variance", 3], ["P(mixed)", "mixed", 2],
+          ["target", "target_share", 2], ["failed", "failure_rate", 2], ["grants", "grant_share", "%"]],
+    cell: [["visits", "visits"], ["reward", "mean_reward", 3], ["variance", "variance", 3], ["P(mixed)", "mixed", 2],
+           ["score", "score", 3], ["grants", "grant_share", "%"]],
+    task: [["visits", "visits"], ["reward", "mean_reward", 3], ["variance", "variance", 3], ["P(mixed)", "mixed", 2],
+           ["grants", "grant_share", "%"]],
+  };
 
   // ── fetching ────────────────────────────────────────────────────────────────────────
 
@@ -107,40 +138,62 @@
     state.rows = {};
     state.offsets = {};
     state.series = {};
+    state.histograms = {};
   }
 
   function addRow(role, row) {
     if (!isNumber(row.time)) return;
-    if (role === "trainer" && stepRow(row)) {
+    const kind = state.kinds[role] || role;
+    if (kind === "trainer" && stepRow(row)) {
       for (const key of Object.keys(row)) {
         if (key.startsWith("losses/") && !CHARTS.some((c) => c.id === key)) CHARTS.push(lossChart(key));
       }
     }
+    // In a swarm several nodes share a kind: their series carry the node's name.
+    const prefix = role === kind ? "" : (state.labels[role] || role) + " ";
     for (const chart of CHARTS) {
-      const points = chart.from[role] ? chart.from[role](row) : [];
-      if (!points.length) continue;
+      const found = chart.from[kind] ? chart.from[kind](row) : [];
+      if (!found.length) continue;
+      if (chart.histogram) {
+        const counts = (state.histograms[chart.id] = state.histograms[chart.id] || {});
+        for (const [bucket, count] of found) counts[bucket] = (counts[bucket] || 0) + count;
+        continue;
+      }
       const series = (state.series[chart.id] = state.series[chart.id] || {});
-      for (const [name, value] of points) (series[name] = series[name] || []).push([row.time, value]);
+      for (const [name, value] of found) (series[prefix + name] = series[prefix + name] || []).push([row.time, value]);
     }
   }
 
   async function loadGroups() {
     const env = document.getElementById("env-filter").value;
     const list = await api("/api/trajectories?limit=" + GROUPS_SHOWN + (env ? "&env=" + encodeURIComponent(env) : ""));
-    const changed = JSON.stringify(list.groups) !== JSON.stringify(state.groups) || list.envs.length !== state.envs.length;
+    const note = list.note || "";  // live mode: where trajectories are instead
+    const changed = JSON.stringify(list.groups) !== JSON.stringify(state.groups) ||
+      list.envs.length !== state.envs.length || note !== state.groupsNote;
     state.groups = list.groups;
     state.envs = list.envs;
+    state.groupsNote = note;
     return changed;
+  }
+
+  async function loadScheduler() {
+    state.scheduler = await api("/api/scheduler");
+    state.schedulerPolls += 1;
+    renderScheduler();
   }
 
   async function poll() {
     try {
       const roles = await api("/api/roles");
       state.run = roles.run;
+      state.mode = roles.mode;
+      state.problems = roles.problems || [];
+      for (const {role, kind, label} of roles.roles) [state.kinds[role], state.labels[role]] = [kind, label];
       let changed = false;
       for (const {role} of roles.roles) changed = (await readMetrics(role)) || changed;
       state.nodes = (await api("/api/nodes")).nodes;
       const groupsChanged = await loadGroups();
+      if (activeTab() === "scheduler") await loadScheduler();
       state.polls += 1;
       state.lastError = "";
       render(changed, groupsChanged);
@@ -172,7 +225,10 @@
   }
 
   function render(metricsChanged, groupsChanged) {
-    document.getElementById("run").textContent = state.run ? "run " + state.run : "";
+    const live = state.mode === "swarm";
+    document.getElementById("run").textContent = !state.run ? "" : (live ? "live swarm " : "run ") + state.run;
+    for (const node of document.querySelectorAll(".live-only")) node.hidden = !live;
+    for (const node of document.querySelectorAll(".run-only")) node.hidden = live;
     if (activeTab() === "curves" && metricsChanged) drawCharts();
     renderNodes();
     if (groupsChanged) renderGroups();
@@ -190,16 +246,77 @@
     const body = document.querySelector("#nodes tbody");
     body.replaceChildren();
     for (const n of state.nodes) {
-      const tr = el("tr", {"data-role": n.role});
-      tr.append(el("td", {}, n.role));
+      const tr = el("tr", {"data-role": n.role, "data-kind": n.kind || n.role});
+      const name = el("td", {title: n.endpoint || n.label || n.role}, n.label || n.role);
+      if (n.error) name.append(el("span", {class: "warn", title: n.error}, " (unreachable)"));
+      tr.append(name);
+      tr.append(el("td", {}, n.kind || "-"));
       tr.append(el("td", {class: "num"}, fmt(n.policy_version)));
-      tr.append(el("td", {class: "num"}, fmt(n.queue)));
+      tr.append(el("td", {class: "num"}, fmt(n.queue) + (isNumber(n.capacity) ? "/" + n.capacity : "")));
       tr.append(el("td", {class: "num"}, fmt(n.samples_per_s, 2)));
       tr.append(el("td", {class: "num"}, ago(n.time)));
-      tr.append(el("td", {}, n.event || "-"));
+      tr.append(el("td", {}, n.source === "directory" ? "heartbeat" : (n.event || "-")));
+      const rounds = [n.rounds_failed, n.rounds_partial, n.rounds_repaired];
+      tr.append(el("td", {class: "num rounds"}, rounds.some(isNumber) ? rounds.map((v) => fmt(v)).join(" / ") : "-"));
+      const quarantined = n.quarantined || [];
+      const count = isNumber(n.quarantined_count) ? Math.max(n.quarantined_count, quarantined.length) : quarantined.length;
+      tr.append(el("td", {class: "quarantined", title: quarantined.join(", ")}, count ? count + ": " + quarantined.join(", ") : "-"));
       const memory = Object.entries(n.memory || {}).map(([k, v]) => k + " " + fmt(v, 0)).join(", ");
       tr.append(el("td", {class: "memory"}, memory || "-"));
       body.append(tr);
+    }
+    document.getElementById("problems").textContent = state.problems.join("; ");
+  }
+
+  // ── scheduler ───────────────────────────────────────────────────────────────────────
+
+  function renderScheduler() {
+    const reply = state.scheduler;
+    if (!reply) return;
+    const holder = document.getElementById("scheduler");
+    holder.replaceChildren();
+    const where = el("p", {class: "muted"}, reply.endpoint ? "coordinator at " + reply.endpoint : "");
+    holder.append(where);
+    if (!reply.running) {
+      holder.append(el("p", {class: "notice", id: "scheduler-message"}, reply.message));
+      return;
+    }
+    const s = reply.status;
+    const counters = [
+      ["scheduler", s.scheduler || "?"], ["grants issued", s.grants_issued], ["completed", s.grants_completed],
+      ["expired", s.grants_expired], ["leases open", s.leases_open], ["queued for re-grant", s.regrants_queued],
+      ["messages rejected", s.rejected_messages], ["connections refused", s.denied_handshakes],
+    ];
+    const facts = el("p", {class: "facts"});
+    for (const [name, value] of counters) {
+      const item = el("span");
+      item.append(el("b", {}, String(value)), document.createTextNode(" " + name));
+      facts.append(item);
+    }
+    holder.append(facts);
+    const nodes = Object.entries(s.nodes || {}).sort().map(([node, age]) => node + " (" + fmt(age, 1) + " s ago)");
+    holder.append(el("p", {class: "muted"}, "nodes: " + (nodes.join(", ") || "none")));
+    const titles = {env: "Environments (observed)", cell: "Top cells (predicted)", task: "Top tasks (predicted)"};
+    for (const level of ["env", "cell", "task"]) {
+      const rows = (s.table || []).filter((r) => r.level === level);
+      if (!rows.length) continue;
+      holder.append(el("h2", {}, titles[level]));
+      const table = el("table", {class: "scheduler-table", "data-level": level});
+      const head = el("tr");
+      head.append(el("th", {}, level === "env" ? "environment" : level));
+      for (const [title] of SCHEDULER_COLUMNS[level]) head.append(el("th", {}, title === "grants" ? "grants (last " + s.recent_grants + ")" : title));
+      table.append(el("thead"), el("tbody"));
+      table.tHead.append(head);
+      for (const r of rows) {
+        const tr = el("tr");
+        tr.append(el("td", {}, r.name));
+        for (const [, key, digits] of SCHEDULER_COLUMNS[level]) {
+          const value = r[key];
+          tr.append(el("td", {class: "num"}, digits === "%" ? (isNumber(value) ? (100 * value).toFixed(0) + "%" : "-") : fmt(value, digits)));
+        }
+        table.tBodies[0].append(tr);
+      }
+      holder.append(table);
     }
   }
 
@@ -223,7 +340,54 @@
         card.append(el("h2", {}, chart.title), el("canvas"));
         holder.append(card);
       }
-      drawChart(card.querySelector("canvas"), state.series[chart.id] || {}, axis);
+      const canvas = card.querySelector("canvas");
+      if (chart.histogram) drawHistogram(canvas, state.histograms[chart.id] || {});
+      else drawChart(canvas, state.series[chart.id] || {}, axis);
+    }
+  }
+
+  function prepare(canvas) {  // a canvas sized to its box; null while it has none
+    const ratio = window.devicePixelRatio || 1;
+    const width = canvas.clientWidth, height = canvas.clientHeight;
+    if (!width || !height) return null;
+    canvas.width = width * ratio;
+    canvas.height = height * ratio;
+    const ctx = canvas.getContext("2d");
+    ctx.scale(ratio, ratio);
+    ctx.clearRect(0, 0, width, height);
+    ctx.font = "11px system-ui, sans-serif";
+    return {ctx: ctx, width: width, height: height};
+  }
+
+  function drawHistogram(canvas, counts) {
+    const box = prepare(canvas);
+    if (!box) return;
+    const {ctx, width, height} = box;
+    const buckets = Object.keys(counts).map(Number).sort((a, b) => a - b);
+    if (!buckets.length) {
+      ctx.fillStyle = "#6b7480";
+      ctx.fillText("no data yet", 8, 20);
+      return;
+    }
+    const last = buckets[buckets.length - 1];
+    const top = Math.max(...buckets.map((b) => counts[b]));
+    const pad = {left: 46, right: 10, top: 20, bottom: 22};
+    const slot = (width - pad.left - pad.right) / (last + 1);
+    const py = (y) => height - pad.bottom - y / top * (height - pad.top - pad.bottom);
+    ctx.strokeStyle = "#e6e8ec";
+    ctx.fillStyle = "#6b7480";
+    ctx.textAlign = "right";
+    for (const t of niceTicks(0, top, 4)) {
+      ctx.beginPath(); ctx.moveTo(pad.left, py(t)); ctx.lineTo(width - pad.right, py(t)); ctx.stroke();
+      ctx.fillText(Number(t.toPrecision(4)).toString(), pad.left - 4, py(t) + 4);
+    }
+    ctx.textAlign = "center";
+    for (let b = 0; b <= last; b++) {
+      const x = pad.left + b * slot;
+      ctx.fillStyle = COLORS[0];
+      if (counts[b]) ctx.fillRect(x + slot * 0.15, py(counts[b]), slot * 0.7, py(0) - py(counts[b]));
+      ctx.fillStyle = "#6b7480";
+      if (last < 30 || b % Math.ceil(last / 15) === 0) ctx.fillText(String(b), x + slot / 2, height - 6);
     }
   }
 
@@ -244,15 +408,9 @@
   }
 
   function drawChart(canvas, series, axis) {
-    const ratio = window.devicePixelRatio || 1;
-    const width = canvas.clientWidth, height = canvas.clientHeight;
-    if (!width || !height) return;
-    canvas.width = width * ratio;
-    canvas.height = height * ratio;
-    const ctx = canvas.getContext("2d");
-    ctx.scale(ratio, ratio);
-    ctx.clearRect(0, 0, width, height);
-    ctx.font = "11px system-ui, sans-serif";
+    const box = prepare(canvas);
+    if (!box) return;
+    const {ctx, width, height} = box;
     const names = Object.keys(series).sort();
     const all = names.flatMap((n) => series[n]);
     if (!all.length) {
@@ -266,7 +424,17 @@
     let [y0, y1] = range(ys);
     if (x1 === x0) x1 = x0 + 1;
     if (y1 === y0) { y0 -= 0.5; y1 += 0.5; }
-    const pad = {left: 46, right: 10, top: 20, bottom: 22};
+    // The legend: each series' name and newest value, in as many lines as it needs.
+    const legend = [];
+    let lineX = 46, line = 0;
+    names.forEach((name, i) => {
+      const label = name + " " + fmt(series[name][series[name].length - 1][1]);
+      const w = ctx.measureText(label).width + 28;
+      if (lineX + w > width && lineX > 46) [lineX, line] = [46, line + 1];
+      legend.push({label: label, color: COLORS[i % COLORS.length], x: lineX, y: 11 + 13 * line});
+      lineX += w;
+    });
+    const pad = {left: 46, right: 10, top: 20 + 13 * line, bottom: 22};
     const px = (x) => pad.left + (x - x0) / (x1 - x0) * (width - pad.left - pad.right);
     const py = (y) => height - pad.bottom - (y - y0) / (y1 - y0) * (height - pad.top - pad.bottom);
     ctx.strokeStyle = "#e6e8ec";
@@ -281,11 +449,9 @@
     for (const t of niceTicks(x0, x1, 5)) ctx.fillText(Number(t.toPrecision(4)) + "", px(t), height - 6);
     ctx.textAlign = "right";
     ctx.fillText(axis.unit, width - 2, height - 6);
-    let legendX = pad.left;
     names.forEach((name, i) => {
-      const color = COLORS[i % COLORS.length];
       const points = series[name];
-      ctx.strokeStyle = ctx.fillStyle = color;
+      ctx.strokeStyle = ctx.fillStyle = legend[i].color;
       ctx.lineWidth = 1.5;
       ctx.beginPath();
       points.forEach(([t, v], j) => {
@@ -298,11 +464,9 @@
           ctx.beginPath(); ctx.arc(px(at(t)), py(v), 2, 0, 2 * Math.PI); ctx.fill();
         }
       }
-      const label = name + " " + fmt(points[points.length - 1][1]);
       ctx.textAlign = "left";
-      ctx.fillRect(legendX, 6, 10, 3);
-      ctx.fillText(label, legendX + 14, 11);
-      legendX += ctx.measureText(label).width + 28;
+      ctx.fillRect(legend[i].x, legend[i].y - 5, 10, 3);
+      ctx.fillText(legend[i].label, legend[i].x + 14, legend[i].y);
     });
   }
 
@@ -314,7 +478,9 @@
     select.replaceChildren(el("option", {value: ""}, "all"));
     for (const env of state.envs) select.append(el("option", {value: env}, env));
     select.value = state.envs.includes(chosen) ? chosen : "";
-    document.getElementById("no-groups").hidden = state.groups.length > 0;
+    const none = document.getElementById("no-groups");
+    none.hidden = state.groups.length > 0;
+    if (state.groupsNote) none.textContent = state.groupsNote;
     document.getElementById("group-count").textContent = state.groups.length ? state.groups.length + " newest groups" : "";
     const body = document.querySelector("#groups tbody");
     body.replaceChildren();
@@ -398,6 +564,9 @@
       for (const b of document.querySelectorAll("nav button")) b.classList.toggle("active", b === button);
       for (const s of document.querySelectorAll(".tab")) s.classList.toggle("active", s.id === "tab-" + button.dataset.tab);
       if (button.dataset.tab === "curves") drawCharts();
+      if (button.dataset.tab === "scheduler") {
+        loadScheduler().catch((e) => setStatus("cannot ask the scheduler: " + (e.message || e), true));
+      }
     });
   }
   document.getElementById("env-filter").addEventListener("change", () => {

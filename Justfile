@@ -136,3 +136,7 @@ gpu-check *ARGS:
     "$py" -m pip install -q --no-index --find-links "$bundle/wheels" -c "$pins" \
       -r "$bundle/requirements.txt"
     "$py" bench/gpu_check.py --tokenizer "$bundle/tokenizer" {{ARGS}}
+
+# Dashboard cost: s/version with the dashboard open in Chromium vs closed, ABBA pairs (writes bench/results/dashboard_cost.json)
+bench-dashboard *ARGS: ensure
+    {{bin}}/python bench/dashboard_cost.py {{ARGS}}

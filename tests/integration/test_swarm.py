@@ -109,9 +109,9 @@ class Swarm:
         argv = [sys.executable, "-m", module, *args]
         argv += ["--config", str(self.config_path), "--run-dir", str(run_dir)]
         argv += ["--keys", str(self.keys_file)]
-        return self.launch(name, argv, host)
+        return self.popen(name, argv, host)
 
-    def launch(
+    def popen(
         self, name: str, argv: list[str], host: Node | None = None
     ) -> subprocess.Popen[bytes]:
         """Start `argv` as it is (its output in <name>.out, its log in <name>.log)."""
@@ -275,7 +275,7 @@ def check_the_live_dashboard(swarm: Swarm, join: str) -> None:
     coordinator's scheduler, and a rollout node as its directory record says."""
     argv = [sys.executable, "-m", "agentjet.cli", "dashboard", "--join", join]
     argv += ["--run-id", "swarm-test", "--keys", str(swarm.keys_file)]
-    swarm.launch("dashboard", argv)
+    swarm.popen("dashboard", argv)
     found: list[str] = []
 
     def printed() -> bool:

@@ -31,7 +31,7 @@ import numpy as np
 # 5: NodeRecord.gpus (a v4 peer refuses the unknown field, so it would skip every record).
 # 6: Task rows carry anything: chat-message prompts, any JSON answer, Task.fields.
 # 7: MetricsRequest / MetricsRows on both sockets (a role's recent metrics rows);
-#    GroupStatus.node_id.
+#    GroupStatus.node_id and SubmitGroup.trainer_id.
 PROTOCOL_VERSION = 7
 
 # Earlier lineages a Lineage remembers (one per trainer restart from a checkpoint).
@@ -102,7 +102,8 @@ class Welcome(_Msg, tag="welcome"):
 
 
 class Error(_Msg, tag="error"):
-    # busy: the trainer's queue is full, offer the group again later.
+    # busy: the trainer's queue is full, offer the group again later. gone: the trainer a
+    # request named is not the one at that endpoint (SubmitGroup.trainer_id).
     code: Literal["decode", "version", "invalid", "unknown", "busy", "gone"]
     message: str
 
@@ -322,7 +323,13 @@ def open_lineage(parent: Lineage, version: int, taken: Callable[[str], bool]) ->
 
 
 class SubmitGroup(_Msg, tag="submit_group"):
+    """A group for the trainer `trainer_id` ("": whichever answers). A trainer with another
+    node id answers Error(code="gone"): the one the sender meant died and this one was
+    restarted on its endpoint (a ZMQ client reconnects to it by itself); queued here, the
+    group would also be sent on when the sender settles the dead trainer's groups."""
+
     group: TrajectoryGroup
+    trainer_id: str = ""
 
 
 class GroupAck(_Msg, tag="group_ack"):

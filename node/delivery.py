@@ -131,6 +131,12 @@ class Ledger:
                 if pending.state == "new":
                     pending.trainer = None
                 return code
+            case protocol.Error(code="gone" as code):
+                # Another trainer answers at its endpoint (it was restarted there): the one
+                # offered to may hold the group (an earlier offer went unanswered), so the
+                # group stays with it until it is settled as a gone trainer's.
+                self.unanswered(pending, trainer, now)
+                return code
             case _:  # an error reply to a well-formed group: it will not pass later either
                 self._forget(pending.group.group_id)
                 return "refused"

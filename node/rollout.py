@@ -514,7 +514,7 @@ class Rollout:
             self.counts["groups_resent"] += 1
         try:
             reply = await self.clients[trainer.node_id].request(
-                protocol.SubmitGroup(group=pending.group)
+                protocol.SubmitGroup(group=pending.group, trainer_id=trainer.node_id)
             )
         except PeerUnavailable as e:
             self.ledger.unanswered(pending, trainer, time.monotonic())
@@ -536,6 +536,8 @@ class Rollout:
                     log.error("trainer rejected group %s: %s", group_id, reply.reason)
             case protocol.Error(code="busy"):
                 pass
+            case protocol.Error(code="gone", message=message):
+                log.info("trainer %s was restarted (%s): its groups wait", trainer.node_id, message)
             case protocol.Error(message=message):
                 log.error("trainer refused group %s: %s", group_id, message)
             case _:

@@ -331,7 +331,11 @@ class Trainer:
         match msg:
             case protocol.Hello():
                 return protocol.answer_hello(msg, self.config.swarm.run_id, self.version)
-            case protocol.SubmitGroup(group=group):
+            case protocol.SubmitGroup(group=group, trainer_id=addressed):
+                if addressed and addressed != self.node_id:
+                    return protocol.Error(
+                        code="gone", message=f"this is {self.node_id}, not {addressed}"
+                    )
                 return self._receive(group)
             case protocol.GroupStatusQuery(group_ids=ids):
                 if len(ids) > protocol.MAX_STATUS_IDS:

@@ -158,6 +158,10 @@ def test_trainer_acks_dedupes_rejects_and_serves_weights(trainer: Launched):
 
     async def scenario() -> None:
         client = await connect(trainer)
+        # a group meant for another trainer (the one this may have replaced on its endpoint)
+        meant = protocol.SubmitGroup(group=make_group("a"), trainer_id="trainer-dead-1-abc")
+        refused_here = await client.request(meant)
+        assert isinstance(refused_here, protocol.Error) and refused_here.code == "gone"
         ack = await client.request(protocol.SubmitGroup(group=make_group("a")))
         assert ack.status == "accepted" and ack.policy_version == 0
         again = await client.request(protocol.SubmitGroup(group=make_group("a")))

@@ -65,6 +65,22 @@ def test_a_busy_trainer_is_left_alone_and_another_takes_the_group() -> None:
     assert ledger.pick(pending, trainers, now=10.0) is a  # a's pause is over
 
 
+def test_a_group_answered_by_a_trainer_restarted_on_its_endpoint_waits_for_the_first() -> None:
+    """Its offer went unanswered, the trainer died and another came up on its endpoint: the
+    dead one may have queued the group (and a mark may say it trained it), so it is settled
+    as the dead trainer's, never offered to another meanwhile (the fault suite trained two
+    such groups twice: the restarted trainer took them, and they were sent on as well)."""
+    ledger = ledger_with("g")
+    a, b = TrainerPeer("a", "tcp://h:1"), TrainerPeer("b", "tcp://h:2")
+    [g] = ledger.to_offer()
+    ledger.unanswered(g, a, now=0.0)
+    gone = protocol.Error(code="gone", message="this is a2, not a")
+    assert ledger.offered(g, a, gone, now=5.0) == "gone"
+    assert ledger.pick(g, {"a": a, "b": b}, now=5.1) is None  # not to b, not yet
+    assert ledger.trainer_gone("a", trained=set()) == {"trained": 0, "resent": 1, "waiting": 0}
+    assert ledger.pick(g, {"b": b}, now=5.2) is b
+
+
 def test_an_unanswered_group_goes_only_to_the_same_trainer_until_it_is_gone() -> None:
     """No reply does not mean not received: offering it elsewhere could train it twice."""
     ledger = ledger_with("g", "h")

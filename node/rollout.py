@@ -512,9 +512,12 @@ class Rollout:
         group_id = pending.group.group_id
         if pending.state == "unsure":
             self.counts["groups_resent"] += 1
+        # A trainer from the directory is asked by its node id (a trainer restarted on its
+        # endpoint is another); the one trainer of a config without --join is unnamed.
+        addressed = "" if trainer.node_id == STATIC_TRAINER else trainer.node_id
         try:
             reply = await self.clients[trainer.node_id].request(
-                protocol.SubmitGroup(group=pending.group, trainer_id=trainer.node_id)
+                protocol.SubmitGroup(group=pending.group, trainer_id=addressed)
             )
         except PeerUnavailable as e:
             self.ledger.unanswered(pending, trainer, time.monotonic())

@@ -192,7 +192,8 @@
       let changed = false;
       for (const {role} of roles.roles) changed = (await readMetrics(role)) || changed;
       state.nodes = (await api("/api/nodes")).nodes;
-      const groupsChanged = await loadGroups();
+      // The viewer's list and the scheduler are read only while their tab is open.
+      const groupsChanged = activeTab() === "trajectories" && await loadGroups();
       if (activeTab() === "scheduler") await loadScheduler();
       state.polls += 1;
       state.lastError = "";
@@ -564,6 +565,9 @@
       for (const b of document.querySelectorAll("nav button")) b.classList.toggle("active", b === button);
       for (const s of document.querySelectorAll(".tab")) s.classList.toggle("active", s.id === "tab-" + button.dataset.tab);
       if (button.dataset.tab === "curves") drawCharts();
+      if (button.dataset.tab === "trajectories") {
+        loadGroups().then(renderGroups, (e) => setStatus("cannot list trajectories: " + (e.message || e), true));
+      }
       if (button.dataset.tab === "scheduler") {
         loadScheduler().catch((e) => setStatus("cannot ask the scheduler: " + (e.message || e), true));
       }

@@ -235,6 +235,16 @@ class TrainerConfig(_Section):
     # have accumulated, over as many trained batches as that takes. Keeps an update's
     # size fixed when a scheduler changes how many of the groups teach anything.
     informative_samples_per_step: NonNegInt = 0
+    # Dynamic sampling (DAPO): a group whose rewards all agree adds no gradient, so it is
+    # left out on arrival (acked "zero_variance", counted, never trained) and a step waits
+    # for `groups_per_step` groups whose rewards vary. Every step then has the same
+    # effective batch whatever the scheduler; rollout nodes generate until it is full.
+    dynamic_sampling: bool = False
+    # With dynamic_sampling: once a step has waited this long for its groups, it trains
+    # the varied groups it holds (a short step, counted as a full one toward the swarm's
+    # batch; counts/steps_short), or, holding none, says so in the log and waits on (the
+    # tasks are all solved or all out of reach). 0 = wait for a full step however long.
+    fill_timeout_s: NonNegFloat = 600.0
     # PPO-style clip range on the importance ratio pi_theta / pi_sampler.
     clip_eps: Annotated[float, Meta(gt=0, lt=1)] = 0.2
     # Groups sampled more than this many versions ago are dropped, not trained.

@@ -32,7 +32,8 @@ import numpy as np
 # 6: Task rows carry anything: chat-message prompts, any JSON answer, Task.fields.
 # 7: MetricsRequest / MetricsRows on both sockets (a role's recent metrics rows);
 #    GroupStatus.node_id and SubmitGroup.trainer_id.
-PROTOCOL_VERSION = 7
+# 8: GroupAck status "zero_variance" (dynamic sampling: a group that teaches nothing).
+PROTOCOL_VERSION = 8
 
 # Earlier lineages a Lineage remembers (one per trainer restart from a checkpoint).
 MAX_ANCESTORS = 16
@@ -337,12 +338,13 @@ class GroupAck(_Msg, tag="group_ack"):
 
     "accepted" (queued) and "duplicate" (already queued or trained here) mean the trainer
     holds the group: the rollout node keeps its copy until GroupStatus says "trained", so
-    a trainer that dies with groups in its queue loses nothing. "stale" and "rejected"
-    are final.
+    a trainer that dies with groups in its queue loses nothing. "stale", "rejected" and
+    "zero_variance" (dynamic sampling: the group's rewards all agree, so it would add no
+    gradient; left out, never trained) are final.
     """
 
     group_id: str
-    status: Literal["accepted", "duplicate", "stale", "rejected"]
+    status: Literal["accepted", "duplicate", "stale", "rejected", "zero_variance"]
     policy_version: int
     reason: str = ""
 

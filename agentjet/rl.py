@@ -25,13 +25,23 @@ import torch
 ADVANTAGE_EPS = 1e-6
 
 
-def group_advantages(rewards: Sequence[float]) -> list[float]:
-    """GRPO advantages; all zero when every sample got the same reward (no signal)."""
+def _mean_std(rewards: Sequence[float]) -> tuple[float, float]:
     n = len(rewards)
     mean = sum(rewards) / n
-    std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / n)
-    if std < ADVANTAGE_EPS:
-        return [0.0] * n
+    return mean, math.sqrt(sum((r - mean) ** 2 for r in rewards) / n)
+
+
+def zero_variance(rewards: Sequence[float]) -> bool:
+    """Whether a group's rewards all agree: its advantages are all zero, it teaches nothing
+    (what dynamic sampling leaves out). An empty group teaches nothing either."""
+    return not rewards or _mean_std(rewards)[1] < ADVANTAGE_EPS
+
+
+def group_advantages(rewards: Sequence[float]) -> list[float]:
+    """GRPO advantages; all zero when every sample got the same reward (no signal)."""
+    if zero_variance(rewards):
+        return [0.0] * len(rewards)
+    mean, std = _mean_std(rewards)
     return [(r - mean) / (std + ADVANTAGE_EPS) for r in rewards]
 
 

@@ -1,7 +1,7 @@
 """Where each of a rollout node's groups is until a trainer has trained it.
 
     produced ──▶ new ──SubmitGroup──▶ "accepted" / "duplicate" ──▶ held(T) ──GroupStatus──▶ gone
-                  ▲        │                                          │   "trained" / "dropped"
+                  ▲        ├─ stale, rejected, zero_variance: gone    │   "trained" / "dropped"
                   │        │ no reply: T may have it                  │
                   │        ▼                                          │ "unknown" (T restarted
                   │     unsure(T): offered again to T only            │  and lost its queue)
@@ -123,7 +123,7 @@ class Ledger:
                 if self.spool is not None:
                     self.spool.hold(pending.group.group_id, trainer.node_id)
                 return status
-            case protocol.GroupAck(status=status):  # stale or rejected: final
+            case protocol.GroupAck(status=status):  # stale, rejected, zero_variance: final
                 self._forget(pending.group.group_id)
                 return status
             case protocol.Error(code="busy" as code):

@@ -8,6 +8,11 @@ trainer side's counterpart of the rollout node's `Ledger` (node/delivery.py).
               dropped        lineage        this side only: doubtful     it: durable
                                             (a peer's mark settles it)
 
+Under dynamic sampling (trainer.dynamic_sampling) a group whose rewards all agree never
+enters the book's queue: it is acked "zero_variance" on arrival, remembered as dropped, and
+counted by the step being filled (`Filling`), which waits for `groups_per_step` groups
+that teach something, or trains what it holds once `trainer.fill_timeout_s` has passed.
+
 "Trained" is said to a rollout node (GroupStatus) only once the weights holding the group
 survive this trainer's death: a checkpoint here of a version at or past the step's. (The
 DHT's trained marks, read when a trainer is gone, also count a live trainer whose lineage
@@ -19,6 +24,7 @@ rest of the book lives in memory.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -28,6 +34,7 @@ from typing import IO, Literal
 
 from agentjet import protocol, rl
 from agentjet.config import SwarmConfig
+from agentjet.roles import wait_for
 
 # Ids of acknowledged groups kept for duplicate detection; a re-send arrives within minutes.
 SEEN_GROUP_IDS = 1_000_000
@@ -108,6 +115,49 @@ def oldest_version(group: protocol.TrajectoryGroup) -> int:
 
 
 @dataclass
+class Filling:
+    """The step being filled under dynamic sampling: since when it waits for its groups,
+    and how many zero-variance groups were left out meanwhile."""
+
+    timeout_s: float  # trainer.fill_timeout_s; 0 = wait for a full step however long
+    since: float = field(default_factory=time.monotonic)
+    left_out: int = 0
+
+    def restart(self, now: float | None = None) -> None:
+        """A step was taken (or a wait reported): the next one starts filling now."""
+        self.since = time.monotonic() if now is None else now
+        self.left_out = 0
+
+    def remaining_s(self, now: float) -> float | None:
+        """How long the step may still wait to fill; None: no bound."""
+        if not self.timeout_s:
+            return None
+        return max(0.0, self.since + self.timeout_s - now)
+
+    async def wait(self, ready: asyncio.Event) -> bool:
+        """Wait for `ready` (a full step's groups are queued) at most until the timeout:
+        True when full, False when the step's time to fill has passed."""
+        remaining = self.remaining_s(time.monotonic())
+        if remaining is None:
+            await ready.wait()
+            return True
+        try:
+            await wait_for(ready.wait(), remaining)
+        except TimeoutError:
+            return ready.is_set()
+        return True
+
+    def empty_handed(self, now: float) -> str:
+        """What to log when the time to fill passed with no group to train."""
+        waited = now - self.since
+        return (
+            f"no group whose rewards vary in {waited:.0f} s ({self.left_out} left out as "
+            "zero-variance): the tasks may be all solved or all out of the policy's reach; "
+            "the step waits on (trainer.fill_timeout_s, trainer.dynamic_sampling)"
+        )
+
+
+@dataclass
 class StepGroups:
     """What a step's outcome did to the groups of the book (for the caller's I/O)."""
 
@@ -160,15 +210,21 @@ class GroupBook:
             self._remember(group_id, "dropped")
 
     def take(
-        self, size: int, version: int, max_policy_lag: int, lineage: protocol.Lineage
+        self,
+        size: int,
+        version: int,
+        max_policy_lag: int,
+        lineage: protocol.Lineage,
+        short: bool = False,
     ) -> tuple[list[protocol.TrajectoryGroup], list[protocol.TrajectoryGroup]]:
         """A batch of `size` fresh groups from the queue front, and the stale ones dropped
         on the way (`take_batch`); a batch short of `size` stays in the queue (returned
-        empty). Lineage is checked here, not on arrival: a trainer that has yet to catch
-        up with the swarm takes its lineage first."""
+        empty) unless `short` (a step whose time to fill has passed takes what there is).
+        Lineage is checked here, not on arrival: a trainer that has yet to catch up with
+        the swarm takes its lineage first."""
         batch, stale = take_batch(self.queue, size, version, max_policy_lag, lineage)
         self.drop(g.group_id for g in stale)
-        if len(batch) < size:
+        if len(batch) < size and not short:
             self.queue.extendleft(reversed(batch))
             batch = []
         return batch, stale

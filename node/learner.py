@@ -102,9 +102,10 @@ class Learner:
         self.temperature = temperature
         self.pad_token_id = pad_token_id
 
-    def train_step(self, groups: list[TrajectoryGroup]) -> StepResult:
+    def train_step(self, groups: list[TrajectoryGroup], count_at_least: int = 0) -> StepResult:
         """Accumulate gradients over `groups`, less those that fail the logprob check, and
-        step the swarm optimizer."""
+        step the swarm optimizer. `count_at_least`: the samples the batch counts for toward
+        the swarm's target at least (a short step under dynamic sampling counts as full)."""
         start = time.perf_counter()
         rows = self._rows(groups)
         done = self._accumulate_or_explain(rows)
@@ -124,6 +125,8 @@ class Learner:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm))
         # Counted in samples with gradient (informative_samples_per_step) or in all samples.
         counted = len(rows) if self.config.informative_samples_per_step else num_samples
+        if counted:
+            counted = max(counted, count_at_least)
         # Named even when they add no gradient: they are trained with the batch they join.
         self.swarm.name_groups(g.group_id for g in groups)
         if counted == 0:
@@ -147,7 +150,7 @@ class Learner:
                 "charts/trained_samples": len(rows),
                 "charts/trained_tokens": done.num_tokens,
                 "charts/zero_variance_groups": sum(
-                    1 for g in groups if len({s.reward for s in g.samples}) == 1
+                    1 for g in groups if rl.zero_variance([s.reward for s in g.samples])
                 ),
                 "perf/step_s": time.perf_counter() - start,
             },

@@ -65,7 +65,7 @@ from agentjet.tasks import TaskSource
 from agentjet.transport import Server
 from node.gpu_monitor import GpuMonitor
 from node.gpu_monitor import metrics as gpu_metrics
-from node.groups import GroupBook, StepGroups, doubt_wait_s, oldest_version
+from node.groups import Filling, GroupBook, StepGroups, doubt_wait_s, oldest_version
 from node.learner import Learner, StepResult
 from node.lora import add_adapters, merged_weights
 from node.model import DTYPES, load_causal_lm, resolve_model
@@ -158,7 +158,7 @@ class Trainer:
         cleanup.callback(self.dht.shutdown)
         self.directory = Directory(self.dht, cfg.swarm)
         cleanup.callback(self.directory.withdraw, self.node_id)
-        local_batch = (
+        self.local_batch = local_batch = (
             cfg.trainer.informative_samples_per_step
             or cfg.trainer.groups_per_step * cfg.rollout.group_size
         )
@@ -228,6 +228,7 @@ class Trainer:
         cleanup.callback(self.metrics.close)
         cleanup.callback(self._final_checkpoint)
         self.batch_ready = asyncio.Event()
+        self.filling = Filling(cfg.trainer.fill_timeout_s if cfg.trainer.dynamic_sampling else 0)
         self.directory_settled = asyncio.Event()
         self.connected = asyncio.Event()  # the directory lists some other node
         self.connected.set()
@@ -389,8 +390,12 @@ class Trainer:
         if quarantined is not None:
             self.counts["groups_refused_quarantined"] += 1
             return ack("rejected", quarantined)
+        # Dynamic sampling: a group whose rewards all agree needs no room in the queue.
+        left_out = self.config.trainer.dynamic_sampling and rl.zero_variance(
+            [s.reward for s in group.samples]
+        )
         queued = len(self.book.queue)
-        if queued >= self.config.trainer.max_queued_groups:
+        if queued >= self.config.trainer.max_queued_groups and not left_out:
             self.counts["busy_replies"] += 1
             return protocol.Error(code="busy", message=f"{queued} groups queued")
         problem = protocol.check_group(group, self.vocab_size, MAX_SEQUENCE_TOKENS)
@@ -407,8 +412,13 @@ class Trainer:
             return ack("rejected", f"wrong reward: {problem}")
         oldest = oldest_version(group)
         if rl.is_stale(oldest, self.version, self.config.trainer.max_policy_lag):
-            self._record_stale([group.group_id])
+            self._record_dropped([group.group_id])
             return ack("stale")
+        if left_out:
+            self.book.drop([group.group_id])
+            self.filling.left_out += 1
+            self._record_dropped([group.group_id], "zero_variance")
+            return ack("zero_variance")
         self.book.accept(group)
         if len(self.book.queue) >= self.config.trainer.groups_per_step:
             self.batch_ready.set()
@@ -511,7 +521,12 @@ class Trainer:
                     await wait_for(self.batch_ready.wait(), cfg.swarm.heartbeat_s)
                 if not self.batch_ready.is_set():
                     continue
-            await self.batch_ready.wait()
+            full = await self.filling.wait(self.batch_ready)
+            if not full and not self.book.queue:
+                log.warning(self.filling.empty_handed(time.monotonic()))
+                self.counts["fill_timeouts_empty"] += 1
+                self.filling.restart()
+                continue
             if self.withheld or max(self._other_versions(), default=-1) > self.version:
                 # Other trainers moved on (or this version is withheld): take the swarm's
                 # state (and lineage) first, so the gradients are computed on the weights
@@ -520,8 +535,13 @@ class Trainer:
                 # directory lags a real step, the round at the old version fails and
                 # hivemind's tracker says the swarm moved on).
                 await self._catch_up()
+            # A step whose time to fill has passed takes the varied groups it holds.
             batch, stale = self.book.take(
-                cfg.trainer.groups_per_step, self.version, cfg.trainer.max_policy_lag, self.lineage
+                cfg.trainer.groups_per_step,
+                self.version,
+                cfg.trainer.max_policy_lag,
+                self.lineage,
+                short=not full,
             )
             if stale:
                 # Too old, or sampled by weights these do not descend from (a lineage that
@@ -531,13 +551,16 @@ class Trainer:
                 ]
                 self.counts["groups_dropped_lineage"] += len(foreign)
                 self.counts["groups_dropped_stale"] += len(stale) - len(foreign)
-                self._record_stale([g.group_id for g in stale])
+                self._record_dropped([g.group_id for g in stale])
             if not batch:
                 self.batch_ready.clear()
                 continue
             # A stop must not cut a step in two (weights stepped, version or row not
             # recorded): the step runs shielded and `run` waits for it before cleanup.
-            self.step_task = asyncio.create_task(self._step(batch, last), name="trainer-step")
+            short = len(batch) < cfg.trainer.groups_per_step
+            self.step_task = asyncio.create_task(
+                self._step(batch, last, short), name="trainer-step"
+            )
             last = await asyncio.shield(self.step_task)
             if len(self.book.queue) < cfg.trainer.groups_per_step:
                 self.batch_ready.clear()
@@ -670,24 +693,40 @@ class Trainer:
             self.counts["groups_requeued"] += len(batch.groups)
             self.batch_ready.set()
 
-    def _record_stale(self, group_ids: list[str]) -> None:
-        """A metrics row for groups dropped as stale, written before any rollout node hears
-        of it (and deletes its copy): a crash right after cannot hide a drop."""
+    def _record_dropped(self, group_ids: list[str], why: str = "stale") -> None:
+        """A metrics row for groups dropped as `why` ("stale", or "zero_variance": left out
+        by dynamic sampling), written before any rollout node hears of it (and deletes its
+        copy): a crash right after cannot hide a drop."""
         self.metrics.write(
-            {"event": "stale", "policy_version": self.version, "stale_group_ids": group_ids}
+            {"event": why, "policy_version": self.version, f"{why}_group_ids": group_ids}
         )
 
-    async def _step(self, batch: list[protocol.TrajectoryGroup], last: float) -> float:
+    async def _step(
+        self, batch: list[protocol.TrajectoryGroup], last: float, short: bool = False
+    ) -> float:
         """Train on `batch`, publish and record the new version; returns the step's end time.
 
         The batch's gradients join those already accumulated. When the swarm steps, every
         accumulated group is trained; when hivemind discards them (this trainer was out of
         sync, or the round with peers failed), the groups go back to the queue front.
+        A `short` batch (dynamic sampling's time to fill passed) counts as a full local
+        batch toward the swarm's target, so the step is taken now.
         """
         cfg = self.config
         lags = [rl.policy_lag(s.policy_version, self.version) for g in batch for s in g.samples]
         self.lag_histogram.update(lags)
-        result: StepResult = await blocking(self.learner.train_step, batch)
+        if short:
+            log.info(
+                "time to fill a step passed (trainer.fill_timeout_s): training %d of %d groups",
+                len(batch),
+                cfg.trainer.groups_per_step,
+            )
+            self.counts["steps_short"] += 1
+        left_out = self.filling.left_out
+        self.filling.restart()
+        result: StepResult = await blocking(
+            self.learner.train_step, batch, self.local_batch if short else 0
+        )
         self._reject_for_logprobs(batch, result)
         outcome = result.outcome
         groups = self.book.stepped(
@@ -725,6 +764,9 @@ class Trainer:
                 "charts/staleness_mean": sum(lags) / len(lags),
                 "charts/staleness_max": max(lags),
                 "perf/s_per_version": now - last,
+                "short_step": short,
+                # zero-variance groups dynamic sampling left out while this step filled
+                "groups_left_out": left_out,
                 "perf/samples_per_s": self.samples_per_s,
                 "queue": len(self.book.queue),
                 **gpu_metrics(self.gpus),

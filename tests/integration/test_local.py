@@ -181,6 +181,49 @@ def test_local_run_trains_publishes_and_exits_cleanly(tiny_model_dir: Path, tmp_
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize("scheduler", ["uniform", "envsched"])
+def test_dynamic_sampling_trains_full_steps_of_varied_groups_and_accounts_for_every_group(
+    tiny_model_dir: Path, tmp_path: Path, scheduler: str
+) -> None:
+    """trainer.dynamic_sampling with each scheduler: every step trains groups_per_step
+    groups whose rewards vary; the zero-variance ones are left out, never trained, and
+    every group made is trained, left out, stale or still held at the end."""
+    run_dir = tmp_path / "run"
+    settings = (
+        f'coordinator.scheduler="{scheduler}"',
+        "trainer.dynamic_sampling=true",
+        # rewards the random tiny model earns half the time: with 2 samples, about half
+        # the groups agree
+        'envs.0.name="agent"',
+        'envs.0.agent="tests.agents:even_length"',
+        "rollout.group_size=2",
+        "trainer.max_logprob_gap=0",  # lr 1e-3 moves the tiny model far per version
+    )
+    code, output, spawned = run_local(tiny_model_dir, run_dir, max_steps=3, settings=settings)
+    logs = "\n".join(p.read_text() for p in (run_dir / "logs").glob("*.log"))
+    assert code == 0, output + logs
+    trainer = read_metrics(run_dir / "metrics" / "trainer.jsonl")
+    rollout = read_metrics(run_dir / "metrics" / "rollout.jsonl")
+    steps = [r for r in trainer if r.get("event") == "step"]
+    assert {r["policy_version"] for r in steps} >= {1, 2, 3}
+    # full steps (groups_per_step=2) of groups whose rewards vary
+    assert all(len(r["trained_group_ids"]) == 2 and not r["short_step"] for r in steps)
+    assert all(r["charts/zero_variance_groups"] == 0 for r in steps)
+    created = [g for r in rollout if r.get("event") == "batch" for g in r["group_ids"]]
+    trained = [g for r in steps for g in r["trained_group_ids"]]
+    left_out = [g for r in trainer for g in r.get("zero_variance_group_ids", [])]
+    stale = [g for r in trainer for g in r.get("stale_group_ids", [])]
+    [trainer_end] = [r for r in trainer if r.get("event") == "stopped"]
+    [rollout_end] = [r for r in rollout if r.get("event") == "stopped"]
+    pending = trainer_end["queued_group_ids"] + rollout_end["unacked_group_ids"]
+    assert left_out, "no group's rewards agreed: the left-out path was not exercised"
+    assert len(trained) == len(set(trained)) and not set(trained) & set(left_out)
+    assert set(created) == set(trained) | set(left_out) | set(stale) | set(pending)
+    assert sum(r["groups_left_out"] for r in steps) <= len(left_out)
+    assert [pid for pid in spawned if running(pid)] == []
+
+
+@pytest.mark.integration
 def test_ctrl_c_stops_every_process_and_keeps_a_checkpoint(tiny_model_dir: Path, tmp_path: Path):
     run_dir = tmp_path / "run"
     trainer_metrics = run_dir / "metrics" / "trainer.jsonl"

@@ -229,3 +229,56 @@ def test_trainer_acks_dedupes_rejects_and_serves_weights(trainer: Launched):
 
     asyncio.run(scenario())
     assert trainer.stop()["counts/rejected_messages"] >= 3
+
+
+def test_dynamic_sampling_leaves_out_groups_whose_rewards_agree_and_a_late_step_goes_short(
+    tiny_model_dir: Path, tmp_path: Path, keys_file: Path
+) -> None:
+    """trainer.dynamic_sampling: zero-variance groups are acked "zero_variance" (final,
+    even with the queue full) and never trained; a step short of groups_per_step varied
+    groups trains what it holds once trainer.fill_timeout_s has passed."""
+    overrides = [
+        "rollout.group_size=2",
+        "trainer.dynamic_sampling=true",
+        "trainer.fill_timeout_s=3",
+        "trainer.groups_per_step=4",
+        "trainer.max_queued_groups=2",
+        "trainer.checkpoint_every=1",
+        "trainer.max_logprob_gap=0",  # the factory's logprobs are not the tiny model's
+    ]
+    agree, vary = (1.0, 1.0), (1.0, 0.0)
+    with launched_trainer(tiny_model_dir, tmp_path, keys_file, overrides) as trainer:
+
+        async def scenario() -> dict[str, str]:
+            client = await connect(trainer)
+
+            async def submit(group_id: str, rewards: tuple[float, ...]) -> object:
+                group = make_group(group_id, rewards=rewards)
+                return await client.request(protocol.SubmitGroup(group=group))
+
+            assert (await submit("z1", agree)).status == "zero_variance"
+            assert (await submit("a", vary)).status == "accepted"
+            assert (await submit("b", vary)).status == "accepted"
+            busy = await submit("c", vary)
+            assert isinstance(busy, protocol.Error) and busy.code == "busy"
+            # left out needs no room in the queue
+            assert (await submit("z2", (0.0, 0.0))).status == "zero_variance"
+            assert (await submit("z1", agree)).status == "duplicate"
+            deadline = time.monotonic() + START_TIMEOUT_S
+            while True:  # the step goes short after fill_timeout_s and is checkpointed
+                reply = await client.request(protocol.GroupStatusQuery(group_ids=["a", "b", "z1"]))
+                if reply.statuses["a"] != "queued" or time.monotonic() > deadline:
+                    break
+            client.close()
+            return reply.statuses
+
+        statuses = asyncio.run(scenario())
+        assert statuses == {"a": "trained", "b": "trained", "z1": "dropped"}
+        final = trainer.stop()
+    assert final["counts/groups_zero_variance"] == 2 and final["counts/steps_short"] == 1
+    rows = read_metrics(trainer.run_dir / "metrics" / "trainer.jsonl")
+    [step] = [r for r in rows if r.get("event") == "step"]
+    assert step["short_step"] and step["groups_left_out"] == 2
+    assert sorted(step["trained_group_ids"]) == ["a", "b"] and step["policy_version"] == 1
+    left_out = [g for r in rows for g in r.get("zero_variance_group_ids", [])]
+    assert sorted(left_out) == ["z1", "z2"]

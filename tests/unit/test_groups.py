@@ -4,6 +4,7 @@ including a lone trainer killed between checkpoints and resumed."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -11,7 +12,7 @@ import pytest
 
 from agentjet import protocol
 from agentjet.protocol import Lineage, fork_id
-from node.groups import GroupBook
+from node.groups import Filling, GroupBook
 from node.swarm import Mark, durable, read_mark, undecided_mark
 
 pytestmark = pytest.mark.unit
@@ -189,6 +190,46 @@ def test_a_short_batch_stays_queued_and_stale_groups_are_dropped_on_the_way():
     batch, stale = book.take(2, version=5, max_policy_lag=2, lineage=Lineage())
     assert batch == [] and stale == [old] and list(book.queue) == [fresh]
     assert book.status("old") == "dropped"
+
+
+def test_a_step_whose_time_to_fill_passed_takes_the_groups_it_holds():
+    book = GroupBook()
+    old, fresh = group("old", version=0), group("fresh", version=5)
+    book.accept(old)
+    book.accept(fresh)
+    batch, stale = book.take(4, version=5, max_policy_lag=2, lineage=Lineage(), short=True)
+    assert batch == [fresh] and stale == [old] and not book.queue
+
+
+def test_a_step_fills_when_its_groups_are_queued_before_its_time_to_fill() -> None:
+    async def fill() -> bool:
+        ready = asyncio.Event()
+        filling = Filling(timeout_s=60.0)
+        asyncio.get_running_loop().call_soon(ready.set)
+        return await filling.wait(ready)
+
+    assert asyncio.run(fill()) is True
+
+
+def test_a_step_stops_waiting_once_its_time_to_fill_has_passed() -> None:
+    async def timed_out() -> tuple[bool, float]:
+        filling = Filling(timeout_s=0.05)
+        start = asyncio.get_running_loop().time()
+        full = await filling.wait(asyncio.Event())  # never set: nothing arrives
+        return full, asyncio.get_running_loop().time() - start
+
+    full, waited = asyncio.run(timed_out())
+    assert full is False and waited >= 0.04
+
+
+def test_the_time_to_fill_counts_from_the_last_step_and_zero_means_no_bound() -> None:
+    filling = Filling(timeout_s=10.0, since=100.0)
+    filling.left_out = 7
+    assert filling.remaining_s(104.0) == 6.0 and filling.remaining_s(130.0) == 0.0
+    assert "7 left out as zero-variance" in filling.empty_handed(130.0)
+    filling.restart(130.0)
+    assert filling.remaining_s(131.0) == 9.0 and filling.left_out == 0
+    assert Filling(timeout_s=0.0).remaining_s(1e9) is None
 
 
 def test_cut_off_a_trainer_forgets_what_it_held_so_rollout_nodes_resend_it():

@@ -5,7 +5,14 @@ import math
 import pytest
 import torch
 
-from agentjet.rl import group_advantages, is_stale, policy_lag, policy_loss, sample_advantages
+from agentjet.rl import (
+    group_advantages,
+    is_stale,
+    policy_lag,
+    policy_loss,
+    sample_advantages,
+    zero_variance,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -27,6 +34,8 @@ def test_advantages_uneven_group():
 def test_zero_variance_group_has_zero_advantage():
     assert group_advantages([1.0] * 8) == [0.0] * 8
     assert group_advantages([0.0] * 8) == [0.0] * 8
+    assert zero_variance([0.5] * 4) and zero_variance([])
+    assert not zero_variance([0.5, 0.5, 0.6])
 
 
 def test_loss_on_policy_equals_minus_advantage_mean():

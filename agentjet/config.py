@@ -351,15 +351,21 @@ class EnvSchedConfig(_Section):
     # Evidence halves after this many further reported groups: the policy moves on (at 8
     # groups per step, 256 groups are 32 policy versions).
     half_life_groups: PositiveFloat = 256.0
-    # Coverage bonus bonus_scale / sqrt(1 + decayed groups of the cell), added to the
-    # predicted P(mixed group) so rarely or long unseen cells are looked at again.
-    bonus_scale: NonNegFloat = 0.05
     # Candidates drawn from an env's task source per slot granted in it (the choice pool).
     pool_factor: PositiveInt = 8
-    # Added to every candidate's weight so no task starves.
-    epsilon: PositiveFloat = 0.01
+    # No candidate weighs less than this (uniform sampling weighs each 1): whatever the
+    # history, every task keeps about this share of its chance under uniform sampling.
+    floor: Probability = 0.1
+    # Share of zero-variance groups (rewards all equal) each env is steered toward by
+    # skipping candidates predicted to give one; where uniform sampling gives fewer,
+    # nothing is skipped.
+    zero_variance_target: Annotated[float, Meta(ge=0, lt=1)] = 0.4
+    # How fast an env's keep rate for predicted zero-variance candidates follows the
+    # target: each reported group moves log(keep) by steer_rate x (target - zero-variance).
+    steer_rate: PositiveFloat = 0.05
     # Tasks whose last group was mixed, kept per env (newest first) and offered again beside
     # fresh candidates: a task in reach of the policy keeps teaching until it is learned.
+    # The share of them offered follows the keep rate: none at 1, all at the floor.
     # 0 = fresh candidates only.
     frontier_size: NonNegInt = 256
     # Open grants allowed per environment name (sandbox capacity); unnamed envs: no limit.
@@ -368,13 +374,6 @@ class EnvSchedConfig(_Section):
     # is ratio_weights[E][i] (envs not named keep envs[].weight). Empty = envs[].weight always.
     ratio_at_grants: list[NonNegInt] = msgspec.field(default_factory=list)
     ratio_weights: dict[str, list[NonNegFloat]] = msgspec.field(default_factory=dict)
-    # Shares of declared difficulties 1, 2, 3 within every environment that draws several
-    # ("cocktail" by difficulty): each batch's slots are apportioned over the difficulties by
-    # these weights, then tasks are chosen by score within each. Difficulties past the list,
-    # and task file rows that declare none, get no slots. Empty = no quota.
-    difficulty_weights: Annotated[list[NonNegFloat], Meta(max_length=3)] = msgspec.field(
-        default_factory=list
-    )
 
 
 class CoordinatorConfig(_Section):
@@ -692,8 +691,6 @@ def _check_envsched(params: EnvSchedConfig, env_names: set[str]) -> None:
                     f"{where}.{key}.{name}: no such environment in envs "
                     f"(configured: {', '.join(sorted(env_names))})"
                 )
-    if params.difficulty_weights and not any(params.difficulty_weights):
-        raise ConfigError(f"{where}.difficulty_weights: every difficulty has weight 0")
     steps = params.ratio_at_grants
     if any(a >= b for a, b in zip(steps, steps[1:], strict=False)):
         raise ConfigError(f"{where}.ratio_at_grants: must be strictly increasing, got {steps}")

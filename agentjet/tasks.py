@@ -86,9 +86,6 @@ class TaskSource:
             loaded = load_tasks(task_file, env, columns, bad_rows, split)
             self.rows, self.skipped = loaded.tasks, len(loaded.skipped)
         self.by_id = None if self.rows is None else {task.id: task for task in self.rows}
-        self.rows_at: dict[int, list[Task]] = {}  # a task file's rows by declared difficulty
-        for task in self.rows or []:
-            self.rows_at.setdefault(task.difficulty, []).append(task)
 
     @classmethod
     def from_config(cls, env: EnvConfig) -> TaskSource:
@@ -121,18 +118,11 @@ class TaskSource:
         task = arithmetic_task_from_id(task_id, self.env)
         return task if task is not None and self.covers(task) else None
 
-    def drawn_difficulties(self) -> set[int]:
-        """The difficulties this source draws (0: a task file row that declares none)."""
-        return set(self.rows_at) if self.rows is not None else set(self.difficulties)
-
-    def sample(self, rng: random.Random, difficulty: int | None = None) -> Task:
-        """A task, at `difficulty` when given (one of `drawn_difficulties()`)."""
+    def sample(self, rng: random.Random) -> Task:
+        """A task: a row of the task file, or a generated one of a configured difficulty."""
         if self.rows is not None:
-            if difficulty is None:
-                return rng.choice(self.rows)
-            return rng.choice(self.rows_at[difficulty])
-        if difficulty is None:
-            difficulty = rng.choice(self.difficulties)
+            return rng.choice(self.rows)
+        difficulty = rng.choice(self.difficulties)
         maker = TASK_MAKERS.get(self.env)
         if maker is not None:
             return maker(rng, difficulty, self.env)

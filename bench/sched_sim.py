@@ -1,23 +1,29 @@
-"""Scheduling benchmark: how many zero-variance groups does each scheduler hand out?
+"""Scheduling benchmark: how many zero-variance groups does each scheduler hand out, and
+which groups does the trainer get?
 
     world: every (env, task) has a true success rate p = sigmoid(cell base + task offset +
-    what the fake policy learned); a group is 8 Bernoulli(p) rewards, and a mixed group
-    teaches (its task gains TASK_LEARN_LOGIT, its cell CELL_LEARN_LOGIT)
+    what the fake policy learned + drift); a group is 8 Bernoulli(p) rewards, a mixed group
+    teaches (its task gains TASK_LEARN_LOGIT, its cell CELL_LEARN_LOGIT), and every group
+    played moves every task by DRIFT_LOGIT_PER_GROUP (the policy improves everywhere)
     policy ──choose 8──▶ World.play ──GroupReport──▶ policy.observe ──▶ … (2000 groups)
+    ──▶ zero-variance share, mixed groups per group, trained mix (envsched.cell_mix), keep
     ──▶ bench/results/sched_sim.json
 
 Calibration. Cell bases are set so the mean p per digit count is SmolLM2-135M's measured
 74% / 11% / 1.5%; tasks spread around their cell by TASK_SPREAD_LOGIT, which makes uniform
 sampling hand out 64% zero-variance groups, as measured in a real run; a cell gains what
 the real run gained (1-digit 74% -> 95% from about 60 mixed groups: +0.03 logit each). The
-per-task gain is an assumption. Two environments are mixed 3:1 (a tool-using one finds long
-problems easier and costs more tokens).
+per-task gain and the drift are assumptions. Two environments are mixed 3:1 (a tool-using
+one finds long problems easier and costs more tokens).
 
 Policies, all from the same world and seed: uniform (the baseline), envsched,
 perfect_statistics (EnvSched's machinery fed true numbers instead of estimates: each cell's
 true mean P(mixed), each seen task's true p; what better estimates could reach) and oracle
 (knows every task's true p and takes the best of a pool as large as EnvSched's). Regret is
 the oracle's expected number of mixed groups minus the policy's, both summed over the run.
+The trained mix is what the trainer would get: mixed groups per environment and difficulty.
+EnvSched steers each environment's zero-variance share toward `zero_variance_target`; the
+second half of the run shows where it settles.
 
 Run: `.venv/bin/python bench/sched_sim.py` (pure Python, a few seconds).
 """
@@ -31,15 +37,22 @@ import random
 import sys
 import time
 from collections import Counter, defaultdict
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from agentjet.config import EnvConfig, EnvSchedConfig  # noqa: E402
 from agentjet.protocol import GroupReport, Task  # noqa: E402
-from coordinator.envsched import EnvSched, apportion, candidate_weight, cell_of  # noqa: E402
+from coordinator.envsched import (  # noqa: E402
+    EnvSched,
+    apportion,
+    candidate_weight,
+    cell_mix,
+    cell_of,
+)
 from coordinator.scheduler import Scheduler, UniformScheduler, draw_rng  # noqa: E402
 
 GROUP_SIZE = 8
@@ -57,6 +70,10 @@ TASK_SPREAD_LOGIT = 2.5
 # Learning from one mixed group: the task itself, and its whole cell a little.
 TASK_LEARN_LOGIT = 0.1
 CELL_LEARN_LOGIT = 0.03
+# Every task's logit rises this much per group played, whatever was trained: +1 logit over
+# a run of 2000 groups, so the zero-variance share uniform sampling gives moves under
+# EnvSched's steering (1-digit problems drift toward always right, 3-digit out of reach).
+DRIFT_LOGIT_PER_GROUP = 0.0005
 # Completion tokens of one sample: longer answers for longer operands, more for tool use.
 TOKENS_PER_DIGIT = {"arithmetic": 4, "python_tool": 12}
 ENVS = [EnvConfig(name="arithmetic", weight=3.0), EnvConfig(name="python_tool", weight=1.0)]
@@ -72,10 +89,12 @@ def mixed_chance(p: float, n: int = GROUP_SIZE) -> float:
 
 
 class World:
-    """True success rates, and a fake policy that improves where its groups were mixed."""
+    """True success rates, and a fake policy that improves where its groups were mixed and
+    drifts everywhere."""
 
     def __init__(self, seed: int) -> None:
         self.seed = seed
+        self.drift = 0.0  # logit added to every task so far
         self.offsets: dict[tuple[str, str], float] = {}
         self.cell_skill: defaultdict[tuple[str, str, int], float] = defaultdict(float)
 
@@ -86,7 +105,7 @@ class World:
                 0, TASK_SPREAD_LOGIT
             )
         logit = BASE_LOGIT[task.env][task.difficulty] + OP_LOGIT[task.op] + self.offsets[key]
-        return sigmoid(logit + self.cell_skill[(task.env, task.op, task.difficulty)])
+        return sigmoid(logit + self.cell_skill[(task.env, task.op, task.difficulty)] + self.drift)
 
     def play(self, task: Task, rng: random.Random) -> GroupReport:
         p = self.p(task)
@@ -94,6 +113,7 @@ class World:
         if len(set(rewards)) > 1:
             self.offsets[(task.env, task.id)] += TASK_LEARN_LOGIT
             self.cell_skill[(task.env, task.op, task.difficulty)] += CELL_LEARN_LOGIT
+        self.drift += DRIFT_LOGIT_PER_GROUP
         tokens = GROUP_SIZE * TOKENS_PER_DIGIT[task.env] * task.difficulty
         return GroupReport(
             node_id="sim", grant_id=task.id, rewards=rewards, completion_tokens=tokens
@@ -142,7 +162,7 @@ class PerfectStatistics(EnvSched):
         super().observe(task, report)
         self.cell_means.clear()  # the world has learned
 
-    def score(self, task: Task) -> float:
+    def weight(self, task: Task) -> float:
         if (cell_of(task), task.id) in self.statistics.tasks:
             mixed = mixed_chance(self.world.p(task))
         else:
@@ -153,16 +173,31 @@ class PerfectStatistics(EnvSched):
                     tasks
                 )
             mixed = self.cell_means[cell]
-        return candidate_weight(mixed, 1.0, 0.0, self.params.epsilon)
+        keep = self.statistics.keep_rate(task.env)
+        return candidate_weight(mixed, keep, self.params.floor)
 
 
 POLICIES = ("uniform", "envsched", "perfect_statistics", "oracle")
 
 
-def run(
-    policy: str, groups: int, seed: int, params: EnvSchedConfig | None = None
-) -> dict[str, Any]:
-    """One run of `groups` groups under `policy`, from a fresh world."""
+class Played(NamedTuple):
+    """One simulated run: what was granted and reported, in order, and how it went."""
+
+    reports: list[tuple[Task, GroupReport]]
+    expected_mixed: float  # Σ over the grants of the true P(mixed) when granted
+    heldout_p_before: float
+    heldout_p_after: float
+    keep: dict[str, float]  # EnvSched's keep rate per env at the end ({} for the others)
+    seconds: float
+
+
+def simulate(
+    policy: str,
+    groups: int,
+    seed: int,
+    params: EnvSchedConfig | None = None,
+) -> Played:
+    """`groups` groups under `policy`, from a fresh world."""
     world = World(seed)
     play_rng = random.Random(f"{seed}/play")
     scheduler: Scheduler | None = None
@@ -177,37 +212,70 @@ def run(
         oracle = Oracle(world, EnvSchedConfig().pool_factor)
     heldout = [t for env in ENVS for t in heldout_tasks(env.name, seed)]
     accuracy_before = sum(world.p(t) for t in heldout) / len(heldout)
-    issued = zero_variance = 0
+    reports: list[tuple[Task, GroupReport]] = []
     expected_mixed = 0.0
-    by_env: Counter[str] = Counter()
-    by_difficulty: Counter[int] = Counter()
     started = time.perf_counter()
-    while issued < groups:
-        rng = draw_rng(seed, issued)
+    while len(reports) < groups:
+        rng = draw_rng(seed, len(reports))
         if oracle is not None:
             tasks = oracle.choose(BATCH, rng)
         else:
             assert scheduler is not None
-            tasks = scheduler.choose(BATCH, rng, grants_issued=issued)
+            tasks = scheduler.choose(BATCH, rng, grants_issued=len(reports))
         for task in tasks:
             expected_mixed += mixed_chance(world.p(task))
             report = world.play(task, play_rng)
-            zero_variance += len(set(report.rewards)) == 1
-            by_env[task.env] += 1
-            by_difficulty[task.difficulty] += 1
+            reports.append((task, report))
             if scheduler is not None:
                 scheduler.observe(task, report)
-        issued += len(tasks)
+    keep = (
+        dict(sorted(scheduler.statistics.keep.items())) if isinstance(scheduler, EnvSched) else {}
+    )
+    return Played(
+        reports,
+        expected_mixed,
+        accuracy_before,
+        sum(world.p(t) for t in heldout) / len(heldout),
+        keep,
+        time.perf_counter() - started,
+    )
+
+
+def zero_variance_share(reports: Sequence[tuple[Task, GroupReport]]) -> float:
+    """The share of groups whose rewards all agree."""
+    return sum(len(set(report.rewards)) == 1 for _, report in reports) / max(len(reports), 1)
+
+
+def summary(played: Played) -> dict[str, Any]:
+    """The figures of one run (the second half shows where EnvSched's steering settles)."""
+    reports = played.reports
+    late = reports[len(reports) // 2 :]
+    by_env = Counter(task.env for task, _ in reports)
+    by_difficulty = Counter(task.difficulty for task, _ in reports)
+    zero_variance = zero_variance_share(reports)
     return {
-        "zero_variance_frac": round(zero_variance / issued, 4),
-        "expected_mixed_groups": round(expected_mixed, 1),
-        "env_share": {env: round(n / issued, 4) for env, n in sorted(by_env.items())},
-        "difficulty_share": {
-            str(d): round(n / issued, 4) for d, n in sorted(by_difficulty.items())
+        "zero_variance_frac": round(zero_variance, 4),
+        "zero_variance_frac_second_half": {
+            env: round(zero_variance_share([r for r in late if r[0].env == env]), 4)
+            for env in sorted(by_env)
         },
-        "heldout_p_before": round(accuracy_before, 4),
-        "heldout_p_after": round(sum(world.p(t) for t in heldout) / len(heldout), 4),
-        "seconds": round(time.perf_counter() - started, 2),
+        "mixed_per_group": round(1 - zero_variance, 4),
+        "expected_mixed_groups": round(played.expected_mixed, 1),
+        "env_share": {env: round(n / len(reports), 4) for env, n in sorted(by_env.items())},
+        "difficulty_share": {
+            str(d): round(n / len(reports), 4) for d, n in sorted(by_difficulty.items())
+        },
+        "trained_mix": {
+            env: {
+                level: {key: round(value, 4) for key, value in row.items()}
+                for level, row in levels.items()
+            }
+            for env, levels in cell_mix(reports).items()
+        },
+        **({"keep": {env: round(k, 4) for env, k in played.keep.items()}} if played.keep else {}),
+        "heldout_p_before": round(played.heldout_p_before, 4),
+        "heldout_p_after": round(played.heldout_p_after, 4),
+        "seconds": round(played.seconds, 2),
     }
 
 
@@ -224,14 +292,20 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "sched_sim.json")
     args = parser.parse_args()
-    runs = {policy: run(policy, args.groups, args.seed) for policy in POLICIES}
+    runs = {policy: summary(simulate(policy, args.groups, args.seed)) for policy in POLICIES}
     oracle_mixed = runs["oracle"]["expected_mixed_groups"]
     for policy, row in runs.items():
         row["regret"] = round(oracle_mixed - row["expected_mixed_groups"], 1)
+        late = " ".join(f"{v:.2f}" for v in row["zero_variance_frac_second_half"].values())
+        trained = " / ".join(
+            f"{env} " + " ".join(f"{row['trained_mix'][env][d]['mixed']:g}" for d in "123")
+            for env in row["trained_mix"]
+        )
         print(
-            f"{policy:18s} zero-variance {row['zero_variance_frac']:.3f}  "
-            f"regret {row['regret']:7.1f}  held-out p {row['heldout_p_before']:.3f} -> "
-            f"{row['heldout_p_after']:.3f}  ({row['seconds']:.1f} s)"
+            f"{policy:18s} zero-variance {row['zero_variance_frac']:.3f} "
+            f"(second half by env {late})  regret {row['regret']:7.1f}  "
+            f"held-out p {row['heldout_p_before']:.3f} -> {row['heldout_p_after']:.3f}  "
+            f"({row['seconds']:.1f} s)\n{'':18s} mixed groups by digits: {trained}"
         )
     results = {**runs, "groups": args.groups, "seed": args.seed, "group_size": GROUP_SIZE}
     args.out.parent.mkdir(parents=True, exist_ok=True)

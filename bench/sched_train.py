@@ -1,29 +1,32 @@
-"""Scheduling benchmark: EnvSched vs uniform on real training of SmolLM2-135M.
+"""Scheduling benchmark: EnvSched against uniform sampling, both with dynamic sampling, in
+the regime a scheduler is for (generation-bound), on real training of SmolLM2-135M.
 
-    held-out tasks (seed 12345) ── for scheduler in (uniform, envsched), same seeds:
-        agentjet local --config configs/local.toml --set coordinator.scheduler=S  (--minutes)
-        ──▶ zero-variance fraction of trained groups, effective (non-zero-advantage)
-            samples per second, held-out accuracy of the final checkpoint: greedy, and
-            sampled as rollouts sample (HELDOUT_SAMPLES answers per task, temperature 1)
+    for set-up in (arithmetic, cocktail = arithmetic + python_code):
+      for seed in seeds:           (paired: both arms of a seed run back to back)
+        for arm in (uniform, envsched):
+          agentjet local --config <set-up> --set coordinator.scheduler=ARM
+                         --set trainer.dynamic_sampling=true     (--minutes of wall time)
+          ──▶ generated samples, trained groups, zero-variance share, busy fractions,
+              trained groups per difficulty (the cell mix), held-out accuracy of the final
+              checkpoint per environment, greedy and sampled; for EnvSched also of earlier
+              checkpoints, for the wall time it takes to reach uniform's final accuracy
     ──▶ bench/results/sched.json
 
-Run: `just bench-sched` (or `.venv/bin/python bench/sched_train.py --minutes 8 --seeds 0,1,2`).
-Both arms train on the same mixed arithmetic set (all three difficulties, all three ops),
-with the same update size: a policy version is `trainer.informative_samples_per_step`
-samples that carry gradient (SHARED_SETTINGS), not a number of groups. With a fixed number
-of groups per version, a scheduler that makes more groups informative makes every step
-longer and the run gets fewer versions for the same wall time (bench/LOG.md, first run).
+Run: `just bench-sched` (or `.venv/bin/python bench/sched_train.py --minutes 6 --seeds 0,1,2`).
 
-One run of each arm is not enough to compare held-out accuracy: identical configurations
-differ by about 3 points from run to run (bench/LOG.md, third run). So each seed
-(`run.seed`: sampling, task draws, initial order) trains both arms, one after the other,
-seed by seed, so slow phases of the machine fall on both; the result gives every seed's
-figures, the mean of each arm and the paired difference with its standard error.
+Dynamic sampling (trainer.dynamic_sampling) makes every step train `groups_per_step` groups
+whose rewards vary, so both arms take steps of the same effective batch and a scheduler can
+only save generation: it is judged by the samples it generates per trained group and by
+what the policy learns in the same wall time. The trainer waits for varied groups while the
+rollout node generates, so the runs are generation-bound by construction; the result shows
+it with each role's busy fraction (the rollout node's time generating, the trainer's time in
+train steps, over the wall time).
 
-Held-out accuracy is measured two ways, greedy and sampled at the rollouts' temperature:
-training raises the sampled figure (the RL objective), and the greedy one shows only what
-moves the argmax. On this model they differ most on 1-digit problems, which greedy
-decoding already solves (bench/LOG.md).
+Held-out accuracy: arithmetic on tasks generated with a seed training never uses; python_code
+has only about 20 distinct tasks, so its "held-out" set is all of them (the figure says what
+the policy can do on the environment, not how it generalises). `overall` is the mean over the
+set-up's environments. Identical configurations differ by about 3 points from run to run
+(bench/LOG.md), hence several seeds and paired differences with their standard errors.
 """
 
 from __future__ import annotations
@@ -33,200 +36,258 @@ import json
 import math
 import shutil
 import statistics
+import subprocess
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from learn import (  # noqa: E402
-    HELDOUT_SEED,
-    ROOT,
-    evaluate,
-    final_checkpoint,
-    make_heldout,
-    train,
-    write_result,
-)
+from learn import AGENTJET, HELDOUT_SEED, ROOT, evaluate, train, write_result  # noqa: E402
 
 from agentjet.metrics import read_metrics  # noqa: E402
-from coordinator.envsched import group_sums  # noqa: E402
+from agentjet.rl import zero_variance  # noqa: E402
+from coordinator.envsched import cell_mix  # noqa: E402
 from coordinator.store import Store  # noqa: E402
 
-SCHEDULERS = ("uniform", "envsched")
-# Both arms: train every 4 groups, step the optimizer every 24 samples with gradient
-# (what 8 uniform groups hold on average at the start of training).
-SHARED_SETTINGS = ("trainer.groups_per_step=4", "trainer.informative_samples_per_step=24")
-# Answers sampled per held-out task for the sampled accuracy (400 tasks: about 2 minutes).
+ARMS = ("uniform", "envsched")
+# Extra [[envs]] entries of each set-up, after configs/local.toml's arithmetic.
+SETUPS = {
+    "arithmetic": "",
+    "cocktail": '\n[[envs]]\nname = "python_code"\ndifficulties = [1, 2, 3]\n',
+}
+# Both arms, every set-up: steps of varied groups only; every checkpoint kept (the time to
+# reach uniform's final accuracy is read off EnvSched's earlier ones).
+SHARED_SETTINGS = (
+    "trainer.dynamic_sampling=true",
+    # 4 varied groups a version: about 11 generated groups under uniform sampling
+    "trainer.groups_per_step=4",
+    "trainer.checkpoint_every=5",
+    "trainer.keep_checkpoints=0",
+)
+# Answers sampled per held-out task for the sampled accuracy.
 HELDOUT_SAMPLES = 4
-# The held-out figures, each aggregated with its standard error and paired across arms.
-HELDOUT_FIGURES = ("heldout_accuracy", "heldout_sampled_accuracy")
+# python_code has this many distinct tasks or a few more: all of them are its held-out set.
+CODE_TASKS = 20
+# Shares of the run at which EnvSched's checkpoints are evaluated (greedy) besides the last.
+EARLIER_AT = (0.6, 0.8)
 
 
-def granted_work(run_dir: Path) -> dict:
-    """Where the scheduler sent the rollouts (the coordinator's history): per difficulty,
-    the groups reported and the fraction of them that were mixed, overall, for a task's
-    first group, and for a group of a task whose previous group was mixed (what the
-    frontier re-offers); distinct tasks overall."""
+def setup_config(root: Path, setup: str, base: Path) -> Path:
+    path = root / f"{setup}.toml"
+    path.write_text(base.read_text() + SETUPS[setup])
+    return path
+
+
+def heldout_files(root: Path, setup: str, count: int) -> dict[str, Path]:
+    """Per environment of the set-up, its held-out task file."""
+    files = {"arithmetic": root / "heldout-arithmetic.jsonl"}
+    if setup == "cocktail":
+        files["python_code"] = root / "heldout-python_code.jsonl"
+    for env, path in files.items():
+        if not path.exists():
+            n = count if env == "arithmetic" else CODE_TASKS
+            subprocess.run(
+                [*AGENTJET, "tasks", "--env", env, "--count", str(n),
+                 "--seed", str(HELDOUT_SEED), "--out", str(path)],
+                check=True, cwd=ROOT,
+            )  # fmt: skip
+    return files
+
+
+def heldout(checkpoint: Path, files: dict[str, Path], config: Path, samples: int) -> dict:
+    """Accuracy per environment and their mean (greedy when `samples` is 0)."""
+    by_env = {}
+    for env, tasks in files.items():
+        result = evaluate(str(checkpoint), tasks, config, samples, env=env)
+        by_env[env] = {k: result[k] for k in ("overall", "by_difficulty", "n")}
+    overall = statistics.fmean(r["overall"] for r in by_env.values())
+    return {"overall": round(overall, 4), "by_env": by_env}
+
+
+def checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """(policy version, folder) of every checkpoint, oldest first."""
+    found = []
+    for meta in (run_dir / "checkpoints").glob("*/agentjet.json"):
+        found.append((int(json.loads(meta.read_text())["policy_version"]), meta.parent))
+    return sorted(found)
+
+
+def measure(run_dir: Path, wall_s: float, started: float) -> dict:
+    """A run's figures from its metrics files and the coordinator's history."""
+    trainer = read_metrics(run_dir / "metrics" / "trainer.jsonl")
+    rollout = read_metrics(run_dir / "metrics" / "rollout.jsonl")
+    steps = [r for r in trainer if r.get("event") == "step"]
+    trained = {g for r in steps for g in r["trained_group_ids"]}
     store = Store(run_dir / "coordinator.sqlite", lease_s=1.0)
     try:
-        reports = list(store.accepted_reports())
+        reports = [(t, r) for t, r in store.accepted_reports() if not r.failed and r.rewards]
     finally:
         store.close()
-    last_mixed: dict[str, bool] = {}
-    groups: defaultdict[tuple[str, str], list[bool]] = defaultdict(list)
-    for task, report in reports:
-        mixed = group_sums(report).mixed > 0
-        difficulty = str(task.difficulty)
-        groups[difficulty, "all"].append(mixed)
-        if task.id not in last_mixed:
-            groups[difficulty, "first_visit"].append(mixed)
-        elif last_mixed[task.id]:
-            groups[difficulty, "after_mixed"].append(mixed)
-        last_mixed[task.id] = mixed
-    by_difficulty: dict[str, dict[str, float]] = {}
-    for difficulty in sorted({d for d, _ in groups}):
-        row = by_difficulty[difficulty] = {}
-        for kind, name in (
-            ("all", ""),
-            ("first_visit", "first_visit_"),
-            ("after_mixed", "after_mixed_"),
-        ):
-            mixed = groups.get((difficulty, kind), [])
-            row[f"{name}groups"] = len(mixed)
-            row[f"{name}mixed_frac"] = round(sum(mixed) / len(mixed), 4) if mixed else None
+    generated = sum(len(r.rewards) for _, r in reports)
+    zero = sum(1 for _, r in reports if zero_variance(r.rewards))
+    gen_s = sum(r["perf/batch_s"] for r in rollout if r.get("event") == "batch")
+    train_s = sum(r["perf/step_s"] for r in steps)
+    version_time = {r["policy_version"]: r["time"] - started for r in steps}
     return {
-        "groups_by_difficulty": by_difficulty,
-        "distinct_tasks": len(last_mixed),
+        "minutes": round(wall_s / 60, 2),
+        "policy_versions": len({r["policy_version"] for r in steps if r["optimizer_stepped"]}),
+        "generated_samples": generated,
+        "generated_groups": len(reports),
+        "trained_groups": len(trained),
+        "samples_per_trained_group": round(generated / max(len(trained), 1), 2),
+        "zero_variance_frac": round(zero / max(len(reports), 1), 4),
+        "short_steps": sum(1 for r in steps if r.get("short_step")),
+        "busy": {"rollout": round(gen_s / wall_s, 3), "trainer": round(train_s / wall_s, 3)},
+        "trained_mix": cell_mix((t, r) for t, r in reports if r.grant_id in trained),
+        "generated_mix": cell_mix(reports),
+        "version_time_s": version_time,
     }
 
 
-def summarize(run_dir: Path, wall_s: float, greedy: dict, sampled: dict) -> dict:
-    steps = [
-        r for r in read_metrics(run_dir / "metrics" / "trainer.jsonl") if r.get("event") == "step"
-    ]
-    groups = sum(len(r["trained_group_ids"]) for r in steps)
-    zero = sum(r["charts/zero_variance_groups"] for r in steps)
-    effective = sum(r["charts/trained_samples"] for r in steps)
-    return {
-        "zero_variance_frac": round(zero / max(groups, 1), 4),
-        "effective_samples_per_s": round(effective / wall_s, 4),
-        "heldout_accuracy": greedy["overall"],
-        "heldout_by_difficulty": greedy["by_difficulty"],
-        "heldout_sampled_accuracy": sampled["overall"],
-        "heldout_sampled_by_difficulty": sampled["by_difficulty"],
-        "policy_versions": len({r["policy_version"] for r in steps}),
-        "groups_trained": groups,
-        "wall_s": round(wall_s, 1),
-        **granted_work(run_dir),
-    }
+def time_to_reach(curve: list[tuple[float, float]], target: float) -> float | None:
+    """The wall time at which a (time, accuracy) curve first reaches `target`, linear
+    between evaluated points; None when it never does."""
+    previous = (0.0, -math.inf)
+    for t, accuracy in curve:
+        if accuracy >= target:
+            t0, a0 = previous
+            if a0 == -math.inf or accuracy == a0:
+                return t
+            return t0 + (t - t0) * (target - a0) / (accuracy - a0)
+        previous = (t, accuracy)
+    return None
 
 
 def mean_and_se(values: list[float]) -> tuple[float, float]:
-    """The mean and its standard error (0 for a single value)."""
     if len(values) < 2:
         return statistics.fmean(values), 0.0
     return statistics.fmean(values), statistics.stdev(values) / math.sqrt(len(values))
 
 
-def aggregate(runs: list[dict]) -> dict:
-    """An arm over its seeds: the mean of every figure, and each seed's figures."""
-    keys = ("zero_variance_frac", "effective_samples_per_s")
-    summary: dict = {k: round(statistics.fmean(r[k] for r in runs), 4) for k in keys}
-    for figure in HELDOUT_FIGURES:
-        mean, se = mean_and_se([r[figure] for r in runs])
-        summary |= {figure: round(mean, 4), f"{figure}_se": round(se, 4)}
-    summary["per_seed"] = runs
-    return summary
+def samples_per_trained_group(runs: list[dict]) -> float:
+    """Generated samples over trained groups, pooled over `runs`."""
+    samples = sum(r["generated_samples"] for r in runs)
+    return samples / max(sum(r["trained_groups"] for r in runs), 1)
 
 
-def load_earlier(path: Path, args: argparse.Namespace, seeds: list[int]) -> dict:
-    """An earlier result made with the same settings (its seeds join this run's)."""
-    earlier = json.loads(path.read_text())
-    same = {
-        "minutes": args.minutes,
-        "heldout_tasks": args.heldout,
-        "heldout_samples": HELDOUT_SAMPLES,
-        "settings": args.set,
-    }
-    for key, value in same.items():
-        if earlier.get(key) != value:
-            sys.exit(f"{path}: {key} is {earlier.get(key)!r}, this run's is {value!r}")
-    overlap = set(seeds) & set(earlier["seeds"])
-    if overlap:
-        sys.exit(f"{path} already holds seeds {sorted(overlap)}")
-    return earlier
+def summarize(runs: list[dict]) -> dict:
+    """Per set-up: EnvSched against uniform, paired by seed."""
+    out: dict = {}
+    for setup in SETUPS:
+        pairs = []
+        for seed in sorted({r["seed"] for r in runs if r["setup"] == setup}):
+            arm = {r["arm"]: r for r in runs if r["setup"] == setup and r["seed"] == seed}
+            if set(arm) == set(ARMS):
+                pairs.append((arm["uniform"], arm["envsched"]))
+        if not pairs:
+            continue
+        uniform = samples_per_trained_group([u for u, _ in pairs])
+        envsched = samples_per_trained_group([e for _, e in pairs])
+        summary: dict = {
+            "seeds": [u["seed"] for u, _ in pairs],
+            "samples_per_trained_group": {
+                "uniform": round(uniform, 2),
+                "envsched": round(envsched, 2),
+            },
+            "samples_per_trained_group_ratio": round(envsched / uniform, 3),
+        }
+        for mode in ("greedy", "sampled"):
+            diffs = [
+                100 * (e["heldout"][mode]["overall"] - u["heldout"][mode]["overall"])
+                for u, e in pairs
+            ]
+            mean, se = mean_and_se(diffs)
+            key = "" if mode == "greedy" else "_sampled"
+            summary[f"heldout_diff_mean{key}"] = round(mean, 2)
+            summary[f"heldout_diff_se{key}"] = round(se, 2)
+        ratios = []
+        for u, e in pairs:
+            reached = time_to_reach(e["curve"], u["heldout"]["greedy"]["overall"])
+            ratios.append(None if reached is None else reached / (u["minutes"] * 60))
+        got = [r for r in ratios if r is not None]
+        summary["time_to_uniform_final_ratio"] = round(statistics.fmean(got), 3) if got else None
+        summary["time_to_uniform_final_per_seed"] = [
+            None if r is None else round(r, 3) for r in ratios
+        ]
+        summary["reached_uniform_final"] = f"{len(got)} of {len(ratios)} seeds"
+        out[setup] = summary
+    return out
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--minutes", type=float, default=8.0, help="per arm and seed")
+    parser.add_argument("--minutes", type=float, default=5.0, help="per arm and seed")
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated run.seed values")
-    parser.add_argument(
-        "--arms", default=",".join(SCHEDULERS), help="schedulers to run (default: both)"
-    )
-    parser.add_argument("--heldout", type=int, default=400)
+    parser.add_argument("--setups", default=",".join(SETUPS))
+    parser.add_argument("--heldout", type=int, default=200, help="arithmetic held-out tasks")
     parser.add_argument("--config", type=Path, default=ROOT / "configs" / "local.toml")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "sched.json")
-    parser.add_argument(
-        "--set", action="append", default=list(SHARED_SETTINGS), help="for both arms"
-    )
-    parser.add_argument(
-        "--add-to",
-        type=Path,
-        help="an earlier result of the same settings: its seeds join this run's in the means",
-    )
+    parser.add_argument("--set", action="append", default=[], help="for both arms")
     args = parser.parse_args()
     seeds = [int(seed) for seed in args.seeds.split(",")]
-    arms = [arm for arm in SCHEDULERS if arm in args.arms.split(",")]
-    earlier = load_earlier(args.add_to, args, seeds) if args.add_to else {}
+    setups = [s for s in SETUPS if s in args.setups.split(",")]
+    settings = [*SHARED_SETTINGS, *args.set]
 
     root = ROOT / "runs" / f"bench-sched-{time.strftime('%Y%m%d-%H%M%S')}"
     root.mkdir(parents=True)
-    tasks = make_heldout(root, args.heldout)
-    shared = [arg for setting in args.set for arg in ("--set", setting)]
-    runs: dict[str, list[dict]] = {scheduler: [] for scheduler in arms}
-    for seed in seeds:
-        for scheduler in arms:
-            run_dir = root / f"{scheduler}-seed{seed}"
-            overrides = [
-                "--set",
-                f'coordinator.scheduler="{scheduler}"',
-                "--set",
-                f"run.seed={seed}",
-            ]
-            wall_s, _ = train(args.minutes, args.config, run_dir, [*shared, *overrides])
-            checkpoint = str(final_checkpoint(run_dir))
-            greedy = evaluate(checkpoint, tasks, args.config)
-            sampled = evaluate(checkpoint, tasks, args.config, HELDOUT_SAMPLES)
-            shutil.rmtree(run_dir / "checkpoints")  # ~3 GB a run; metrics and history stay
-            summary = summarize(run_dir, wall_s, greedy, sampled)
-            runs[scheduler].append({"seed": seed, **summary})
-            print(scheduler, json.dumps(runs[scheduler][-1]), flush=True)
-
-    for scheduler in arms:  # earlier seeds first, in their order
-        runs[scheduler] = earlier.get(scheduler, {}).get("per_seed", []) + runs[scheduler]
+    runs: list[dict] = []
     result: dict = {
         "minutes": args.minutes,
-        "seeds": [r["seed"] for r in runs[arms[0]]],
-        "heldout_tasks": args.heldout,
+        "heldout_tasks": {"arithmetic": args.heldout, "python_code": CODE_TASKS},
         "heldout_samples": HELDOUT_SAMPLES,
         "heldout_seed": HELDOUT_SEED,
-        "settings": args.set,
-        **{scheduler: aggregate(runs[scheduler]) for scheduler in arms},
-        "date": time.strftime("%Y-%m-%d"),
+        "settings": settings,
+        "runs": runs,
     }
-    if args.add_to:
-        result["note"] = f"seeds {earlier['seeds']} are from an earlier run ({earlier['date']})"
-        if "note" in earlier:
-            result["note"] += f"; of that run: {earlier['note']}"
-    if len(arms) == 2:  # EnvSched minus uniform, paired by seed
-        for figure in HELDOUT_FIGURES:
-            uniform = {r["seed"]: r[figure] for r in runs["uniform"]}
-            gap, gap_se = mean_and_se([r[figure] - uniform[r["seed"]] for r in runs["envsched"]])
-            result[f"{figure}_gap"] = {"mean": round(gap, 4), "se": round(gap_se, 4)}
-    write_result(args.out, result)
+    for setup in setups:
+        config = setup_config(root, setup, args.config)
+        files = heldout_files(root, setup, args.heldout)
+        for seed in seeds:
+            for arm in ARMS:
+                run_dir = root / f"{setup}-{arm}-seed{seed}"
+                overrides = [f'coordinator.scheduler="{arm}"', f"run.seed={seed}", *settings]
+                started = time.time()
+                wall_s, _ = train(
+                    args.minutes, config, run_dir, [a for s in overrides for a in ("--set", s)]
+                )
+                figures = measure(run_dir, wall_s, started)
+                saved = checkpoints(run_dir)
+                if not saved:
+                    sys.exit(f"{run_dir}: no checkpoint (no policy version in {wall_s:.0f} s?)")
+                final = saved[-1][1]
+                run = {
+                    "setup": setup,
+                    "seed": seed,
+                    "arm": arm,
+                    **figures,
+                    "heldout": {
+                        "greedy": heldout(final, files, config, 0),
+                        "sampled": heldout(final, files, config, HELDOUT_SAMPLES),
+                    },
+                }
+                if arm == "envsched":  # earlier checkpoints: when it reached what
+                    times = figures["version_time_s"]
+                    curve = []
+                    for share in EARLIER_AT:
+                        early = [
+                            (v, p) for v, p in saved if times.get(v, math.inf) <= share * wall_s
+                        ]
+                        if early:
+                            version, path = early[-1]
+                            accuracy = heldout(path, files, config, 0)["overall"]
+                            curve.append((round(times[version], 1), accuracy))
+                    final_time = times.get(saved[-1][0], wall_s)
+                    curve.append((round(final_time, 1), run["heldout"]["greedy"]["overall"]))
+                    run["curve"] = sorted(set(curve))
+                del run["version_time_s"]
+                shutil.rmtree(run_dir / "checkpoints")  # ~0.5 GB each; metrics and history stay
+                runs.append(run)
+                print(json.dumps({k: run[k] for k in ("setup", "seed", "arm", "heldout")}),
+                      flush=True)  # fmt: skip
+                result["summary"] = summarize(runs)
+                result["date"] = time.strftime("%Y-%m-%d")
+                write_result(args.out, result)  # after every run: a stopped bench keeps its runs
     return 0
 
 

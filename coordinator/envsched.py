@@ -1,16 +1,17 @@
-"""EnvSched: grant (environment, task) work where GRPO learns — groups whose rewards differ.
+"""EnvSched: grant (environment, task) work where GRPO learns, groups whose rewards differ,
+by skipping predicted zero-variance work down to a target share, never below a floor.
 
     GroupReport ──▶ Statistics.observe ──▶ decayed sums per node of the graph:
                       env ⊃ cell (env, op, difficulty) ⊃ task (cell, id)
                       cell ~ neighbours: same op and difficulty in another env (family),
                                          same difficulty with another op (difficulty)
+                ──▶ Statistics.keep: per env, log(keep) += steer_rate × (target − zv)
                 ──▶ EnvSched.frontiers: per env, the tasks whose last group was mixed
     choose(k) ──▶ envs: apportion(k, ratio target × health, capacity room)
-              ──▶ per env, if difficulty_weights: apportion(its count, those weights)
-              ──▶ per env (and difficulty): its frontier + pool_factor × its count fresh
-                  candidates
-              ──▶ weight = P(mixed group) / relative cost + coverage bonus + epsilon
-              ──▶ sample without replacement ∝ weight
+              ──▶ per env: pool_factor × its count fresh draws + the newest
+                  frontier_share(keep) of its frontier (the pool)
+              ──▶ weight = max(floor, m + (1 − m) · keep), m = predicted P(mixed group)
+              ──▶ sample its count without replacement ∝ weight
 
 The model. A task's success rate p is drawn from its cell's distribution, Beta(a, b); a group
 of n samples of that task is mixed (gives GRPO any signal) with probability
@@ -32,33 +33,64 @@ tasks picked from them. Rewards are read as success probabilities in [0, 1] (bin
 verifiers; partial credit is a fractional success, and the same sums give the running mean
 and variance).
 
-The frontier. Without per-task features, nothing tells two fresh 2-digit tasks apart; a task
-whose last group was mixed is within the policy's reach, so it is offered again beside the
-fresh candidates until a group of it comes back all-equal (learned, or out of reach). In the
-simulation (bench/sched_sim.py) this is most of EnvSched's gain over uniform sampling.
+The frontier. Without per-task features, nothing tells two fresh 2-digit tasks apart; a
+task whose last group was mixed is within the policy's reach, so it may be offered again
+beside the fresh candidates until a group of it comes back all-equal (learned, or out of
+reach). It is weighed like any candidate, but being in the pool is its advantage: a full
+frontier (up to `frontier_size` tasks) outnumbers an environment's fresh draws. So how much
+of it joins the pool follows the same keep rate: none at keep = 1 (uniform sampling), all at
+keep = floor (`frontier_share`). In the simulation (bench/sched_sim.py) the frontier is most
+of EnvSched's gain: without it the zero-variance target is out of reach even at the floor.
+On the real model, repeating tasks in reach taught the problems not seen less than distinct
+tasks do (below): the target decides how far EnvSched goes down that road.
 
-Ageing. The policy changes, so every sum halves after `half_life_groups` further reports,
-and the coverage bonus `bonus_scale / sqrt(1 + decayed groups of the cell)` grows back for
-cells left alone. Time is counted in reports, not seconds, so replaying the stored reports in
-order rebuilds the same statistics and frontiers bit for bit after a restart.
+Allocation: skip, do not chase. An environment's pool is its frontier and `pool_factor` ×
+its count fresh draws from its task sources, so the pool follows the task distribution;
+EnvSched only decides which candidates to skip. A candidate predicted mixed with probability
+m weighs m + (1 − m) · keep: a group predicted to teach is always wanted, one predicted
+zero-variance with chance `keep` (GRESO's skipping of predicted zero-variance prompts, as a
+sampling weight). At keep = 1 every candidate weighs 1: uniform sampling. Expected tokens
+are not weighed in: dividing by them favoured cheap 1-digit problems even at keep = 1.
 
-Difficulty quotas. Sampling on P(mixed) sends work to whatever difficulty stays mixed, and
-on SmolLM2-135M that is 1-digit arithmetic, which greedy decoding already solves
-(bench/LOG.md). `difficulty_weights` fixes each batch's split over declared difficulties
-("cocktail" within an environment), and the score then chooses only among tasks of the same
-difficulty: which 2-digit problem, not whether to do 2-digit problems. Measured with
-[0.65, 0.33, 0.02], it lost the zero-variance target (0.55× uniform's) and did not win back
-held-out accuracy: the trainer takes a fixed number of mixed groups, and a share of grants
-is not a number of mixed 2-digit groups (bench/LOG.md, 2026-12-01). Weighting frontier tasks
-50× on top of the quota (repeat tasks known to be in reach first) met the zero-variance
-target (0.48×) and lost held-out accuracy (−3.0 points): repeating a few tasks teaches the
-problems not seen less than distinct tasks do, so the frontier is scored like any candidate.
+The target. Each environment's keep starts at 1 and is steered so that its share of
+zero-variance groups tracks `zero_variance_target`: every report with rewards moves
+log(keep) by steer_rate × (target − zv), zv = 1 when the group's rewards all agree, and keep
+stays in [floor, 1]. It is a target, not a bound to beat: where uniform sampling already
+gives fewer zero-variance groups, keep stays at 1 and EnvSched samples like uniform; where
+even keep = floor gives more, keep rests at the floor. Zero-variance groups are not all
+waste: in a trainer-bound run they cost nothing, and they are how uniform sampling finds the
+mixed groups of hard problems (bench/LOG.md).
 
-Cost and failures. Within an environment a candidate's score is divided by its cell's
-expected completion tokens relative to the environment's; across environments each ratio
-target is scaled by the environment's health (1 − shrunk rate of failed reports, floored so
-a broken environment is still probed and its repair noticed). Lease expiries are not held
-against an environment: a node that dies expires its leases whatever they were.
+The floor: what is guaranteed. No candidate weighs less than `floor`, and none more than 1.
+So after any history, each draw without replacement takes a given candidate still in the
+pool with probability at least floor / N_left, N_left the candidates left: floor times its
+chance under uniform sampling over the pool. Over a batch of c from a pool of N ≥ 8c
+(pool_factor 8), a candidate is taken with probability at least 1 − (1 − floor/N)^c ≥
+15/16 × floor × c/N, uniform's chance being c/N. Fresh draws ignore the history, so a task
+becomes a candidate as often as under uniform sampling (a frontier's tasks are extra
+candidates, which enlarge N). The same bound holds for a cell: its share of an
+environment's grants is at least about floor times its share under uniform sampling, which
+bounds how far the trained mix can move from uniform's.
+
+Why, measured (bench/LOG.md, 2026-11-30 and 2026-12-01). Sampling candidates ∝ P(mixed) /
+cost plus a coverage bonus cut zero-variance groups to 0.42× uniform's, but sent the work
+to 1-digit arithmetic, which greedy decoding already solves (186 / 34 / 17 groups by digits
+against uniform's 101 / 104 / 94), and trained a worse policy: held-out −3.0 ± 0.6 points.
+A difficulty quota within each environment ([0.65, 0.33, 0.02] of each batch) lost the
+zero-variance target (0.55×) and did not win held-out accuracy back: the trainer takes a
+fixed number of mixed groups, and a share of grants is not a number of mixed 2-digit
+groups. Weighting frontier tasks 50× on top met the target (0.48×) and lost 3.0 points:
+repeating a few tasks teaches the problems not seen less than distinct tasks do.
+
+Ageing. The policy changes, so every sum halves after `half_life_groups` further reports.
+Time is counted in reports, not seconds, and keep moves once per report, so replaying the
+stored reports in order rebuilds the same statistics, keep rates and frontiers bit for bit
+after a restart.
+
+Failures. Across environments each ratio target is scaled by the environment's health
+(1 − shrunk rate of failed reports, floored so a broken environment is still probed and its
+repair noticed); a failed report does not move keep. Lease expiries are not held against an
+environment: a node that dies expires its leases whatever they were.
 """
 
 from __future__ import annotations
@@ -66,9 +98,9 @@ from __future__ import annotations
 import bisect
 import math
 import random
-from collections import Counter, OrderedDict
-from collections.abc import Mapping, Sequence
-from typing import NamedTuple, TypeVar
+from collections import Counter, OrderedDict, defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from typing import NamedTuple
 
 from agentjet.config import EnvConfig, EnvSchedConfig, RolloutConfig
 from agentjet.protocol import GroupReport, SchedulerRow, Task
@@ -86,17 +118,11 @@ STRANGER_GROUPS = 0.5
 # Statistics are kept for at most this many tasks; the least recently reported are dropped.
 # At the default half-life their evidence has decayed to nothing long before.
 MAX_TASK_NODES = 50_000
-# A cell costs at most this many times (or at least 1/this) its environment's mean: one odd
-# report must not make a cell free or unaffordable.
-MAX_COST_RATIO = 4.0
 # A failing environment keeps this share of its ratio target as probes, so a repair is seen.
 MIN_ENV_HEALTH = 0.05
 # How many cells and tasks `agentjet status` lists (best first).
 STATUS_TOP_CELLS = 12
 STATUS_TOP_TASKS = 6
-
-# What slots are apportioned over: environment names, or difficulties within one.
-Key = TypeVar("Key", str, int)
 
 
 # ── sums: decayed sufficient statistics of one node ──────────────────────────────────────
@@ -107,7 +133,7 @@ class Sums(NamedTuple):
 
     reports: float = 0.0  # groups reported, failed or not
     failed: float = 0.0  # groups the node reported as failed (no rewards learned from them)
-    tokens: float = 0.0  # completion tokens of those groups (the cost)
+    tokens: float = 0.0  # completion tokens of those groups
     groups: float = 0.0  # groups with rewards
     mixed: float = 0.0  # groups whose rewards were not all equal
     samples: float = 0.0  # rewards
@@ -287,33 +313,41 @@ def relation_weight(
     return 0.0
 
 
-def coverage_bonus(groups: float, scale: float) -> float:
-    """Exploration: `scale` for a cell never (or long ago) seen, shrinking as 1/sqrt(visits)."""
-    return scale / math.sqrt(1.0 + groups)
-
-
-def relative_cost(cell: Sums, env: Sums, prior_groups: float) -> float:
-    """Expected completion tokens of a cell's group over its environment's mean, clipped.
-
-    The cell's mean is shrunk toward the environment's by `prior_groups` groups; an
-    environment that reports no tokens makes every cell cost 1.
-    """
-    if env.reports <= 0 or env.tokens <= 0:
-        return 1.0
-    env_mean = env.tokens / env.reports
-    cell_mean = (cell.tokens + prior_groups * env_mean) / (cell.reports + prior_groups)
-    return min(max(cell_mean / env_mean, 1 / MAX_COST_RATIO), MAX_COST_RATIO)
-
-
 def env_health(env: Sums, prior_groups: float) -> float:
     """1 − the environment's rate of failed reports (shrunk toward none), floored."""
     return max(MIN_ENV_HEALTH, 1.0 - env.failed / (env.reports + prior_groups))
 
 
-def candidate_weight(mixed: float, cost: float, bonus: float, epsilon: float) -> float:
-    """The sampling weight of one candidate: expected signal per unit cost, plus the coverage
-    bonus and the floor that keeps every candidate possible."""
-    return mixed / cost + bonus + epsilon
+# ── a candidate's weight: the keep rate and the floor ─────────────────────────────────────
+
+
+def candidate_weight(mixed: float, keep: float, floor: float) -> float:
+    """The sampling weight of a candidate predicted mixed with probability `mixed`: a mixed
+    group is always wanted, a zero-variance one with chance `keep`, and never less than
+    `floor` (uniform sampling weighs every candidate 1)."""
+    # m + (1 − m) · keep, written to be exactly 1 at keep = 1 (exactly uniform).
+    return max(floor, keep + (1.0 - keep) * mixed)
+
+
+def frontier_share(keep: float, floor: float) -> float:
+    """How much of an environment's frontier joins its pool: none at keep = 1 (the pool is
+    fresh draws, uniform sampling), all of it at keep = floor; the one controller that skips
+    predicted zero-variance work also turns to tasks in reach."""
+    if floor >= 1.0:
+        return 0.0
+    return min(max((1.0 - keep) / (1.0 - floor), 0.0), 1.0)
+
+
+def steered_keep(keep: float, group: Sums, params: EnvSchedConfig) -> float:
+    """An environment's keep rate after one report of it: log(keep) moves by steer_rate ×
+    (zero_variance_target − zv), zv = 1 when the group's rewards all agree, within
+    [floor, 1]. At equilibrium the environment's share of zero-variance groups is the target;
+    a report without rewards (failed) leaves keep where it is."""
+    if not group.groups:
+        return keep
+    zero_variance = 1.0 - group.mixed
+    log_keep = math.log(keep) + params.steer_rate * (params.zero_variance_target - zero_variance)
+    return min(1.0, max(params.floor, math.exp(log_keep)))
 
 
 # ── allocation ────────────────────────────────────────────────────────────────────────────
@@ -334,10 +368,9 @@ def weights_at(
 
 
 def apportion(
-    k: int, weights: Mapping[Key, float], room: Mapping[Key, int], rng: random.Random
-) -> dict[Key, int]:
-    """Split `k` slots among environments (or difficulties) in proportion to `weights`,
-    within capacity.
+    k: int, weights: Mapping[str, float], room: Mapping[str, int], rng: random.Random
+) -> dict[str, int]:
+    """Split `k` slots among environments in proportion to `weights`, within capacity.
 
     Systematic sampling: each environment gets the floor or the ceiling of its quota, the
     expectation exactly, so ratios hold in every batch and a batch of one still reaches every
@@ -404,7 +437,7 @@ class EnvSource(NamedTuple):
 
 
 class CellView(NamedTuple):
-    """A cell's statistics as the scorer needs them, computed once per batch."""
+    """A cell's statistics as the weights need them, computed once per batch."""
 
     sums: Sums
     parent: Moments  # pooled from the graph neighbours and the prior
@@ -414,8 +447,8 @@ class CellView(NamedTuple):
 class Statistics:
     """Online, decaying reward statistics over the (env, task) graph, fed one report at a time.
 
-    Both schedulers keep one: uniform only measures (so the baseline's table can be compared),
-    EnvSched chooses by it.
+    Both schedulers keep one: uniform only measures (so the baseline's table can be compared,
+    its keep rates saying how far it is from the zero-variance target), EnvSched chooses by it.
     """
 
     def __init__(self, params: EnvSchedConfig, group_size: int) -> None:
@@ -427,6 +460,8 @@ class Statistics:
         self.tasks: OrderedDict[tuple[Cell, str], Node] = OrderedDict()  # (cell, task id)
         self._views: dict[Cell, CellView] = {}
         self.root = prior_moments(params.prior_alpha, params.prior_beta)
+        # Per env: the keep rate of candidates predicted zero-variance (see steered_keep).
+        self.keep: dict[str, float] = {}
 
     def observe(self, task: Task, report: GroupReport) -> None:
         """Add one report. Its group is evidence about the cell only if the task was a stranger
@@ -435,6 +470,7 @@ class Statistics:
         self.tick += 1
         group, tick, half_life = group_sums(report), self.tick, self.params.half_life_groups
         self.envs[task.env] = updated(self.envs.get(task.env), group, tick, half_life)
+        self.keep[task.env] = steered_keep(self.keep_rate(task.env), group, self.params)
         cell, key = cell_of(task), (cell_of(task), task.id)
         stranger = self.now(self.tasks.get(key)).groups < STRANGER_GROUPS
         self.cells[cell] = updated(self.cells.get(cell), group, tick, half_life, evidence=stranger)
@@ -456,6 +492,10 @@ class Statistics:
 
     def env_sums(self, env: str) -> Sums:
         return self.now(self.envs.get(env))
+
+    def keep_rate(self, env: str) -> float:
+        """The environment's keep rate now: 1 (nothing skipped) until its reports say more."""
+        return self.keep.get(env, 1.0)
 
     def cell_view(self, cell: Cell) -> CellView:
         view = self._views.get(cell)
@@ -491,7 +531,8 @@ class Statistics:
 
 
 class EnvSched:
-    """Chooses tasks by predicted chance of a mixed group, per unit cost, within env ratios."""
+    """Samples each environment's task pool, skipping predicted zero-variance candidates as
+    far as its zero-variance target asks and never below the floor, within env ratios."""
 
     def __init__(
         self,
@@ -553,56 +594,38 @@ class EnvSched:
             tasks += self._choose_in(env, counts[env], rng)
         return tasks
 
-    def difficulty_targets(self, env: str) -> dict[int, float]:
-        """The difficulty quota within `env`: `difficulty_weights` over the difficulties its
-        entries draw, or none ({}) when unset or when they draw a single difficulty."""
-        weights = self.params.difficulty_weights
-        drawn = set().union(*(entry.source.drawn_difficulties() for entry in self.sources[env]))
-        targets = {d: weights[d - 1] for d in sorted(drawn) if 1 <= d <= len(weights)}
-        return targets if len(drawn) > 1 and any(targets.values()) else {}
-
-    def _choose_in(self, env: str, count: int, rng: random.Random) -> list[Task]:
-        targets = self.difficulty_targets(env)
-        if not targets:
-            return self._choose_among(env, count, rng)
-        counts = apportion(count, targets, {}, rng)
-        return [task for d in sorted(counts) for task in self._choose_among(env, counts[d], rng, d)]
-
-    def _choose_among(
-        self, env: str, count: int, rng: random.Random, difficulty: int | None = None
-    ) -> list[Task]:
-        """`count` tasks of `env` (of one difficulty, when given): its frontier and fresh
-        candidates, sampled by score."""
-        if count == 0:
-            return []
-        entries = [
-            entry
-            for entry in self.sources[env]
-            if difficulty is None or difficulty in entry.source.drawn_difficulties()
+    def candidates(self, env: str, count: int, rng: random.Random) -> list[Task]:
+        """The pool `count` tasks of `env` are chosen from: `pool_factor` × `count` fresh
+        draws (entries by weight) and the newest of its frontier tasks its entries can still
+        draw, as many as `frontier_share` says; distinct."""
+        entries = self.sources[env]
+        frontier = [
+            task
+            for task in self.frontiers.get(env, {}).values()
+            if any(entry.can_draw(task) for entry in entries)
         ]
-        pool = {
-            task_id: task
-            for task_id, task in self.frontiers.get(env, {}).items()
-            if (difficulty is None or task.difficulty == difficulty)
-            and any(entry.can_draw(task) for entry in entries)
-        }
+        share = frontier_share(self.statistics.keep_rate(env), self.params.floor)
+        offered = frontier[len(frontier) - round(share * len(frontier)) :]
+        pool = {task.id: task for task in offered}
         weights = [entry.weight for entry in entries]
         for entry in rng.choices(entries, weights=weights, k=self.params.pool_factor * count):
-            task = entry.source.sample(rng, difficulty)
+            task = entry.source.sample(rng)
             pool.setdefault(task.id, task)
-        candidates = list(pool.values())
-        scores = [self.score(task) for task in candidates]
-        return [candidates[i] for i in pick(scores, count, rng)]
+        return list(pool.values())
 
-    def score(self, task: Task) -> float:
-        """The sampling weight of a candidate task."""
-        stats, p = self.statistics, self.params
-        view = stats.cell_view(cell_of(task))
-        mixed = mixed_probability(stats.task_beta(task, view), stats.group_size)
-        cost = relative_cost(view.sums, stats.env_sums(task.env), p.shrink_groups)
-        return candidate_weight(
-            mixed, cost, coverage_bonus(view.sums.groups, p.bonus_scale), p.epsilon
-        )
+    def _choose_in(self, env: str, count: int, rng: random.Random) -> list[Task]:
+        """`count` tasks of `env`, sampled from its pool ∝ weight."""
+        if count == 0:
+            return []
+        pool = self.candidates(env, count, rng)
+        weights = [self.weight(task) for task in pool]
+        return [pool[i] for i in pick(weights, count, rng)]
+
+    def weight(self, task: Task) -> float:
+        """The sampling weight of a candidate task (candidate_weight)."""
+        stats = self.statistics
+        mixed = mixed_probability(stats.task_beta(task), stats.group_size)
+        return candidate_weight(mixed, stats.keep_rate(task.env), self.params.floor)
 
 
 # ── the status table ──────────────────────────────────────────────────────────────────────
@@ -632,9 +655,10 @@ def status_table(
     """Rows for `agentjet status`: every environment, then the top cells, then the top tasks.
 
     Environment rows show what was observed (decayed); cell and task rows show what the model
-    predicts, and a cell's score is the weight an unseen task of it gets. `recent` are the
-    newest grants, whose shares the rows report; `targets` are the environments' ratio
-    targets (normalised here).
+    predicts, and a cell's score is the weight an unseen task of it gets now (at its
+    environment's keep rate; SchedulerRow has no field for the keep rate itself). `recent`
+    are the newest grants, whose shares the rows report; `targets` are the environments'
+    ratio targets (normalised here).
     """
     stats, params = statistics, statistics.params
     total_target = sum(targets.values()) or 1.0
@@ -664,12 +688,7 @@ def status_table(
     for cell, node in stats.cells.items():
         view = stats.cell_view(cell)
         mixed = mixed_probability(view.beta, stats.group_size)
-        weight = candidate_weight(
-            mixed,
-            relative_cost(view.sums, stats.env_sums(cell.env), params.shrink_groups),
-            coverage_bonus(view.sums.groups, params.bonus_scale),
-            params.epsilon,
-        )
+        weight = candidate_weight(mixed, stats.keep_rate(cell.env), params.floor)
         cells.append((-weight, cell, node, view.beta, mixed))
     for neg_weight, cell, node, beta, mixed in sorted(cells)[:STATUS_TOP_CELLS]:
         rows.append(
@@ -703,3 +722,48 @@ def status_table(
             )
         )
     return rows
+
+
+# ── what was granted and trained, for benchmarks ──────────────────────────────────────────
+
+
+def cell_mix(reports: Iterable[tuple[Task, GroupReport]]) -> dict[str, dict[str, dict[str, float]]]:
+    """Groups and mixed groups per environment and declared difficulty, from (task, report)
+    pairs such as Store.accepted_reports() yields: {env: {difficulty: row, ..., "all": row}},
+    difficulties as strings ("0": none declared), ready for JSON.
+
+    A row: `groups`, the reports with rewards (failed ones train nothing and are left out);
+    `mixed`, those whose rewards were not all equal (what GRPO trains on); `share`, groups
+    over the environment's (for "all": over every environment's); `mixed_share`, mixed over
+    the environment's mixed, the trained mix (for "all": over every environment's);
+    `mixed_rate`, mixed over groups.
+    """
+    groups: defaultdict[str, Counter[int]] = defaultdict(Counter)
+    mixed: defaultdict[str, Counter[int]] = defaultdict(Counter)
+    for task, report in reports:
+        sums = group_sums(report)
+        if sums.groups:
+            groups[task.env][task.difficulty] += 1
+            mixed[task.env][task.difficulty] += int(sums.mixed)
+    every_group = sum(counts.total() for counts in groups.values())
+    every_mixed = sum(counts.total() for counts in mixed.values())
+    mix: dict[str, dict[str, dict[str, float]]] = {}
+    for env in sorted(groups):
+        env_groups, env_mixed = groups[env].total(), mixed[env].total()
+        mix[env] = {
+            str(d): mix_row(groups[env][d], mixed[env][d], env_groups, env_mixed)
+            for d in sorted(groups[env])
+        }
+        mix[env]["all"] = mix_row(env_groups, env_mixed, every_group, every_mixed)
+    return mix
+
+
+def mix_row(groups: int, mixed: int, of_groups: int, of_mixed: int) -> dict[str, float]:
+    """One row of cell_mix: counts, and shares of the enclosing counts."""
+    return {
+        "groups": groups,
+        "mixed": mixed,
+        "share": groups / of_groups if of_groups else 0.0,
+        "mixed_share": mixed / of_mixed if of_mixed else 0.0,
+        "mixed_rate": mixed / groups if groups else 0.0,
+    }

@@ -478,8 +478,9 @@ def test_envsched_learns_from_reports_and_keeps_its_statistics_across_a_restart(
             node.close()
 
     chosen, table = asyncio.run(teach_then_count())
-    # Uniform would give each difficulty a third; the mixed 2-digit cells get most now.
-    assert chosen[2] / 64 > 0.6, chosen
+    # Uniform would give each difficulty a third (2/3 zero-variance groups); EnvSched skips
+    # 1- and 3-digit work until about its zero-variance target (0.4) is left, never all of it.
+    assert chosen[2] / 64 > 0.45 and chosen[1] > 0 and chosen[3] > 0, chosen
     envs = {row.name: row for row in table if row.level == "env"}
     assert envs["arithmetic"].visits == 8 * TEACHING_ROUNDS
     assert envs["arithmetic"].target_share == 1.0

@@ -6,6 +6,8 @@ one group [1, 1] gives samples 2, reward 2, pairs 2, pair products 2.
 
 from __future__ import annotations
 
+import json
+import math
 import random
 import tomllib
 from collections import Counter
@@ -25,7 +27,7 @@ from agentjet.config import (
 from agentjet.errors import ConfigError
 from agentjet.protocol import CoordinatorStatus, GroupReport, SchedulerRow, Task
 from agentjet.tasks import generate_tasks, write_task_file
-from coordinator import envsched
+from bench import sched_sim
 from coordinator.envsched import (
     MIN_ENV_HEALTH,
     Beta,
@@ -39,7 +41,7 @@ from coordinator.envsched import (
     apportion,
     beta_from_moments,
     candidate_weight,
-    coverage_bonus,
+    cell_mix,
     decay_factor,
     env_health,
     group_sums,
@@ -47,9 +49,9 @@ from coordinator.envsched import (
     pick,
     prior_moments,
     relation_weight,
-    relative_cost,
     shrink,
     status_table,
+    steered_keep,
     updated,
     updated_beta,
     weighted_sample,
@@ -208,36 +210,112 @@ def test_rarely_seen_cells_borrow_from_related_cells() -> None:
     assert own.parent == pytest.approx(prior_moments(1, 1))
 
 
-def test_coverage_bonus_shrinks_with_visits_and_grows_back_with_age() -> None:
-    assert coverage_bonus(0.0, 0.1) == pytest.approx(0.1)
-    assert coverage_bonus(3.0, 0.1) == pytest.approx(0.05)
-    stats = Statistics(EnvSchedConfig(half_life_groups=2), group_size=2)
-    for _ in range(3):
-        stats.observe(task(op="+", id="d2:1+1"), report([1.0, 0.0]))
-    fresh = stats.cell_view(Cell("arithmetic", "+", 2)).sums.groups
-    for _ in range(6):
-        stats.observe(task(op="*"), report([1.0, 0.0]))
-    aged = stats.cell_view(Cell("arithmetic", "+", 2)).sums.groups
-    assert aged == pytest.approx(fresh / 8)
-    assert coverage_bonus(aged, 0.1) > coverage_bonus(fresh, 0.1)
-
-
-def test_cost_is_relative_to_the_environment_and_clipped() -> None:
-    env = Sums(reports=10, tokens=1000)  # 100 tokens per group
-    # (400 + 2·100) / (2 + 2) = 150 tokens: 1.5 times the environment's mean
-    assert relative_cost(Sums(reports=2, tokens=400), env, 2.0) == pytest.approx(1.5)
-    assert relative_cost(Sums(reports=100, tokens=1e6), env, 2.0) == envsched.MAX_COST_RATIO
-    assert relative_cost(Sums(reports=2, tokens=400), Sums(reports=3), 2.0) == 1.0
-
-
 def test_failing_environments_lose_their_share_but_keep_probes() -> None:
     assert env_health(Sums(reports=4, failed=3), 2.0) == pytest.approx(1 - 3 / 6)
     assert env_health(Sums(), 2.0) == 1.0
     assert env_health(Sums(reports=1000, failed=1000), 2.0) == MIN_ENV_HEALTH
 
 
-def test_candidate_weight_is_signal_per_cost_plus_exploration() -> None:
-    assert candidate_weight(0.5, 2.0, 0.1, 0.01) == pytest.approx(0.25 + 0.11)
+# ── a candidate's weight: the keep rate and the floor ─────────────────────────────────────
+
+
+def test_candidate_weight_keeps_mixed_groups_skips_zero_variance_ones_and_floors() -> None:
+    # keep = 1: every candidate weighs 1, whatever it predicts (uniform sampling).
+    assert candidate_weight(0.0, 1.0, 0.1) == 1.0
+    assert candidate_weight(0.3, 1.0, 0.1) == 1.0  # exactly: m + (1 − m) · 1
+    # keep = 0.2: m + (1 − m) · 0.2 = 0.5 + 0.1
+    assert candidate_weight(0.5, 0.2, 0.1) == pytest.approx(0.6)
+    # Predicted zero-variance at keep 0.05 weighs 0.05: floored at 0.1.
+    assert candidate_weight(0.0, 0.05, 0.1) == 0.1
+    assert candidate_weight(1.0, 0.1, 0.1) == 1.0  # the most any candidate weighs
+
+
+def test_keep_moves_by_the_steer_rate_toward_the_target_within_floor_and_one() -> None:
+    params = EnvSchedConfig(floor=0.1, zero_variance_target=0.4, steer_rate=0.05)
+    all_right, mixed = group_sums(report([1.0] * 8)), group_sums(report([1.0, 0.0] * 4))
+    # A zero-variance group: log(keep) += 0.05 · (0.4 − 1); a mixed one: += 0.05 · 0.4.
+    assert steered_keep(0.5, all_right, params) == pytest.approx(0.5 * math.exp(-0.03))
+    assert steered_keep(0.5, mixed, params) == pytest.approx(0.5 * math.exp(0.02))
+    assert steered_keep(1.0, mixed, params) == 1.0
+    assert steered_keep(0.1, all_right, params) == 0.1
+    # A failed report says nothing about zero variance.
+    assert steered_keep(0.5, group_sums(report([], failed=True)), params) == 0.5
+
+
+def feed(scheduler: EnvSched, pattern: list[list[float]], rounds: int) -> list[float]:
+    """Report `pattern`'s groups `rounds` times (fresh 2-digit tasks); keep after each."""
+    keeps = []
+    for i in range(rounds):
+        for j, rewards in enumerate(pattern):
+            scheduler.observe(task(id=f"d2:{i}+{j}"), report(rewards))
+            keeps.append(scheduler.statistics.keep_rate("arithmetic"))
+    return keeps
+
+
+def test_keep_falls_to_the_floor_above_the_target_and_stays_at_one_below() -> None:
+    mixed, wrong = [1.0, 0.0] * 4, [0.0] * 8
+    above = EnvSched([EnvConfig()], EnvSchedConfig(), group_size=8)
+    # 3 of 4 groups zero-variance against a target of 0.4: −0.07 per round of 4 in log(keep).
+    keeps = feed(above, [wrong, wrong, mixed, wrong], rounds=50)
+    assert keeps[3] == pytest.approx(math.exp(0.05 * (4 * 0.4 - 3)))
+    assert keeps[-1] == EnvSchedConfig().floor
+    # 1 of 4: each zero-variance group dips keep by e^−0.03, the mixed ones bring it back
+    # to 1, where it stays (a target, not a bound: nothing is skipped below it).
+    below = EnvSched([EnvConfig()], EnvSchedConfig(), group_size=8)
+    keeps = feed(below, [wrong, mixed, mixed, mixed], rounds=50)
+    assert set(keeps[3::4]) == {1.0}
+    assert min(keeps) == pytest.approx(math.exp(-0.03))
+
+
+def test_below_the_target_envsched_samples_uniformly_from_its_pool() -> None:
+    # 1-digit groups all right (predicted zero-variance), 2-digit mixed: a quarter of the
+    # groups are zero-variance, under the target, so nothing is skipped. Without a frontier,
+    # the pool is the same fresh draws whatever the history, and every candidate weighs 1.
+    params = EnvSchedConfig(frontier_size=0)
+    taught = EnvSched([EnvConfig(difficulties=[1, 2])], params, group_size=8)
+    for i in range(40):
+        taught.observe(task(difficulty=1, id=f"d1:{i % 10}+{i // 10}"), report([1.0] * 8))
+        for j in range(3):
+            taught.observe(task(id=f"d2:{i}+{j}"), report([1.0, 0.0] * 4))
+    assert taught.statistics.keep_rate("arithmetic") == 1.0
+    predicted = {
+        d: mixed_probability(taught.statistics.task_beta(task(difficulty=d)), 8) for d in (1, 2)
+    }
+    assert predicted[1] < 0.05 and predicted[2] > 0.95
+    pool = taught.candidates("arithmetic", 8, random.Random(0))
+    assert {t.difficulty for t in pool} == {1, 2}
+    assert {taught.weight(t) for t in pool} == {1.0}
+    untaught = EnvSched([EnvConfig(difficulties=[1, 2])], params, group_size=8)
+    for seed in range(20):
+        assert taught.choose(8, random.Random(seed)) == untaught.choose(8, random.Random(seed))
+
+
+def test_the_floor_holds_after_adversarial_history() -> None:
+    # 3-digit groups all wrong, many times over (m ≈ 0), 2-digit mixed; zero-variance far
+    # above the target, so keep sits at the floor. No frontier (at the floor all of it would
+    # join the fresh draws): uniform sampling gives each difficulty half of the slots.
+    params = EnvSchedConfig(frontier_size=0)
+    scheduler = EnvSched([EnvConfig(difficulties=[2, 3])], params, group_size=8)
+    for i in range(100):
+        scheduler.observe(task(id=f"d2:{i}+1"), report([1.0, 0.0] * 4))
+        for j in range(3):
+            scheduler.observe(task(difficulty=3, id=f"d3:{i}*{j}"), report([0.0] * 8))
+            scheduler.observe(task(difficulty=3, id="d3:999*999"), report([0.0] * 8))
+    assert scheduler.statistics.keep_rate("arithmetic") == params.floor
+    hopeless = task(difficulty=3, id="d3:999*999")
+    assert mixed_probability(scheduler.statistics.task_beta(hopeless), 8) < 1e-4
+    assert scheduler.weight(hopeless) == pytest.approx(params.floor, abs=1e-4)
+    pool = scheduler.candidates("arithmetic", 8, random.Random(0))
+    assert min(scheduler.weight(t) for t in pool) >= params.floor
+    slots = 250 * 8
+    chosen = Counter(
+        t.difficulty for seed in range(250) for t in scheduler.choose(8, random.Random(seed))
+    )
+    # Each draw takes a 3-digit candidate with chance ≥ floor × its uniform chance (1/2):
+    # ≥ 100 of 2000 slots expected, 250 here (0.1 against about 0.9 per candidate). A
+    # binomial count that low would be 10 standard deviations off.
+    assert chosen[3] >= params.floor * slots / 2
+    assert chosen[2] > 0.8 * slots
 
 
 # ── allocation ────────────────────────────────────────────────────────────────────────────
@@ -295,33 +373,37 @@ def test_weighted_sampling_without_replacement() -> None:
 # ── the scheduler ─────────────────────────────────────────────────────────────────────────
 
 
-def teach(scheduler: EnvSched, rounds: int = 30) -> None:
-    """1-digit tasks are always right, 3-digit always wrong, 2-digit tasks right half the time."""
+def test_envsched_skips_predicted_zero_variance_work_down_to_the_target() -> None:
+    # 1-digit tasks always right, 3-digit always wrong, 2-digit right half the time: uniform
+    # sampling gives 2/3 zero-variance groups. Skipping settles where the share is the
+    # target, 0.4: 1-digit and 3-digit candidates weigh keep, 2-digit ones 1, so the share
+    # is 2·keep / (1 + 2·keep) and keep = 1/3. (No frontier, so the steering does it all.)
+    params = EnvSchedConfig(frontier_size=0)
+    scheduler = EnvSched([EnvConfig()], params, group_size=8)
     rng = random.Random(1)
-    for i in range(rounds):
+    chosen = []
+    for i in range(100):
         for t in scheduler.choose(8, rng, grants_issued=8 * i):
             rewards = {1: [1.0] * 8, 2: [1.0, 0.0] * 4, 3: [0.0] * 8}[t.difficulty]
             scheduler.observe(t, report(rewards))
-
-
-def test_envsched_sends_work_where_groups_are_mixed() -> None:
-    scheduler = EnvSched([EnvConfig()], EnvSchedConfig(), group_size=8)
-    teach(scheduler)
-    chosen = Counter(t.difficulty for t in scheduler.choose(400, random.Random(2)))
-    assert chosen[2] / 400 > 0.8
-    assert chosen[1] > 0 and chosen[3] > 0  # exploration floor: nothing starves
+            chosen.append(t.difficulty)
+    late = Counter(chosen[-400:])
+    assert (late[1] + late[3]) / 400 == pytest.approx(params.zero_variance_target, abs=0.05)
+    assert scheduler.statistics.keep_rate("arithmetic") == pytest.approx(1 / 3, abs=0.1)
+    assert min(late[1], late[3]) / 400 > params.floor / 3  # nothing starves
     uniform = Counter(t.difficulty for t in UniformScheduler([EnvConfig()]).choose(400))
     assert uniform[2] / 400 == pytest.approx(1 / 3, abs=0.08)
 
 
 def test_envsched_offers_tasks_whose_last_group_was_mixed_again() -> None:
     scheduler = EnvSched([EnvConfig(difficulties=[3])], EnvSchedConfig(), group_size=8)
-    for op in "+-*":  # fresh 3-digit tasks are hopeless...
-        for i in range(10):
+    for op in "+-*":  # fresh 3-digit tasks are hopeless (and skipped, keep at the floor)...
+        for i in range(40):
             scheduler.observe(task(op=op, difficulty=3, id=f"d3:{i}{op}0"), report([0.0] * 8))
     known = task(op="*", difficulty=3, id="d3:123*456")  # ...but this one is within reach
     scheduler.observe(known, report([1.0, 0.0] * 4))
     assert known.id in scheduler.frontiers["arithmetic"]
+    assert scheduler.statistics.keep_rate("arithmetic") < 0.11
     picks = [t.id for i in range(20) for t in scheduler.choose(8, random.Random(i))]
     assert picks.count(known.id) >= 10  # a fresh 3-digit task repeats with chance ~0
     scheduler.observe(known, report([1.0] * 8))
@@ -361,44 +443,6 @@ def test_envsched_keeps_env_ratios_capacity_and_schedule() -> None:
         8, random.Random(0), open_by_env={"python_tool": 0}, grants_issued=1000
     )
     assert Counter(t.env for t in later) == {"arithmetic": 5, "python_tool": 3}  # 6 hits the cap
-
-
-def test_envsched_keeps_difficulty_quotas_within_an_environment() -> None:
-    # Taught that 1-digit groups are the mixed ones, EnvSched alone would fill batches with
-    # them; a difficulty quota keeps each batch's split and chooses by score within it.
-    params = EnvSchedConfig(difficulty_weights=[0.5, 0.375, 0.125])
-    scheduler = EnvSched([EnvConfig()], params, group_size=8)
-    for i in range(30):
-        scheduler.observe(
-            task(op="+", difficulty=1, id=f"d1:{i % 10}+{i // 10}"), report([1.0, 0.0] * 4)
-        )
-        scheduler.observe(task(op="+", difficulty=2, id=f"d2:{10 + i}+10"), report([0.0] * 8))
-    frontier = scheduler.frontiers["arithmetic"]
-    assert len(frontier) == 30 and {t.difficulty for t in frontier.values()} == {1}
-    for seed in range(20):
-        batch = scheduler.choose(8, random.Random(seed))
-        assert Counter(t.difficulty for t in batch) == {1: 4, 2: 3, 3: 1}
-    assert scheduler.difficulty_targets("arithmetic") == {1: 0.5, 2: 0.375, 3: 0.125}
-    # Weights past a source's difficulties are ignored; one difficulty needs no quota.
-    two = EnvSched([EnvConfig(difficulties=[1, 2])], params, group_size=8)
-    assert two.difficulty_targets("arithmetic") == {1: 0.5, 2: 0.375}
-    one = EnvSched([EnvConfig(difficulties=[3])], params, group_size=8)
-    assert one.difficulty_targets("arithmetic") == {}
-    assert {t.difficulty for t in one.choose(8, random.Random(0))} == {3}
-    unset = EnvSched([EnvConfig()], EnvSchedConfig(), group_size=8)
-    assert unset.difficulty_targets("arithmetic") == {}
-
-
-def test_a_task_file_is_drawn_at_a_difficulty(tmp_path: Path) -> None:
-    task_file = tmp_path / "tasks.jsonl"
-    write_task_file(generate_tasks(30, seed=1), task_file)
-    source = EnvSource.of(EnvConfig(task_file=str(task_file))).source
-    assert source.drawn_difficulties() == {1, 2, 3}
-    rng = random.Random(0)
-    assert {source.sample(rng, 2).difficulty for _ in range(20)} == {2}
-    params = EnvSchedConfig(difficulty_weights=[0.0, 1.0])
-    scheduler = EnvSched([EnvConfig(task_file=str(task_file))], params, group_size=8)
-    assert {t.difficulty for t in scheduler.choose(8, random.Random(0))} == {2}
 
 
 def test_envsched_steers_away_from_a_failing_environment() -> None:
@@ -441,10 +485,18 @@ def test_config_rejects_what_envsched_cannot_use() -> None:
         load({"ratio_at_grants": [100, 100], "ratio_weights": {"arithmetic": [1.0, 2.0]}})
     with pytest.raises(ConfigError, match="every environment has weight 0"):
         load({"ratio_at_grants": [10], "ratio_weights": {"arithmetic": [0.0]}})
-    with pytest.raises(ConfigError, match="every difficulty has weight 0"):
-        load({"difficulty_weights": [0.0, 0.0]})
-    with pytest.raises(ConfigError, match="difficulty_weights"):
-        load({"difficulty_weights": [1.0, 1.0, 1.0, 1.0]})
+    with pytest.raises(ConfigError, match=r"coordinator\.envsched\.floor: expected `float` > 0"):
+        load({"floor": 0.0})
+    with pytest.raises(ConfigError, match=r"coordinator\.envsched\.floor: expected `float` <= 1"):
+        load({"floor": 1.5})
+    with pytest.raises(ConfigError, match=r"zero_variance_target: expected `float` < 1"):
+        load({"zero_variance_target": 1.0})
+    with pytest.raises(ConfigError, match=r"zero_variance_target: expected `float` >= 0"):
+        load({"zero_variance_target": -0.1})
+    with pytest.raises(ConfigError, match=r"steer_rate: expected `float` > 0"):
+        load({"steer_rate": 0.0})
+    with pytest.raises(ConfigError, match=r"coordinator\.envsched\.epsilon: unknown key"):
+        load({"epsilon": 0.01})  # replaced by the floor
     with pytest.raises(ConfigError, match="coordinator.scheduler"):
         config_from_dict({"coordinator": {"scheduler": "greedy"}})
 
@@ -459,7 +511,9 @@ def test_envsched_config_survives_the_resolved_config_file() -> None:
                     "max_open": {"python_tool": 4},
                     "ratio_at_grants": [0, 100],
                     "ratio_weights": {"python_tool": [1.0, 3.0]},
-                    "difficulty_weights": [0.6, 0.4],
+                    "floor": 0.2,
+                    "zero_variance_target": 0.3,
+                    "steer_rate": 0.1,
                 },
             },
         }
@@ -467,12 +521,89 @@ def test_envsched_config_survives_the_resolved_config_file() -> None:
     assert config_from_dict(tomllib.loads(to_toml(config))) == config
 
 
+def test_envsched_tracks_the_zero_variance_target_under_a_drifting_policy() -> None:
+    # bench/sched_sim.py's world: success rates that drift up everywhere and rise where
+    # groups were mixed. Arithmetic's uniform share (about 0.7) is above the target, which
+    # skipping reaches; python_tool's frontier alone takes it below, where keep stays high.
+    params = EnvSchedConfig()
+    target = params.zero_variance_target
+    envsched_run = sched_sim.simulate("envsched", 1200, seed=0, params=params)
+    uniform_run = sched_sim.simulate("uniform", 1200, seed=0)
+
+    def second_half(played: sched_sim.Played, env: str) -> float:
+        return sched_sim.zero_variance_share([r for r in played.reports[600:] if r[0].env == env])
+
+    assert second_half(uniform_run, "arithmetic") > target + 0.2
+    assert second_half(envsched_run, "arithmetic") == pytest.approx(target, abs=0.1)
+    assert second_half(envsched_run, "python_tool") < target + 0.1
+    assert envsched_run.keep["arithmetic"] < 0.5 < envsched_run.keep["python_tool"]
+    assert all(params.floor <= keep <= 1.0 for keep in envsched_run.keep.values())
+    # The floor: every difficulty keeps at least about floor × its uniform share (a third).
+    for env, levels in cell_mix(envsched_run.reports).items():
+        for d in ("1", "2", "3"):
+            assert levels[d]["share"] > params.floor / 3, (env, d)
+
+
+def test_cell_mix_counts_groups_and_mixed_groups_by_env_and_difficulty() -> None:
+    mixed, right, wrong = [1.0, 0.0], [1.0, 1.0], [0.0, 0.0]
+    reports = [
+        (task(difficulty=1), report(right)),
+        (task(difficulty=1), report(mixed)),
+        (task(difficulty=2), report(mixed)),
+        (task(difficulty=2), report(mixed)),
+        (task(difficulty=3), report(wrong)),
+        (task(difficulty=3), report(wrong, failed=True)),  # trains nothing: left out
+        (task(env="python_tool", difficulty=2), report(mixed)),
+        (task(env="python_tool", difficulty=2), report(right)),
+        (task(env="python_tool", difficulty=2), report(right)),
+        (task(env="python_tool", difficulty=2), report(right)),
+    ]
+    assert cell_mix(reports) == {
+        "arithmetic": {
+            "1": {"groups": 2, "mixed": 1, "share": 0.4, "mixed_share": 1 / 3, "mixed_rate": 0.5},
+            "2": {"groups": 2, "mixed": 2, "share": 0.4, "mixed_share": 2 / 3, "mixed_rate": 1.0},
+            "3": {"groups": 1, "mixed": 0, "share": 0.2, "mixed_share": 0.0, "mixed_rate": 0.0},
+            "all": {"groups": 5, "mixed": 3, "share": 5 / 9, "mixed_share": 0.75,
+                    "mixed_rate": 0.6},
+        },
+        "python_tool": {
+            "2": {"groups": 4, "mixed": 1, "share": 1.0, "mixed_share": 1.0, "mixed_rate": 0.25},
+            "all": {"groups": 4, "mixed": 1, "share": 4 / 9, "mixed_share": 0.25,
+                    "mixed_rate": 0.25},
+        },
+    }  # fmt: skip
+    assert json.loads(json.dumps(cell_mix(reports))) == cell_mix(reports)
+    assert cell_mix([]) == {}
+
+
+def test_observing_the_same_reports_twice_gives_the_same_keep_and_choices() -> None:
+    params = EnvSchedConfig(zero_variance_target=0.2)
+    envs = [EnvConfig(name="arithmetic", weight=3.0), EnvConfig(name="python_tool", weight=1.0)]
+    rng = random.Random(5)
+    reports = [
+        (
+            task(env=rng.choice(["arithmetic", "python_tool"]), id=f"d2:{i}+{i}"),
+            report([float(rng.random() < 0.8) for _ in range(8)], tokens=rng.randint(5, 50)),
+        )
+        for i in range(300)
+    ]
+    first, second = (EnvSched(envs, params, group_size=8) for _ in range(2))
+    for scheduler in (first, second):
+        for t, r in reports:
+            scheduler.observe(t, r)
+    assert first.statistics.keep == second.statistics.keep
+    assert first.statistics.keep["arithmetic"] < 1.0
+    for seed in range(5):
+        assert first.choose(16, random.Random(seed)) == second.choose(16, random.Random(seed))
+
+
 # ── restart and status ────────────────────────────────────────────────────────────────────
 
 
 def test_replaying_stored_reports_rebuilds_the_same_statistics(tmp_path: Path) -> None:
     envs = [EnvConfig(name="arithmetic", weight=3.0), EnvConfig(name="python_tool", weight=1.0)]
-    params = EnvSchedConfig(half_life_groups=16)
+    # A low target, so that keep moves (a quarter of these groups are zero-variance).
+    params = EnvSchedConfig(half_life_groups=16, zero_variance_target=0.1)
     live = EnvSched(envs, params, group_size=4)
     store = Store(tmp_path / "coordinator.sqlite", lease_s=60.0)
     rng = random.Random(0)
@@ -500,6 +631,7 @@ def test_replaying_stored_reports_rebuilds_the_same_statistics(tmp_path: Path) -
     reopened.close()
     a, b = live.statistics, restarted.statistics
     assert (a.tick, a.envs, a.cells, a.tasks) == (b.tick, b.envs, b.cells, b.tasks)
+    assert a.keep == b.keep and min(a.keep.values()) < 1.0  # bit for bit, and it moved
     assert live.frontiers == restarted.frontiers
     assert live.choose(16, draw_rng(0, 48)) == restarted.choose(16, draw_rng(0, 48))
 
@@ -520,7 +652,7 @@ def test_status_table_rows() -> None:
     cells = {row.name: row for row in rows if row.level == "cell"}
     assert cells["arithmetic d2 +"].grant_share == 0.5 and cells["arithmetic d2 +"].visits == 2
     assert cells["arithmetic d2 +"].score > cells["arithmetic d2 *"].score  # type: ignore[operator]
-    # Never reported with rewards, python_tool's cell borrows arithmetic's and is unexplored.
+    # Never reported with rewards, python_tool skips nothing yet (keep 1): its cell weighs 1.
     assert max(rows, key=lambda row: row.score or 0.0).name == "python_tool d2 +"
     tasks = {row.name: row for row in rows if row.level == "task"}
     assert tasks["arithmetic d2:1+1"].visits == 2
@@ -565,3 +697,16 @@ def test_agentjet_status_renders_counters_and_aligned_rows() -> None:
         "30%",
     ]
     assert "top tasks" not in format_status(status)
+
+
+def test_the_frontier_joins_the_pool_as_keep_falls_none_at_one_all_at_the_floor() -> None:
+    from coordinator.envsched import frontier_share
+
+    assert frontier_share(1.0, 0.1) == 0.0 and frontier_share(0.1, 0.1) == 1.0
+    assert frontier_share(0.55, 0.1) == pytest.approx(0.5)
+    scheduler = EnvSched([EnvConfig(difficulties=[3])], EnvSchedConfig(), group_size=8)
+    known = task(op="*", difficulty=3, id="d3:123*456")
+    scheduler.observe(known, report([1.0, 0.0] * 4))  # mixed: below the target, keep = 1
+    assert scheduler.statistics.keep_rate("arithmetic") == 1.0
+    pools = [scheduler.candidates("arithmetic", 8, random.Random(i)) for i in range(20)]
+    assert all(known.id not in {t.id for t in pool} for pool in pools)  # uniform sampling

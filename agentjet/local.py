@@ -100,12 +100,14 @@ class Progress:
         elapsed = time.monotonic() - self.started
         if row.get("event") == "step":
             self.last_version = int(row["policy_version"])
+            zero_variance = row["charts/zero_variance_groups"] + row.get("groups_left_out", 0)
             print(
                 f"[{elapsed:6.0f}s] policy v{row['policy_version']:<4d}"
                 f" reward {row['charts/reward_mean']:.3f}"
                 f"  samples/s {row['perf/samples_per_s']:.2f}"
                 f"  staleness {row['charts/staleness_mean']:.2f}"
-                f"  zero-var groups {row['charts/zero_variance_groups']}"
+                # trained with the step, or left out by dynamic sampling while it filled
+                f"  zero-var groups {zero_variance}"
                 f"  trained tokens {row['charts/trained_tokens']}"
                 f"  step {row['perf/step_s']:.1f}s",
                 file=self.out,

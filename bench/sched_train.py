@@ -139,10 +139,18 @@ def measure(run_dir: Path, wall_s: float, started: float) -> dict:
         "zero_variance_frac": round(zero / max(len(reports), 1), 4),
         "short_steps": sum(1 for r in steps if r.get("short_step")),
         "busy": {"rollout": round(gen_s / wall_s, 3), "trainer": round(train_s / wall_s, 3)},
-        "trained_mix": cell_mix((t, r) for t, r in reports if r.grant_id in trained),
-        "generated_mix": cell_mix(reports),
+        # the cell mix: groups per environment and difficulty, trained and generated
+        "trained_by_difficulty": groups_by_difficulty(
+            cell_mix((t, r) for t, r in reports if r.grant_id in trained)
+        ),
+        "generated_by_difficulty": groups_by_difficulty(cell_mix(reports)),
         "version_time_s": version_time,
     }
+
+
+def groups_by_difficulty(mix: dict) -> dict:
+    """`cell_mix` as {env: {difficulty or "all": groups}}."""
+    return {env: {d: row["groups"] for d, row in levels.items()} for env, levels in mix.items()}
 
 
 def time_to_reach(curve: list[tuple[float, float]], target: float) -> float | None:
@@ -204,7 +212,7 @@ def summarize(runs: list[dict]) -> dict:
         ratios = []
         for u, e in pairs:
             reached = time_to_reach(e["curve"], u["heldout"]["greedy"]["overall"])
-            ratios.append(None if reached is None else reached / (u["minutes"] * 60))
+            ratios.append(None if reached is None else reached / u["final_time_s"])
         got = [r for r in ratios if r is not None]
         summary["time_to_uniform_final_ratio"] = round(statistics.fmean(got), 3) if got else None
         summary["time_to_uniform_final_per_seed"] = [
@@ -257,6 +265,8 @@ def main() -> int:
                     sys.exit(f"{run_dir}: no checkpoint (no policy version in {wall_s:.0f} s?)")
                 final = saved[-1][1]
                 run = {
+                    # when the final checkpoint's version was stepped (the time to compare)
+                    "final_time_s": round(figures["version_time_s"].get(saved[-1][0], wall_s), 1),
                     "setup": setup,
                     "seed": seed,
                     "arm": arm,
@@ -277,8 +287,7 @@ def main() -> int:
                             version, path = early[-1]
                             accuracy = heldout(path, files, config, 0)["overall"]
                             curve.append((round(times[version], 1), accuracy))
-                    final_time = times.get(saved[-1][0], wall_s)
-                    curve.append((round(final_time, 1), run["heldout"]["greedy"]["overall"]))
+                    curve.append((run["final_time_s"], run["heldout"]["greedy"]["overall"]))
                     run["curve"] = sorted(set(curve))
                 del run["version_time_s"]
                 shutil.rmtree(run_dir / "checkpoints")  # ~0.5 GB each; metrics and history stay

@@ -12,7 +12,7 @@ the regime a scheduler is for (generation-bound), on real training of SmolLM2-13
               checkpoints, for the wall time it takes to reach uniform's final accuracy
     ──▶ bench/results/sched.json
 
-Run: `just bench-sched` (or `.venv/bin/python bench/sched_train.py --minutes 6 --seeds 0,1,2`).
+Run: `just bench-sched` (or `.venv/bin/python bench/sched_train.py --minutes 5 --seeds 0,1,2`).
 
 Dynamic sampling (trainer.dynamic_sampling) makes every step train `groups_per_step` groups
 whose rewards vary, so both arms take steps of the same effective batch and a scheduler can

@@ -50,11 +50,12 @@ local *ARGS: ensure
 test *ARGS: ensure
     {{bin}}/pytest -m "not gpu" {{ARGS}}
 
-# Fault suite: a loopback swarm through kills, a stall and a cut link, plus the fuzz test;
-# writes bench/results/faults.json (`just test` runs both too, without writing it)
+# Fault suite: a loopback swarm through kills, a stall and a cut link, the fuzz test and a
+# stranger at a closed swarm; writes bench/results/faults.json (`just test` runs them too,
+# without writing it)
 test-faults *ARGS: ensure
     rm -f bench/results/faults.json
-    AGENTJET_FAULTS_OUT=bench/results/faults.json {{bin}}/pytest tests/integration/test_fuzz.py tests/integration/test_faults.py {{ARGS}}
+    AGENTJET_FAULTS_OUT=bench/results/faults.json {{bin}}/pytest tests/integration/test_fuzz.py tests/integration/test_closed_swarm.py tests/integration/test_faults.py {{ARGS}}
 
 # Lint, format check and types
 lint: ensure
@@ -115,6 +116,11 @@ bench-logprob-gap *ARGS: ensure
 # Two trainers, weights compared bit for bit at every policy version (writes bench/results/identity.json)
 bench-identity *ARGS: ensure
     {{bin}}/python bench/identity.py {{ARGS}} | tee bench/results/identity.json
+
+# A closed swarm's two trainers in lock step, alone and with a stranger at their averaging
+# handlers, compared bit for bit (writes bench/results/identity_stranger.json)
+bench-stranger *ARGS: ensure
+    {{bin}}/python bench/identity.py --stranger {{ARGS}} | tee bench/results/identity_stranger.json
 
 # On a machine with a network: wheels for the GPU machine's python (3.12; its own torch is
 # kept), the agentjet wheel, rust-just and SmolLM2's tokenizer. ARGS: [DIR] [PYTHON_VERSION]

@@ -6,7 +6,7 @@
     agentjet eval         accuracy of a checkpoint on a task file (greedy or sampled)
     agentjet tasks        write a generated task file
     agentjet status       ask a running coordinator what it hands out and has learned
-    agentjet keys         init: make the swarm's key file (every node needs a copy)
+    agentjet keys         init: the swarm's root key file; issue, revoke: one node's keys
     agentjet sandbox      build-image: the docker sandbox image, offline from Debian packages
     agentjet agent        play a rollout node's agent episodes from another process
     agentjet dashboard    watch a run (--run-dir) or a live swarm (--join) in a browser
@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import errno
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -28,7 +29,16 @@ from typing import TYPE_CHECKING, NoReturn
 
 from agentjet.config import ENV_NAMES, Config, RunConfig, is_endpoint, load_config, to_toml
 from agentjet.errors import AgentjetError
-from agentjet.keys import DEFAULT_KEYS_FILE, SwarmKeys, swarm_keys, write_keys
+from agentjet.identity import (
+    CERTIFICATE_DAYS,
+    NodeIdentity,
+    NodeKeys,
+    RootKey,
+    node_keys,
+    server_keys,
+    write_node_keys,
+)
+from agentjet.keys import DEFAULT_KEYS_FILE, read_keys, write_keys
 
 if TYPE_CHECKING:
     from agentjet.protocol import CoordinatorStatus, GpuStats, NodeRecord, SchedulerRow
@@ -206,6 +216,31 @@ def build_parser() -> argparse.ArgumentParser:
         help="make a new swarm key file (mode 0600); copy it to every node of the swarm",
     )
     init.add_argument("--out", type=Path, default=Path(DEFAULT_KEYS_FILE), help="where to write it")
+    issue = key_actions.add_parser(
+        "issue",
+        help="make one node's own keys and certificate, signed with the swarm's root file",
+    )
+    issue.add_argument("--node", required=True, metavar="NAME", help="the node's name")
+    issue.add_argument(
+        "--keys", type=Path, default=Path(DEFAULT_KEYS_FILE), help="the swarm's root key file"
+    )
+    issue.add_argument("--out", type=Path, help="where to write it (default: NAME.keys)")
+    issue.add_argument(
+        "--days", type=float, default=CERTIFICATE_DAYS, help="how long the certificate is valid"
+    )
+    revoke = key_actions.add_parser(
+        "revoke",
+        help="shut one node out of a live swarm (its certificates issued so far), signed with "
+        "the swarm's root file",
+    )
+    revoke.add_argument("node", metavar="NAME", help="the node's name")
+    revoke.add_argument(
+        "--keys", type=Path, default=Path(DEFAULT_KEYS_FILE), help="the swarm's root key file"
+    )
+    revoke.add_argument(
+        "--join", action="append", required=True, metavar="MULTIADDR", help="a peer of the swarm"
+    )
+    revoke.add_argument("--run-id", default="agentjet", help="the swarm's swarm.run_id")
 
     sandbox = sub.add_parser("sandbox", help="manage the docker sandbox image")
     actions = sandbox.add_subparsers(
@@ -357,6 +392,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         return 0
     if args.command == "keys" and args.action == "init":
         return _keys_init(args.out)
+    if args.command == "keys" and args.action == "issue":
+        return _keys_issue(args.keys, args.node, args.out, args.days)
+    if args.command == "keys" and args.action == "revoke":
+        return _keys_revoke(args)
     if args.command == "local":
         default_dir = None
         if args.run_dir is None and not any(s.startswith("run.dir=") for s in args.set):
@@ -376,7 +415,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.dry_run:
         return _dry_run(config)
     if args.command in ("node", "coordinator") and not config.net.insecure:
-        swarm_keys(config.net)  # fail in one line now, not after loading torch; roles reload
+        node_keys(config.net, args.command)  # fail in one line now, not after torch loads
     if args.command == "coordinator":
         from coordinator.service import main as coordinator_main
 
@@ -429,6 +468,41 @@ def _keys_init(path: Path) -> int:
         f"wrote the swarm's keys to {path} (mode 0600)\n"
         f"copy it to every machine of the swarm and start each node with --keys {path}; "
         "whoever holds it can join the swarm, so keep it private"
+    )
+    return 0
+
+
+def _keys_issue(root_file: Path, name: str, out: Path | None, days: float) -> int:
+    root = read_keys(root_file)
+    identity = NodeIdentity.new(RootKey.from_swarm_keys(root), name, days=days)
+    out = out or Path(f"{name}.keys")
+    write_node_keys(out, identity, server_keys(root))
+    print(
+        f"wrote {name}'s keys to {out} (mode 0600; certificate {identity.certificate.serial}, "
+        f"valid {days:g} days): copy it to that node only and start it with --keys {out}"
+    )
+    return 0
+
+
+def _keys_revoke(args: argparse.Namespace) -> int:
+    from agentjet.config import SwarmConfig
+
+    root = read_keys(args.keys)
+    revocation = RootKey.from_swarm_keys(root).revoke(args.node)
+    config = SwarmConfig(run_id=args.run_id, initial_peers=args.join)
+    from node.swarm import Directory, start_dht
+
+    dht = start_dht(config, NodeKeys.from_root(root, f"revoker-{os.getpid()}"), client_mode=True)
+    try:
+        stored = Directory(dht, config).revoke(revocation)
+    finally:
+        dht.shutdown()
+    if not stored:
+        raise AgentjetError(f"could not store the revocation of {args.node} in the swarm's DHT")
+    print(
+        f"revoked {args.node}: every trainer refuses it from its next directory read "
+        f"(swarm.heartbeat_s, default {config.heartbeat_s:g} s); a certificate issued to "
+        f"{args.node} from now on is valid again"
     )
     return 0
 
@@ -503,7 +577,8 @@ def _dashboard(args: argparse.Namespace) -> int:
 def _live_dashboard(args: argparse.Namespace) -> int:
     from agentjet.config import DashboardConfig, NetConfig, SwarmConfig, dashboard_address
 
-    keys = swarm_keys(NetConfig(keys=str(args.keys or ""), insecure=args.insecure))
+    net = NetConfig(keys=str(args.keys or ""), insecure=args.insecure)
+    keys = node_keys(net, f"dashboard-{os.getpid()}")
     token = args.token or ""
     host, port = dashboard_address(args.listen or DashboardConfig().listen, token, "--listen")
     config = SwarmConfig(run_id=args.run_id, initial_peers=args.join)
@@ -526,7 +601,8 @@ def _status(args: argparse.Namespace) -> int:
 
     from agentjet.config import NetConfig
 
-    keys = swarm_keys(NetConfig(keys=str(args.keys or ""), insecure=args.insecure))
+    net = NetConfig(keys=str(args.keys or ""), insecure=args.insecure)
+    keys = node_keys(net, f"status-{os.getpid()}")
     if args.join:
         return _swarm_status(args, keys)
     status = asyncio.run(_fetch_status(args.coordinator, args.timeout_s, keys))
@@ -537,7 +613,7 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
-def _swarm_status(args: argparse.Namespace, keys: SwarmKeys | None) -> int:
+def _swarm_status(args: argparse.Namespace, keys: NodeKeys | None) -> int:
     import msgspec
 
     from agentjet.config import SwarmConfig
@@ -562,7 +638,8 @@ def _swarm_status(args: argparse.Namespace, keys: SwarmKeys | None) -> int:
 
 def format_swarm(records: list[NodeRecord], now: float) -> str:
     """The swarm's nodes by role: address, policy version, queue, throughput, last heartbeat,
-    each GPU the node uses (one line each); then the nodes each trainer has quarantined."""
+    each GPU the node uses (one line each); then the nodes each trainer has quarantined,
+    and what each trainer refused (non-members' calls, bad certificates) by kind."""
     if not records:
         return "no live nodes in the swarm's directory (is --run-id right?)"
     order = {"coordinator": 0, "trainer": 1, "rollout": 2}
@@ -573,13 +650,18 @@ def format_swarm(records: list[NodeRecord], now: float) -> str:
         for row in _node_rows(r, now)
     ]
     counts = ", ".join(f"{sum(r.role == role for r in records)} {role}" for role in order)
+    by_id = sorted(records, key=lambda r: r.node_id)
     quarantines = [
-        f"quarantined by {r.node_id}: {', '.join(r.quarantined)}"
-        for r in sorted(records, key=lambda r: r.node_id)
-        if r.quarantined
+        f"quarantined by {r.node_id}: {', '.join(r.quarantined)}" for r in by_id if r.quarantined
+    ]
+    refusals = [
+        f"refused by {r.node_id}: "
+        + ", ".join(f"{kind.replace('_', ' ')} {n}" for kind, n in sorted(r.refused.items()))
+        for r in by_id
+        if r.refused
     ]
     table = _aligned([header, *rows], left=(0, len(header) - 1))
-    return "\n".join([f"swarm: {counts}", *table, *quarantines])
+    return "\n".join([f"swarm: {counts}", *table, *quarantines, *refusals])
 
 
 def _node_rows(r: NodeRecord, now: float) -> list[tuple[str, ...]]:
@@ -612,7 +694,7 @@ def _gpu_cell(gpu: GpuStats) -> str:
 
 
 async def _fetch_status(
-    endpoint: str, timeout_s: float, keys: SwarmKeys | None
+    endpoint: str, timeout_s: float, keys: NodeKeys | None
 ) -> CoordinatorStatus:
     from agentjet import protocol
     from agentjet.transport import PeerUnavailable, outsider_client
@@ -647,9 +729,12 @@ def format_status(status: CoordinatorStatus) -> str:
         f"{status.denied_handshakes} connections without the swarm's keys refused",
         f"nodes: {nodes or 'none'}",
     ]
+    if status.refused:
+        kinds = ", ".join(f"{kind} {n}" for kind, n in sorted(status.refused.items()))
+        lines.insert(1, f"requests refused as no member's: {kinds}")
     share = f"last {status.recent_grants}"
     for level, title, extra in (
-        ("env", "environment (observed)", ("target", "failed")),
+        ("env", "environment (observed)", ("target", "failed", "keep")),
         ("cell", "top cells (predicted)", ("score",)),
         ("task", "top tasks (predicted)", ()),
     ):
@@ -669,6 +754,7 @@ def _row_cells(row: SchedulerRow, extra: tuple[str, ...]) -> tuple[str, ...]:
         "target": num(row.target_share, 2),
         "failed": num(row.failure_rate, 2),
         "score": num(row.score),
+        "keep": num(row.keep, 2),
     }
     return (
         row.name,

@@ -1,16 +1,12 @@
-"""The swarm's key material: one ZeroMQ CURVE keypair that every node of a swarm holds.
+"""The swarm's root key file: one ZeroMQ CURVE keypair, made once per swarm.
 
     agentjet keys init ──▶ swarm.keys (mode 0600: public + secret key, Z85)
-                               │ copied to every machine of the swarm, `--keys swarm.keys`
-                               ▼
-    server socket: CURVE server with the swarm secret; its ZAP handler (agentjet/transport.py)
-                   admits only clients that present the swarm's public key
-    client socket: CURVE client with the swarm keypair, expecting the swarm's public key
+        │ the root of the swarm (agentjet/identity.py): it derives the root's signing key,
+        │ which certifies nodes (`agentjet keys issue`), and the swarm's server keys
+        ▼
+    a node given swarm.keys certifies itself; a node given NAME.keys is that node
 
-CURVE proves that each side holds the secret key of the public key it presents, so a peer
-without the file can neither talk to a server nor pose as one, and everything on the wire
-is encrypted. One shared keypair (rather than one per node) keeps the set-up to one file;
-the price is that a node's membership cannot be revoked alone: make new keys instead.
+This module reads and writes the files; agentjet/identity.py says what the keys mean.
 """
 
 from __future__ import annotations
@@ -27,7 +23,6 @@ from typing import Any
 import zmq
 import zmq.utils.z85
 
-from agentjet.config import NetConfig
 from agentjet.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -75,40 +70,55 @@ def new_keys() -> SwarmKeys:
 
 def write_keys(path: str | Path) -> SwarmKeys:
     """Make a fresh keypair and write it to `path` (mode 0600); never overwrites a file."""
-    path = Path(path)
     keys = new_keys()
-    text = (
+    write_private(
+        path,
         "# agentjet swarm keys (ZeroMQ CURVE, Z85). Whoever holds this file can join the swarm:\n"
         "# copy it only to the swarm's machines and keep it private (mode 0600).\n"
         f'public = "{keys.public.decode()}"\n'
-        f'secret = "{keys.secret.decode()}"\n'
+        f'secret = "{keys.secret.decode()}"\n',
+        "every node of the swarm needs the same file",
     )
+    return keys
+
+
+def write_private(path: str | Path, text: str, keep_why: str) -> None:
+    """Write key material to a new file, mode 0600; an existing file is an error that says
+    why to keep it (`keep_why`)."""
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
         raise ConfigError(
-            f"{path} already exists; keep it (every node of the swarm needs the same file) "
-            "or remove it first to make new keys"
+            f"{path} already exists; keep it ({keep_why}) or remove it first to make new keys"
         ) from None
     except OSError as e:
-        raise ConfigError(f"cannot write swarm keys to {path}: {e.strerror}") from None
+        raise ConfigError(f"cannot write keys to {path}: {e.strerror}") from None
     with os.fdopen(fd, "w") as f:
         f.write(text)
-    return keys
 
 
-def read_keys(path: str | Path) -> SwarmKeys:
-    """The keypair in `path`; a missing, unreadable or damaged file is one ConfigError."""
+def read_key_data(path: str | Path) -> dict[str, Any]:
+    """A key file's fields; a missing, unreadable or damaged file is one ConfigError."""
     try:
-        data = tomllib.loads(Path(path).read_text())
+        return tomllib.loads(Path(path).read_text())
     except OSError as e:
         raise ConfigError(f"cannot read swarm keys {path}: {e.strerror}") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError):
         raise ConfigError(
             f"swarm keys {path} is not a keys file (make one with `agentjet keys init`)"
         ) from None
+
+
+def read_keys(path: str | Path, data: dict[str, Any] | None = None) -> SwarmKeys:
+    """The keypair in root key file `path` (`data`: its fields, if already read)."""
+    data = read_key_data(path) if data is None else data
+    if data.get("kind") == "node":
+        raise ConfigError(
+            f"{path} holds one node's keys (`agentjet keys issue`), not the swarm's root keys "
+            "this needs (`agentjet keys init`)"
+        )
     public, secret = data.get("public"), data.get("secret")
-    if not (_is_z85_key(public) and _is_z85_key(secret)):
+    if not (is_z85_key(public) and is_z85_key(secret)):
         raise ConfigError(
             f"swarm keys {path} lacks a valid public and secret key "
             "(make a new file with `agentjet keys init`)"
@@ -116,12 +126,16 @@ def read_keys(path: str | Path) -> SwarmKeys:
     assert isinstance(public, str) and isinstance(secret, str)
     if zmq.curve_public(secret.encode()) != public.encode():
         raise ConfigError(f"swarm keys {path}: the public key does not belong to the secret one")
-    if os.stat(path).st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-        log.warning("swarm keys %s can be read by other users; chmod 600 it", path)
+    warn_if_shared(path)
     return SwarmKeys(public=public.encode(), secret=secret.encode())
 
 
-def _is_z85_key(value: object) -> bool:
+def warn_if_shared(path: str | Path) -> None:
+    if os.stat(path).st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        log.warning("keys %s can be read by other users; chmod 600 it", path)
+
+
+def is_z85_key(value: object) -> bool:
     if not isinstance(value, str) or len(value) != Z85_KEY_CHARS:
         return False
     try:
@@ -129,16 +143,3 @@ def _is_z85_key(value: object) -> bool:
     except (ValueError, KeyError, struct.error):
         return False
     return True
-
-
-def swarm_keys(net: NetConfig) -> SwarmKeys | None:
-    """The keys this node's ZMQ sockets use; None only where the user opted out."""
-    if net.keys:
-        return read_keys(net.keys)
-    if net.insecure:
-        log.warning(
-            "net.insecure = true: ZMQ traffic is neither encrypted nor authenticated; anyone "
-            "who reaches this node's endpoint can submit trajectories and read its weights"
-        )
-        return None
-    raise ConfigError(NO_KEYS)

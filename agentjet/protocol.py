@@ -33,7 +33,10 @@ import numpy as np
 # 7: MetricsRequest / MetricsRows on both sockets (a role's recent metrics rows);
 #    GroupStatus.node_id and SubmitGroup.trainer_id.
 # 8: GroupAck status "zero_variance" (dynamic sampling: a group that teaches nothing).
-PROTOCOL_VERSION = 8
+# 9: SchedulerRow.keep (an environment's EnvSched keep rate); Hello.certificate (the
+#    sender's node certificate, agentjet/identity.py) and Error code "denied"; directory
+#    records signed by their node (identity.SignedRecord) and NodeRecord.refused.
+PROTOCOL_VERSION = 9
 
 # Earlier lineages a Lineage remembers (one per trainer restart from a checkpoint).
 MAX_ANCESTORS = 16
@@ -94,6 +97,9 @@ class Hello(_Msg, tag="hello"):
     node_id: str
     role: Literal["rollout", "trainer", "coordinator", "client"]
     protocol_version: int = PROTOCOL_VERSION
+    # The sender's node certificate (agentjet/identity.py, msgpack), naming node_id and the
+    # CURVE key the connection uses; b"" without keys (net.insecure).
+    certificate: bytes = b""
 
 
 class Welcome(_Msg, tag="welcome"):
@@ -104,8 +110,10 @@ class Welcome(_Msg, tag="welcome"):
 
 class Error(_Msg, tag="error"):
     # busy: the trainer's queue is full, offer the group again later. gone: the trainer a
-    # request named is not the one at that endpoint (SubmitGroup.trainer_id).
-    code: Literal["decode", "version", "invalid", "unknown", "busy", "gone"]
+    # request named is not the one at that endpoint (SubmitGroup.trainer_id). denied: the
+    # sender is no member of the swarm (agentjet/transport.py: its certificate was refused,
+    # it presented none, or the message names another node).
+    code: Literal["decode", "version", "invalid", "unknown", "busy", "gone", "denied"]
     message: str
 
 
@@ -193,6 +201,7 @@ class SchedulerRow(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     score: float | None = None  # cells: the sampling weight of an unseen task of the cell
     target_share: float | None = None  # envs: ratio target x health, normalised
     failure_rate: float | None = None  # envs: share of groups reported as failed
+    keep: float | None = None  # envs: EnvSched's keep rate for predicted zero-variance work
 
 
 class CoordinatorStatus(_Msg, tag="coordinator_status"):
@@ -207,6 +216,9 @@ class CoordinatorStatus(_Msg, tag="coordinator_status"):
     recent_grants: int = 0  # how many of the newest grants `grant_share` counts over
     table: list[SchedulerRow] = msgspec.field(default_factory=list)
     denied_handshakes: int = 0  # connection attempts without the swarm's keys (transport.py)
+    # Requests refused as no member's, by kind: forged, expired, revoked, impersonation,
+    # anonymous (agentjet/identity.py).
+    refused: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 CoordinatorRequest = Hello | WorkRequest | GroupReport | Heartbeat | StatusRequest | MetricsRequest
@@ -445,6 +457,11 @@ class NodeRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     lineage: Lineage = msgspec.field(default_factory=Lineage)
     # NVML, per GPU the node uses (node/gpu_monitor.py); empty on CPU nodes.
     gpus: list[GpuStats] = msgspec.field(default_factory=list)
+    # What a trainer refused since it started, by kind (non-zero only): certificates and
+    # requests on its socket (forged, expired, revoked, impersonation, anonymous), handshakes
+    # without the swarm's keys (handshakes), and non-members' averaging calls (round_joins,
+    # aggregate_parts, state_downloads).
+    refused: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 # ── codecs ────────────────────────────────────────────────────────────────────────
@@ -526,6 +543,22 @@ def check_group(group: TrajectoryGroup, vocab_size: int, max_tokens: int) -> str
     for i, s in enumerate(group.samples):
         if s.episode >= 0 and rewards.setdefault(s.episode, s.reward) != s.reward:
             return f"sample {i}: episode {s.episode} has samples with different rewards"
+    return None
+
+
+def claimed_node_id(msg: msgspec.Struct) -> str | None:
+    """The node a request says it comes from (or whose trajectories it carries), if any:
+    with keys, it must be the sender's certificate's name (agentjet/transport.py)."""
+    match msg:
+        case (
+            Hello(node_id=node_id)
+            | WorkRequest(node_id=node_id)
+            | GroupReport(node_id=node_id)
+            | Heartbeat(node_id=node_id)
+        ):
+            return node_id
+        case SubmitGroup(group=group):
+            return group.node_id
     return None
 
 

@@ -9,12 +9,20 @@ The client follows ZeroMQ's "lazy pirate" pattern: a request that gets no reply 
 closes the socket and opens a fresh one, so a restarted server is reached again and a
 late reply can never be taken for the answer to a newer request.
 
-With the swarm's keys (agentjet/keys.py) both ends speak CURVE: encrypted, and the
-server's ZAP handler admits only clients that present the swarm's public key (CURVE alone
-admits any client key). A handshake that fails (wrong key, no keys, not ZeroMQ) never
-reaches the role: the client hears nothing (PeerUnavailable), the server counts it in
-`Server.denied` and logs it at most every DENIED_LOG_EVERY_S. Without keys (tests, or
-`net.insecure`) the sockets are plaintext.
+With keys (agentjet/identity.py `NodeKeys`) both ends speak CURVE, encrypted: the server
+holds the swarm's server key, which a client must know to complete a handshake, and each
+client its own node key. A handshake that fails (no keys, not this swarm's server key, not
+ZeroMQ) never reaches the role: the client hears nothing (PeerUnavailable), the server
+counts it in `Server.denied` and logs it at most every DENIED_LOG_EVERY_S.
+
+Which node a client is, the server learns from its certificate, checked here before any
+request reaches the role (`Server._refusal`): the client's Hello carries its certificate,
+which must be the swarm root's, current, not revoked, for the very CURVE key of the
+connection (libzmq hands it over with each message, as the ZAP handler's user id) and for
+the node id the Hello names. Every later request on that key must come from a certificate
+still valid and name no other node (`protocol.claimed_node_id`). A refusal is answered
+with Error(code="denied") and counted by kind in the membership (`refused`); the Client
+raises NotAMember on it. Without keys (tests, or `net.insecure`) the sockets are plaintext.
 """
 
 from __future__ import annotations
@@ -29,12 +37,13 @@ from typing import Any, Literal
 import msgspec
 import zmq
 import zmq.asyncio
+import zmq.utils.z85
 from zmq.utils.monitor import parse_monitor_message
 
 from agentjet import protocol
 from agentjet.config import NetConfig
 from agentjet.errors import ProtocolError
-from agentjet.keys import SwarmKeys
+from agentjet.identity import Certificate, NodeKeys, encode_certificate
 
 log = logging.getLogger(__name__)
 
@@ -57,10 +66,14 @@ class PeerUnavailable(TimeoutError):
     """The server did not answer in time; the request may be retried later."""
 
 
+class NotAMember(ProtocolError):
+    """The server refused this node as no member of the swarm (Error code "denied")."""
+
+
 class Server:
     """A bound ROUTER socket that yields decoded requests and sends replies.
 
-    With `keys` it is a CURVE server that admits only clients holding the swarm's keys.
+    With `keys` it is a CURVE server of the swarm that serves only its members.
     """
 
     def __init__(
@@ -68,7 +81,7 @@ class Server:
         endpoint: str,
         decoder: msgspec.msgpack.Decoder[Any],
         max_message_bytes: int,
-        keys: SwarmKeys | None = None,
+        keys: NodeKeys | None = None,
         context: zmq.asyncio.Context | None = None,
     ) -> None:
         # A ZAP handler serves a whole context: a secured server gets a context of its own.
@@ -99,6 +112,8 @@ class Server:
         self.endpoint = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self.rejected = 0
         self.denied = 0
+        # Client CURVE key (Z85) -> the certificate its Hello presented, once admitted.
+        self.members: dict[bytes, Certificate] = {}
         self._denied_logged = 0
         self._denied_logged_at = -DENIED_LOG_EVERY_S
 
@@ -116,8 +131,9 @@ class Server:
                 await self._count_denied(self.monitor)
             if self.socket not in ready:
                 continue
-            frames = await self.socket.recv_multipart(copy=True)
-            envelope, payload = frames[:-1], frames[-1]
+            frames = await self.socket.recv_multipart(copy=False)
+            envelope, last = [frame.bytes for frame in frames[:-1]], frames[-1]
+            payload = last.bytes
             if not envelope:
                 self.rejected += 1
                 continue
@@ -125,9 +141,55 @@ class Server:
                 await self._reject(envelope, f"message of {len(payload)} bytes is over the limit")
                 continue
             try:
-                return envelope, self.decoder.decode(payload)
+                msg = self.decoder.decode(payload)
             except (msgspec.DecodeError, msgspec.ValidationError) as e:
                 await self._reject(envelope, f"cannot decode message: {e}")
+                continue
+            if self.keys is not None:
+                refusal = self._refusal(str(last.get("User-Id")).encode(), msg)
+                if refusal is not None:
+                    await self.reply(envelope, protocol.Error(code="denied", message=refusal))
+                    continue
+            return envelope, msg
+
+    def _refusal(self, client_key: bytes, msg: msgspec.Struct) -> str | None:
+        """Why this request is refused as not a member's (counted), or None to serve it."""
+        assert self.keys is not None
+        membership = self.keys.membership
+        if isinstance(msg, protocol.Hello):
+            if msg.protocol_version != protocol.PROTOCOL_VERSION:
+                return None  # the role answers that the versions differ
+            verdict = membership.verdict(msg.certificate)
+            if not isinstance(verdict, Certificate):
+                return f"this node's certificate is {verdict}"
+            if verdict.curve_public.encode() != client_key or verdict.name != msg.node_id:
+                membership.refuse(
+                    "impersonation",
+                    f"a Hello as {msg.node_id!r} with the certificate of {verdict.name!r}",
+                )
+                return "the certificate is not this connection's and node id's"
+            self.members[client_key] = verdict
+            return None
+        certificate = self.members.get(client_key)
+        if certificate is None:
+            membership.refuse("anonymous", "a request before a Hello with a certificate")
+            return "say Hello with this node's certificate first"
+        refused = membership.refusal(certificate, time.time())
+        if refused is not None:
+            membership.refuse(*refused)
+            return f"this node's certificate is {refused[0]}"
+        claimed = protocol.claimed_node_id(msg)
+        if claimed is not None and claimed != certificate.name:
+            membership.refuse("impersonation", f"{certificate.name!r} sending as {claimed[:100]!r}")
+            return f"this connection is {certificate.name!r}, not {claimed[:100]!r}"
+        return None
+
+    @property
+    def refused(self) -> dict[str, int]:
+        """Requests refused as not a member's, by kind (agentjet/identity.py `Refusal`)."""
+        if self.keys is None:
+            return {}
+        return {str(kind): n for kind, n in self.keys.membership.refused.items()}
 
     async def reply(self, envelope: list[bytes], msg: msgspec.Struct) -> None:
         await self.socket.send_multipart([*envelope, protocol.encode(msg)])
@@ -138,8 +200,8 @@ class Server:
         await self.reply(envelope, protocol.Error(code="decode", message=reason[:500]))
 
     async def _answer_zap(self, zap: zmq.asyncio.Socket) -> None:
-        """Admit a CURVE client only if it presents the swarm's public key."""
-        assert self.keys is not None
+        """Admit any CURVE client (it knew the swarm's server key), with its key as user id:
+        which node it is, its Hello's certificate says (`_refusal`)."""
         (
             version,
             request_id,
@@ -149,9 +211,11 @@ class Server:
             mechanism,
             *credentials,
         ) = await zap.recv_multipart()
-        admitted = mechanism == b"CURVE" and credentials == [self.keys.public_raw]
-        status = (b"200", b"OK") if admitted else (b"400", b"not a key of this swarm")
-        await zap.send_multipart([version, request_id, *status, b"", b""])
+        if mechanism == b"CURVE" and len(credentials) == 1 and len(credentials[0]) == 32:
+            user_id = zmq.utils.z85.encode(credentials[0])
+            await zap.send_multipart([version, request_id, b"200", b"OK", user_id, b""])
+        else:
+            await zap.send_multipart([version, request_id, b"400", b"CURVE only", b"", b""])
 
     async def _count_denied(self, monitor: zmq.asyncio.Socket) -> None:
         event = parse_monitor_message(await monitor.recv_multipart())
@@ -176,11 +240,11 @@ class Server:
 
 def _handshake_failure(event: Mapping[str, object]) -> str:
     if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-        return "a client key that is not the swarm's"
+        return "a client that is not CURVE"
     if event["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
         return "a client without keys"
     if event["value"] == zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC:
-        return "a client with other keys"
+        return "a client that does not know this swarm's server key"
     return "a broken or abandoned handshake"
 
 
@@ -189,7 +253,8 @@ class Client:
 
     The first request on every fresh socket is the `Hello` handshake; a server that speaks
     another protocol version raises ProtocolError (not retryable). With `keys` every fresh
-    socket is a CURVE client of a server holding the same keys.
+    socket is a CURVE client of the swarm with this node's key, and the Hello carries its
+    certificate; a server that refuses it raises NotAMember.
     """
 
     def __init__(
@@ -199,13 +264,16 @@ class Client:
         hello: protocol.Hello,
         max_message_bytes: int,
         timeout_s: float,
-        keys: SwarmKeys | None = None,
+        keys: NodeKeys | None = None,
         context: zmq.asyncio.Context | None = None,
     ) -> None:
         self.context = context or zmq.asyncio.Context.instance()
         self.keys = keys
         self.endpoint = endpoint
         self.decoder = decoder
+        if keys is not None:
+            certificate = encode_certificate(keys.identity.certificate)
+            hello = msgspec.structs.replace(hello, certificate=certificate)
         self.hello = hello
         self.max_message_bytes = max_message_bytes
         self.timeout_s = timeout_s
@@ -221,11 +289,14 @@ class Client:
             if self.welcome is None:
                 reply = await self._roundtrip(self.hello, timeout_s)
                 if isinstance(reply, protocol.Error):
-                    raise ProtocolError(f"{self.endpoint} refused the handshake: {reply.message}")
+                    raise _refused(self.endpoint, "the handshake", reply)
                 if not isinstance(reply, protocol.Welcome):
                     raise ProtocolError(f"{self.endpoint} answered Hello with {type(reply)}")
                 self.welcome = reply
-            return await self._roundtrip(msg, timeout_s)
+            reply = await self._roundtrip(msg, timeout_s)
+            if isinstance(reply, protocol.Error) and reply.code == "denied":
+                raise _refused(self.endpoint, type(msg).__name__, reply)
+            return reply
 
     async def _roundtrip(self, msg: msgspec.Struct, timeout_s: float | None) -> Any:
         assert self._socket is not None
@@ -259,21 +330,29 @@ class Client:
         self._reset()
 
 
+def _refused(endpoint: str, what: str, error: protocol.Error) -> ProtocolError:
+    if error.code == "denied":
+        return NotAMember(f"{endpoint} refused {what}: not a member of its swarm ({error.message})")
+    return ProtocolError(f"{endpoint} refused {what}: {error.message}")
+
+
 def outsider_client(
     endpoint: str,
     role: Literal["coordinator", "trainer"],
-    keys: SwarmKeys | None,
+    keys: NodeKeys | None,
     timeout_s: float,
     name: str,
 ) -> Client:
     """A client that only looks (`agentjet status`, the dashboard): it says Hello as role
-    "client", so the coordinator counts it as no node of the swarm."""
+    "client", so the coordinator counts it as no node of the swarm. With keys its node id
+    is its certificate's name."""
     decoder: msgspec.msgpack.Decoder[Any] = (
         protocol.coordinator_reply_decoder
         if role == "coordinator"
         else protocol.trainer_reply_decoder
     )
-    hello = protocol.Hello(node_id=f"{name}-{os.getpid()}", role="client")
+    node_id = keys.name if keys is not None else f"{name}-{os.getpid()}"
+    hello = protocol.Hello(node_id=node_id, role="client")
     return Client(
         endpoint,
         decoder,

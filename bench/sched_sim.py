@@ -26,6 +26,11 @@ EnvSched steers each environment's zero-variance share toward `zero_variance_tar
 second half of the run shows where it settles.
 
 Run: `.venv/bin/python bench/sched_sim.py` (pure Python, a few seconds).
+
+`--sweep-steer 0.05,0.2,1.0 --seeds 0,1,2,3,4 --groups-list 130,300` instead runs uniform and
+EnvSched at each `steer_rate` (and `--target`, `--floor`) for runs as short as the
+benchmark's 5-minute arms (about 130 reported groups), and writes the mean zero-variance
+share of each to bench/results/sched_sim_steer.json.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import argparse
 import json
 import math
 import random
+import statistics
 import sys
 import time
 from collections import Counter, defaultdict
@@ -286,12 +292,48 @@ def heldout_tasks(env: str, seed: int) -> list[Task]:
     return [source.sample(rng) for _ in range(HELDOUT_TASKS // len(ENVS))]
 
 
+def sweep_steer(args: argparse.Namespace) -> int:
+    """Mean zero-variance share over seeds: uniform, and EnvSched at each steer rate."""
+    rates = [float(r) for r in args.sweep_steer.split(",")]
+    seeds = [int(s) for s in args.seeds.split(",")]
+    rows: dict[str, dict[str, float]] = {}
+    for groups in (int(g) for g in args.groups_list.split(",")):
+        row = {"uniform": statistics.fmean(
+            zero_variance_share(simulate("uniform", groups, seed).reports) for seed in seeds
+        )}  # fmt: skip
+        for rate in rates:
+            params = EnvSchedConfig(
+                steer_rate=rate, zero_variance_target=args.target, floor=args.floor
+            )
+            row[f"steer {rate:g}"] = statistics.fmean(
+                zero_variance_share(simulate("envsched", groups, seed, params).reports)
+                for seed in seeds
+            )
+        rows[str(groups)] = {k: round(v, 3) for k, v in row.items()}
+        print(
+            f"{groups:5d} groups: "
+            + "  ".join(f"{k} {v:.3f}" for k, v in rows[str(groups)].items())
+        )
+    out = args.out or ROOT / "bench" / "results" / "sched_sim_steer.json"
+    settings = {"target": args.target, "floor": args.floor, "seeds": seeds}
+    out.write_text(json.dumps({**settings, "zero_variance_frac": rows}, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--groups", type=int, default=2000, help="groups granted per policy")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "sched_sim.json")
+    parser.add_argument("--out", type=Path, help="default bench/results/sched_sim[_steer].json")
+    parser.add_argument("--sweep-steer", help="comma-separated steer rates (see above)")
+    parser.add_argument("--seeds", default="0,1,2,3,4", help="with --sweep-steer")
+    parser.add_argument("--groups-list", default="130,300", help="with --sweep-steer")
+    parser.add_argument("--target", type=float, default=EnvSchedConfig().zero_variance_target)
+    parser.add_argument("--floor", type=float, default=EnvSchedConfig().floor)
     args = parser.parse_args()
+    if args.sweep_steer:
+        return sweep_steer(args)
     runs = {policy: summary(simulate(policy, args.groups, args.seed)) for policy in POLICIES}
     oracle_mixed = runs["oracle"]["expected_mixed_groups"]
     for policy, row in runs.items():
@@ -308,10 +350,11 @@ def main() -> int:
             f"({row['seconds']:.1f} s)\n{'':18s} mixed groups by digits: {trained}"
         )
     results = {**runs, "groups": args.groups, "seed": args.seed, "group_size": GROUP_SIZE}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    out = args.out or ROOT / "bench" / "results" / "sched_sim.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
     ratio = runs["envsched"]["zero_variance_frac"] / runs["uniform"]["zero_variance_frac"]
-    print(f"zero-variance groups, envsched / uniform: {ratio:.2f}; wrote {args.out}")
+    print(f"zero-variance groups, envsched / uniform: {ratio:.2f}; wrote {out}")
     return 0
 
 

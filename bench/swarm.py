@@ -75,7 +75,8 @@ from agentjet.config import (  # noqa: E402
     SwarmConfig,
     TrainerConfig,
 )
-from agentjet.keys import SwarmKeys, read_keys, write_keys  # noqa: E402
+from agentjet.identity import NodeKeys, read_node_keys  # noqa: E402
+from agentjet.keys import write_keys  # noqa: E402
 from agentjet.lifeline import descendants  # noqa: E402
 from agentjet.transport import Client, Server  # noqa: E402
 from node.learner import Learner  # noqa: E402
@@ -302,12 +303,12 @@ def weight_server_child(settings: dict[str, Any], out: TextIO) -> None:
     model, _ = load_causal_lm(settings["model_dir"])
     published = snapshot(model, 1, settings["chunk_bytes"])
     del model
-    keys = read_keys(settings["keys"])
+    keys = read_node_keys(settings["keys"], "bench-trainer")
     uvloop.run(serve_policy(published, out, settings["max_message_bytes"], keys))
 
 
 async def serve_policy(
-    published: PolicySnapshot, out: TextIO, max_message_bytes: int, keys: SwarmKeys
+    published: PolicySnapshot, out: TextIO, max_message_bytes: int, keys: NodeKeys
 ) -> None:
     """Answer Hello, PolicyQuery and WeightChunkRequest as node/trainer.py does (CURVE with
     the swarm's keys), until stdin says anything (or closes)."""
@@ -838,12 +839,12 @@ def summarize(
 
 
 async def fetch_and_stream(
-    endpoint: str, port: int, nbytes: int, rounds: int, net: NetConfig, keys: SwarmKeys
+    endpoint: str, port: int, nbytes: int, rounds: int, net: NetConfig, keys: NodeKeys
 ) -> tuple[list[dict[str, float]], list[float]]:
     """Interleaved, so machine noise hits both alike: fetch the served policy, then stream
     as many bytes to the TCP sink; `rounds` + 1 times on one connection each (the first
     round connects and warms up; it is left out)."""
-    hello = protocol.Hello(node_id="bench-rollout", role="rollout")
+    hello = protocol.Hello(node_id=keys.name, role="rollout")
     client = Client(
         endpoint,
         protocol.trainer_reply_decoder,
@@ -901,7 +902,8 @@ def measure_delivery(
     net = NetConfig()
     keys_path = log_dir / "delivery.keys"  # CURVE, as every node's sockets use
     keys_path.unlink(missing_ok=True)
-    keys = write_keys(keys_path)
+    write_keys(keys_path)
+    keys = read_node_keys(keys_path, "bench-rollout")
     with ExitStack() as stack:
         children = Children(log_dir)
         stack.callback(children.close)

@@ -3,6 +3,8 @@
     Coordinator ──spawn──▶ python -m node.beacon  (a DHT peer; it loads hivemind and torch
                  ──stdin: swarm config + record──▶  so that the coordinator never does)
                  ◀──stdout: {"maddrs": [...]}──     (ready: the swarm's join address)
+                 ◀──stdout: {"revoked": [...]}──    (revocations read in the swarm, as they
+                                                     appear: `take_revocations`)
 
 The child lives as long as its stdin is open: when the coordinator stops, or dies, the
 pipe closes and the beacon withdraws the record and shuts its DHT down by itself.
@@ -10,6 +12,9 @@ pipe closes and the beacon withdraws the record and shuts its DHT down by itself
 
 from __future__ import annotations
 
+import asyncio
+import base64
+import binascii
 import json
 import logging
 import os
@@ -23,6 +28,7 @@ import msgspec
 from agentjet import protocol
 from agentjet.config import SwarmConfig
 from agentjet.errors import AgentjetError
+from agentjet.identity import Membership
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +65,43 @@ class Beacon:
             raise AgentjetError(f"the coordinator's DHT peer did not start: {reply['error']}")
         self.maddrs: list[str] = reply["maddrs"]
 
+    async def take_revocations(self, membership: Membership) -> None:
+        """Hand `membership` each revocation the beacon reports, as its lines arrive (the
+        event loop watches the pipe; nothing blocks). A beacon that exits ends the run: the
+        coordinator would be out of the directory, deaf to revocations."""
+        assert self.process.stdout is not None
+        fd = self.process.stdout.fileno()
+        os.set_blocking(fd, False)
+        loop = asyncio.get_running_loop()
+        lines: asyncio.Queue[bytes] = asyncio.Queue()
+        pending = b""
+
+        def readable() -> None:
+            nonlocal pending
+            try:
+                chunk = os.read(fd, 1 << 16)
+            except BlockingIOError:
+                return
+            if not chunk:
+                loop.remove_reader(fd)
+                lines.put_nowait(b"")
+                return
+            *complete, pending = (pending + chunk).split(b"\n")
+            for line in complete:
+                lines.put_nowait(line)
+
+        loop.add_reader(fd, readable)
+        try:
+            while line := await lines.get():
+                for data in _revocations_in(line):
+                    membership.revoke(data)
+        finally:
+            loop.remove_reader(fd)
+        raise AgentjetError(
+            "the coordinator's DHT peer (python -m node.beacon) exited: the coordinator is "
+            "out of the swarm's directory; restart it"
+        )
+
     def close(self) -> None:
         """Close the pipe (the beacon then stops by itself), wait, kill if it hangs, reap."""
         if self.process.stdin is not None and not self.process.stdin.closed:
@@ -71,3 +114,13 @@ class Beacon:
             self.process.wait()
         if self.process.stdout is not None:
             self.process.stdout.close()
+
+
+def _revocations_in(line: bytes) -> list[bytes]:
+    """The revocations a beacon's line carries (base64); a line of anything else, none."""
+    try:
+        reply = json.loads(line)
+        return [base64.b64decode(item, validate=True) for item in reply.get("revoked", [])]
+    except (ValueError, TypeError, AttributeError, binascii.Error):
+        log.warning("ignored a line from the DHT peer: %r", line[:200])
+        return []

@@ -656,7 +656,7 @@ def status_table(
 
     Environment rows show what was observed (decayed); cell and task rows show what the model
     predicts, and a cell's score is the weight an unseen task of it gets now (at its
-    environment's keep rate; SchedulerRow has no field for the keep rate itself). `recent`
+    environment's keep rate, which the environment's row shows). `recent`
     are the newest grants, whose shares the rows report; `targets` are the environments'
     ratio targets (normalised here).
     """
@@ -682,6 +682,7 @@ def status_table(
                 grant_share=by_env[env] * share,
                 target_share=targets.get(env, 0.0) / total_target,
                 failure_rate=sums.failed / sums.reports if sums.reports else None,
+                keep=stats.keep_rate(env),
             )
         )
     cells = []

@@ -37,7 +37,7 @@ from typing import Any, assert_never
 
 from agentjet import protocol
 from agentjet.config import Config
-from agentjet.keys import swarm_keys
+from agentjet.identity import node_keys
 from agentjet.metrics import MetricsWriter
 from agentjet.protocol import (
     CoordinatorReply,
@@ -57,6 +57,7 @@ from agentjet.protocol import (
 )
 from agentjet.roles import print_join_command, run_role, supervise
 from agentjet.transport import Server
+from coordinator.beacon import Beacon
 from coordinator.envsched import status_table
 from coordinator.scheduler import Scheduler, draw_rng, make_scheduler, sweep_interval_s
 from coordinator.store import Accepted, Refused, Store
@@ -85,14 +86,10 @@ def db_path(config: Config) -> Path:
 
 def request_problem(msg: CoordinatorRequest) -> str | None:
     """Why a decoded request cannot be served (answered with Error "invalid"), or None."""
+    node_id = protocol.claimed_node_id(msg)
+    if node_id is not None and not 0 < len(node_id) <= MAX_NODE_ID_CHARS:
+        return f"node_id must have 1 to {MAX_NODE_ID_CHARS} characters"
     match msg:
-        case (
-            Hello(node_id=node_id)
-            | WorkRequest(node_id=node_id)
-            | GroupReport(node_id=node_id)
-            | Heartbeat(node_id=node_id)
-        ) if not 0 < len(node_id) <= MAX_NODE_ID_CHARS:
-            return f"node_id must have 1 to {MAX_NODE_ID_CHARS} characters"
         case WorkRequest(max_groups=n) if not 0 < n <= MAX_GROUPS_PER_REQUEST:
             return f"max_groups is {n}; ask for 1 to {MAX_GROUPS_PER_REQUEST} groups"
         case WorkRequest(policy_version=v) | Heartbeat(policy_version=v) if v < 0:
@@ -147,13 +144,17 @@ class Coordinator:
         self.config = config
         self.scheduler = scheduler or make_scheduler(config)
         self.clock = clock  # wall clock: lease times are stored and must survive a restart
+        self.node_id = f"coordinator-{socket.gethostname()}-{os.getpid()}"
+        self.beacon: Beacon | None = None  # with coordinator.publish
         self.db_path = db_path(config)
         self.started_at = 0.0
         self.invalid_requests = 0
         self.reward_window = RewardWindow()
 
     def setup(self, cleanup: ExitStack) -> None:
-        keys = swarm_keys(self.config.net)
+        keys = node_keys(self.config.net, self.node_id)
+        if keys is not None:  # a node's own key file names it
+            self.node_id = keys.name
         self.started_at = self.clock()
         self.store = Store(self.db_path, lease_s=self.config.coordinator.lease_s)
         cleanup.callback(self.store.close)
@@ -173,30 +174,32 @@ class Coordinator:
 
     def _publish(self, cleanup: ExitStack) -> None:
         """Put this coordinator in the swarm's directory, where rollout nodes look for it."""
-        from coordinator.beacon import Beacon
-
         swarm = self.config.swarm
         record = protocol.NodeRecord(
-            node_id=f"coordinator-{socket.gethostname()}-{os.getpid()}",
+            node_id=self.node_id,
             role="coordinator",
             endpoint=swarm.announce_endpoint or self.server.endpoint,
         )
         beacon = Beacon(swarm, record, self.config.net.keys)
         cleanup.callback(beacon.close)
+        self.beacon = beacon
         log.info("coordinator is in the swarm's directory: %s", " ".join(beacon.maddrs))
         if not swarm.initial_peers:
             print_join_command(beacon.maddrs, self.config.net.keys)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Serve until `stop` is set; a background loop that fails ends the run with its error."""
-        await supervise(
-            stop,
-            {
-                "coordinator-serve": self._serve(),
-                "coordinator-lease-sweeper": self._sweep_leases(),
-                "coordinator-metrics": self._write_metrics_periodically(),
-            },
-        )
+        loops = {
+            "coordinator-serve": self._serve(),
+            "coordinator-lease-sweeper": self._sweep_leases(),
+            "coordinator-metrics": self._write_metrics_periodically(),
+        }
+        if self.beacon is not None and self.server.keys is not None:
+            # Revocations the beacon reads in the swarm: refused from the next request on.
+            loops["coordinator-revocations"] = self.beacon.take_revocations(
+                self.server.keys.membership
+            )
+        await supervise(stop, loops)
         self._write_metrics()
 
     # ── requests ──────────────────────────────────────────────────────────────────────
@@ -257,6 +260,7 @@ class Coordinator:
             recent_grants=len(recent),
             table=status_table(self.scheduler.statistics, recent, targets),
             denied_handshakes=self.server.denied,
+            refused=self.server.refused,
         )
 
     def _draw_new(self, count: int, grants_issued: int) -> list[Task]:
@@ -318,6 +322,7 @@ class Coordinator:
             "coordinator/nodes": len(stats.nodes_last_seen),
             "coordinator/rejected_messages": self.server.rejected + self.invalid_requests,
             "coordinator/denied_handshakes": self.server.denied,
+            **{f"coordinator/refused_{kind}": n for kind, n in self.server.refused.items()},
             "coordinator/reports": self.reward_window.reports,
             "charts/mean_reward": self.reward_window.mean(),
         }

@@ -7,10 +7,13 @@ process that must not load torch or hivemind itself (the coordinator).
            then publishes the record every swarm.heartbeat_s until its stdin closes (the
            parent stopped or died) or it gets SIGTERM/SIGINT; then withdraws the record
            and shuts the DHT down. A start that fails prints {"error": "..."} and exits 1.
+           With keys, each heartbeat also reads the swarm's revocations and prints those
+           new to it, {"revoked": [base64 revocation, ...]}, for the parent's server.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import signal
@@ -24,7 +27,7 @@ import msgspec
 from agentjet import protocol
 from agentjet.config import SwarmConfig
 from agentjet.errors import AgentjetError
-from agentjet.keys import read_keys
+from agentjet.identity import encode_revocation, read_node_keys
 from node.swarm import Directory, start_dht, visible_maddrs
 
 log = logging.getLogger("beacon")
@@ -45,12 +48,13 @@ def main() -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())
     try:
-        dht = start_dht(swarm, read_keys(keys_path) if keys_path else None)
+        keys = read_node_keys(keys_path, record.node_id) if keys_path else None
+        dht = start_dht(swarm, keys)
     except AgentjetError as e:
         _reply({"error": str(e)})
         return 1
     try:
-        directory = Directory(dht, swarm)
+        directory = Directory(dht, swarm, keys)
         record.maddrs = visible_maddrs(dht)
         _reply({"maddrs": record.maddrs})
 
@@ -64,6 +68,12 @@ def main() -> int:
             record.time = time.time()
             if not directory.publish(record):
                 log.warning("could not store the %s record in the DHT", record.role)
+            if keys is not None:
+                membership = keys.membership
+                revoked = directory.sync_revocations(membership)
+                if revoked:
+                    encoded = [encode_revocation(membership.revocations[name]) for name in revoked]
+                    _reply({"revoked": [base64.b64encode(data).decode() for data in encoded]})
             done.wait(swarm.heartbeat_s)
         directory.withdraw(record.node_id)
     finally:

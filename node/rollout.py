@@ -36,6 +36,7 @@ from collections import Counter, defaultdict
 from contextlib import ExitStack
 from pathlib import Path
 
+import msgspec
 import torch
 
 from agentjet import protocol, rl
@@ -43,7 +44,7 @@ from agentjet.bridge import blocking
 from agentjet.config import AGENT_ENVS, Config, is_endpoint
 from agentjet.devices import peak_memory
 from agentjet.episode import Episode, SamplingParams
-from agentjet.keys import swarm_keys
+from agentjet.identity import node_keys
 from agentjet.metrics import MetricsWriter
 from agentjet.roles import run_role, supervise, wait_for
 from agentjet.tasks import TaskSource, draw_tasks
@@ -171,7 +172,9 @@ class Rollout:
         self.unsent = asyncio.Event()
         # A trainer reported a version newer than ours (the first directory read may).
         self.newer_policy = asyncio.Event()
-        self.keys = swarm_keys(cfg.net)
+        self.keys = node_keys(cfg.net, self.node_id)
+        if self.keys is not None:  # a node's own key file names it
+            self.node_id = self.keys.name
         torch.set_num_threads(cfg.rollout.torch_threads)
         path = resolve_model(cfg.model.name, cfg.model.cache_dir)
         self.engine = open_engine(cfg.model, cfg.rollout, path, cfg.run.seed)
@@ -218,7 +221,7 @@ class Rollout:
         if cfg.swarm.initial_peers:
             dht = start_dht(cfg.swarm, self.keys)
             cleanup.callback(dht.shutdown)
-            self.directory = Directory(dht, cfg.swarm)
+            self.directory = Directory(dht, cfg.swarm, self.keys)
             cleanup.callback(self.directory.withdraw, self.node_id)
             self.maddrs = visible_maddrs(dht)
             self._discover_once()
@@ -249,6 +252,10 @@ class Rollout:
                 # A trainer the directory lists may have it queued: offered to it only. One
                 # it does not list is gone (its record expired), and with it its queue.
                 live = holder if holder in self.trainers else None
+                # Offered under this node's name: trainers serve a node only as the one its
+                # certificate names, and a node holding the root file names itself anew at
+                # each start (the spool is this node's own: one node owns it at a time).
+                group = msgspec.structs.replace(group, node_id=self.node_id)
                 self.ledger.add(group, write=False, holder=live)
         self.counts["groups_restored"] = len(groups) - len(trained)
         self.counts["groups_restored_trained"] = len(trained)
@@ -597,6 +604,8 @@ class Rollout:
                 gpus=self.gpus,
             )
         )
+        if self.keys is not None:  # this node's DHT peer refuses revoked nodes too
+            self.directory.sync_revocations(self.keys.membership)
         return self.directory.records_seen_by(self.node_id)
 
     def _discover_once(self) -> None:

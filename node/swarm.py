@@ -11,10 +11,12 @@
                             Every round is exact (node/allreduce.py): all trainers get the
                             same averaged bits, so one version is one set of weights.
 
-With the swarm's keys every DHT request and reply is signed and checked (`SwarmAuthorizer`),
-so a peer without the key file cannot join the DHT, read the directory or store in it.
-hivemind's averaging and state-download calls are not covered by its authorizer: see
-"Security" in docs/ARCHITECTURE.md for what that leaves open.
+With keys every DHT request and reply is signed and checked (`SwarmAuthorizer`: a node's
+certificate is its access token), so a peer without a current, unrevoked certificate cannot
+join the DHT, read the directory or store in it; revocations travel through the DHT itself
+(`Directory.sync_revocations`). hivemind's averaging and state-download calls are not
+covered by its authorizer: the averagers answer only members whose peer id is bound to
+their certificate in the DHT (`MemberGate`, `_MembersOnly`).
 
 Local mode uses this exact path with a single peer, so the swarm code is always exercised.
 
@@ -38,14 +40,16 @@ decoded and checked, and a bad one is skipped and counted.
 
 from __future__ import annotations
 
+import asyncio
+import base64
+import binascii
 import copy
-import hashlib
-import hmac
 import logging
 import os
 import signal
 import threading
 import time
+import typing
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -61,9 +65,13 @@ os.environ.setdefault("HIVEMIND_MEMORY_SHARING_STRATEGY", "file_descriptor")
 import hivemind  # noqa: E402
 import msgspec
 import torch
+from hivemind.averaging import DecentralizedAverager
 from hivemind.compression import Float16Compression, NoCompression
 from hivemind.optim.grad_averager import GradientAverager
+from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.optim.state_averager import TrainingStateAverager
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import averaging_pb2
 from hivemind.proto.auth_pb2 import AccessToken
 from hivemind.utils.auth import TokenAuthorizerBase
 from hivemind.utils.logging import use_hivemind_log_handler
@@ -72,13 +80,28 @@ from hivemind.utils.timed_storage import get_dht_time
 from agentjet import protocol
 from agentjet.config import SwarmConfig
 from agentjet.errors import AgentjetError
-from agentjet.keys import SwarmKeys
+from agentjet.identity import (
+    Membership,
+    NodeIdentity,
+    NodeKeys,
+    Revocation,
+    encode_certificate,
+    encode_revocation,
+    signed_by,
+)
 from node.allreduce import ExactAverager, RoundResult, incomplete
+from node.members import MemberGate, members_key, revoked_key, subkey_values
 
 log = logging.getLogger(__name__)
 
 # A trained group's mark stays in the DHT this long: far longer than any re-send takes.
 TRAINED_MARK_TTL_S = 3600.0
+# A revocation is stored for this long, and stored again by every node that holds it.
+REVOCATION_TTL_S = 30 * 86400.0
+# A trainer's binding of its peer id to its certificate lasts this long, renewed every
+# heartbeat: a member, not a liveness mark (a heartbeat late under load must not shut a
+# trainer out of its swarm's rounds; revocations are read apart from it).
+MEMBER_BINDING_S = 120.0
 # Longest batch id accepted from a peer or read from the DHT (ours are about 15 characters).
 MAX_BATCH_ID_CHARS = 128
 # A trainer about to average its gradients waits at most this long for the intents naming
@@ -95,42 +118,75 @@ TOKEN_RENEW_BEFORE = timedelta(hours=1)
 
 
 class SwarmAuthorizer(TokenAuthorizerBase):  # type: ignore[misc]
-    """hivemind's DHT authorization, with the swarm's key file as the token issuer.
+    """hivemind's DHT authorization (hivemind 1.1.12's `TokenAuthorizerBase`), with node
+    certificates as the access tokens.
 
     hivemind signs each DHT request and reply with the peer's RSA key and sends an access
     token that vouches for that key; a peer answers (and accepts answers) only when the
-    token is valid. Here every member issues its own token: its RSA public key and expiry,
-    with an HMAC keyed by a digest of the swarm's CURVE secret, so only holders of the
-    key file make valid tokens. hivemind also rejects requests more than a minute old by
-    the wall clock, so the peers' clocks must agree to within a minute.
+    token is valid. Here a node's token is its certificate (agentjet/identity.py, base64
+    in the token's `username`), its RSA public key and an expiry, signed with the node's
+    own Ed25519 key. It is valid while the root signed the certificate, the certificate is
+    current and not revoked (`membership`, in the DHT's process: `Directory.sync_revocations`
+    hands it each revocation the node learns), and the node's key made the signature. So
+    only a node with a current certificate reaches the DHT, and a revoked node loses it at
+    the next heartbeat of each peer it talks to. hivemind also rejects requests more than a
+    minute old by the wall clock, so the peers' clocks must agree to within a minute.
+
+    hivemind's DHT is a forked process: the authorizer, with the node's keys, is inherited,
+    never pickled.
     """
 
-    def __init__(self, keys: SwarmKeys) -> None:
+    def __init__(self, keys: NodeKeys) -> None:
         super().__init__()
-        self._mac_key = hashlib.sha256(b"agentjet dht token\0" + keys.secret).digest()
+        self.identity = keys.identity
+        self.membership = Membership(keys.membership.root_public)
+        for revocation in keys.membership.revocations.values():
+            self.membership.revoke(revocation)
+        self._certificate = base64.b64encode(encode_certificate(keys.identity.certificate))
 
-    def _mac(self, token: AccessToken) -> bytes:
-        signed = token.public_key + b"\0" + token.expiration_time.encode()
-        return hmac.new(self._mac_key, signed, hashlib.sha256).digest()
+    @staticmethod
+    def _signed(token: AccessToken) -> bytes:
+        return b"\0".join(
+            [token.username.encode(), token.public_key, token.expiration_time.encode()]
+        )
 
     async def get_token(self) -> AccessToken:
-        token = AccessToken(
-            username="agentjet",
-            public_key=self.local_public_key.to_bytes(),
-            expiration_time=(datetime.now(UTC) + TOKEN_LIFETIME).isoformat(),
+        expires = min(
+            datetime.now(UTC) + TOKEN_LIFETIME,
+            datetime.fromtimestamp(self.identity.certificate.expires_at, UTC),
         )
-        token.signature = self._mac(token)
+        token = AccessToken(
+            username=self._certificate.decode(),
+            public_key=self.local_public_key.to_bytes(),
+            expiration_time=expires.isoformat(),
+        )
+        token.signature = self.identity.sign(self._signed(token))
         return token
 
     def is_token_valid(self, access_token: AccessToken) -> bool:
-        if not hmac.compare_digest(access_token.signature, self._mac(access_token)):
-            return False
         expires = _expiry(access_token)
-        return expires is not None and expires > datetime.now(UTC)
+        if expires is None or expires <= datetime.now(UTC):
+            return False
+        try:
+            presented = base64.b64decode(access_token.username, validate=True)
+        except (ValueError, binascii.Error):
+            presented = b""
+        certificate = self.membership.admit(presented)
+        return certificate is not None and signed_by(
+            certificate, self._signed(access_token), access_token.signature
+        )
 
     def does_token_need_refreshing(self, access_token: AccessToken) -> bool:
         expires = _expiry(access_token)
         return expires is None or expires < datetime.now(UTC) + TOKEN_RENEW_BEFORE
+
+
+async def _revoke_in_dht(revocation: bytes, _dht: hivemind.DHT, node: Any) -> None:
+    """Runs in the DHT's process (`DHT.run_coroutine`): its authorizer refuses the revoked
+    node's token from now on. hivemind 1.1.12: `DHTNode.protocol.authorizer`."""
+    authorizer = node.protocol.authorizer
+    if isinstance(authorizer, SwarmAuthorizer):
+        authorizer.membership.revoke(revocation)
 
 
 def _expiry(token: AccessToken) -> datetime | None:
@@ -182,7 +238,7 @@ def quiet_hivemind() -> None:
 
 
 def start_dht(
-    config: SwarmConfig, keys: SwarmKeys | None, *, client_mode: bool = False
+    config: SwarmConfig, keys: NodeKeys | None, *, client_mode: bool = False
 ) -> hivemind.DHT:
     """Start this node's DHT peer, joining `config.initial_peers`; retried with backoff.
 
@@ -227,10 +283,18 @@ def visible_maddrs(dht: hivemind.DHT) -> list[str]:
 
 
 class Directory:
-    """The swarm's phone book: one short-lived NodeRecord per live node, in the DHT."""
+    """The swarm's phone book: one short-lived NodeRecord per live node, in the DHT.
 
-    def __init__(self, dht: hivemind.DHT, config: SwarmConfig) -> None:
+    With `keys` (every swarm but a net.insecure one) a node's record is signed by the node
+    (identity.SignedRecord) and a record is read only if a member signed it under its own
+    name: one signed by another node than the one it describes, or by none, is refused and
+    counted (`keys.membership.refused`: impersonation, forged, ...) like any other refusal."""
+
+    def __init__(
+        self, dht: hivemind.DHT, config: SwarmConfig, keys: NodeKeys | None = None
+    ) -> None:
         self.dht = dht
+        self.keys = keys
         self.initial_peers = list(config.initial_peers)
         self.ttl_s = config.record_ttl_s
         self.key = f"{config.run_id}.agentjet.nodes"
@@ -242,23 +306,35 @@ class Directory:
         self.trained_batch_prefix = f"{config.run_id}.agentjet.trained_batch."
         # Each trainer's newest checkpoint (subkey: its peer id), kept past its death.
         self.checkpoints_key = f"{config.run_id}.agentjet.checkpoints"
+        # Revoked nodes (subkey: the node's name; value: the root's signed revocation).
+        self.revoked_key = revoked_key(config.run_id)
+        # Trainers' hivemind peer ids, each bound to its node's certificate (subkey: the
+        # peer id; value: an encoded identity.PeerBinding): who may average (`MemberGate`).
+        self.members_key = members_key(config.run_id)
         self.bad_records = 0
 
     def publish(self, record: protocol.NodeRecord) -> bool:
         return bool(
             self.dht.store(
                 self.key,
-                protocol.encode(record),
+                self._signed(protocol.encode(record)),
                 expiration_time=get_dht_time() + self.ttl_s,
                 subkey=record.node_id,
             )
         )
 
+    def _signed(self, payload: bytes) -> bytes:
+        return payload if self.keys is None else self.keys.identity.sign_record(payload)
+
     def withdraw(self, node_id: str) -> None:
         """Replace this node's record by one that expires at once (a clean goodbye); best
         effort, bounded: a stopping node must not hang on a broken DHT."""
         future = self.dht.store(
-            self.key, b"", expiration_time=get_dht_time() + 0.5, subkey=node_id, return_future=True
+            self.key,
+            self._signed(b""),
+            expiration_time=get_dht_time() + 0.5,
+            subkey=node_id,
+            return_future=True,
         )
         try:
             future.result(timeout=WITHDRAW_TIMEOUT_S)
@@ -273,6 +349,10 @@ class Directory:
         records = []
         for subkey, item in found.value.items():
             value = getattr(item, "value", None)
+            if self.keys is not None:
+                value = self._verified(self.keys.membership, subkey, value)
+                if value is None:
+                    continue  # refused, counted by the membership
             if value == b"":
                 continue  # withdrawn
             try:
@@ -285,6 +365,65 @@ class Directory:
                 continue
             records.append(record)
         return records
+
+    @staticmethod
+    def _verified(membership: Membership, subkey: object, value: object) -> bytes | None:
+        """The record `value` stored under `subkey` (a node id) if the member that subkey
+        names signed it; else None, the refusal counted by `membership`."""
+        signed = membership.signed_record(value)  # type: ignore[arg-type]
+        if signed is None:
+            return None
+        certificate, payload = signed
+        if certificate.name != subkey:
+            membership.refuse(
+                "impersonation",
+                f"a directory record for {subkey!r} signed by {certificate.name!r}",
+            )
+            return None
+        return payload
+
+    def revoke(self, revocation: Revocation) -> bool:
+        """Store a root-signed revocation where every node reads it (`sync_revocations`)."""
+        return bool(
+            self.dht.store(
+                self.revoked_key,
+                encode_revocation(revocation),
+                expiration_time=get_dht_time() + REVOCATION_TTL_S,
+                subkey=revocation.name,
+            )
+        )
+
+    def declare_member(self, identity: NodeIdentity, peer_id: str) -> bool:
+        """Bind this node's hivemind peer id to its certificate where the trainers' averaging
+        handlers look (`MemberGate`), for MEMBER_BINDING_S; trainers do it at start, before
+        loading state from peers, and at every heartbeat."""
+        return bool(
+            self.dht.store(
+                self.members_key,
+                identity.bind_peer(peer_id, time.time() + MEMBER_BINDING_S),
+                expiration_time=get_dht_time() + MEMBER_BINDING_S,
+                subkey=peer_id,
+            )
+        )
+
+    def sync_revocations(self, membership: Membership) -> list[str]:
+        """Take in the revocations stored in the swarm (each checked against the root: a
+        forged one is refused and counted by `membership`), store again those this node
+        knows that the DHT lacks (so they outlive the peer that first held them), and
+        return the names newly revoked."""
+        found = self.dht.get(self.revoked_key, latest=True)
+        stored = {k: v for k, v in subkey_values(found).items() if isinstance(k, str)}
+        before = dict(membership.revoked)
+        for data in stored.values():
+            membership.revoke(data)
+        for name, revocation in membership.revocations.items():
+            if stored.get(name) != encode_revocation(revocation):
+                self.revoke(revocation)
+        revoked = sorted(name for name, at in membership.revoked.items() if before.get(name) != at)
+        for name in revoked:  # the DHT's own process refuses the node's DHT requests too
+            encoded = encode_revocation(membership.revocations[name])
+            self.dht.run_coroutine(partial(_revoke_in_dht, encoded))
+        return revoked
 
     def records_seen_by(self, node_id: str) -> list[protocol.NodeRecord]:
         """`records()`, read by node `node_id`: one that finds no other node listed (a cut
@@ -314,9 +453,12 @@ class Directory:
         keys = [self.trained_prefix + g for g in group_ids]
         keys += [self.trained_batch_prefix + b for b in batch_ids]
         futures = [
-            self.dht.store(key, list(mark), expiration_time=expires, return_future=True)
+            self.dht.store(
+                key, self._signed_value(key, list(mark)), expiration_time=expires,
+                return_future=True,
+            )
             for key in keys
-        ]
+        ]  # fmt: skip
         for future in futures:
             future.result()
 
@@ -324,7 +466,7 @@ class Directory:
         """Say that the trainer `peer_id` saved the weights `mark` names (best effort)."""
         future = self.dht.store(
             self.checkpoints_key,
-            list(mark),
+            self._signed_value(f"{self.checkpoints_key}/{peer_id}", list(mark)),
             expiration_time=get_dht_time() + TRAINED_MARK_TTL_S,
             subkey=peer_id,
             return_future=True,
@@ -339,7 +481,10 @@ class Directory:
         found = self.dht.get(self.checkpoints_key, latest=True)
         if found is None or not isinstance(found.value, dict):
             return {}
-        marks = {str(k): read_mark(v) for k, v in found.value.items()}
+        marks = {
+            str(k): read_mark(self._read_value(f"{self.checkpoints_key}/{k}", v))
+            for k, v in found.value.items()
+        }
         return {k: m for k, m in marks.items() if m is not None}
 
     def name_batch(self, batch_id: str, group_ids: Iterable[str]) -> list[Any]:
@@ -349,7 +494,7 @@ class Directory:
         return [
             self.dht.store(
                 self.intent_prefix + g,
-                True,
+                self._signed_value(f"{self.intent_prefix}{g}/{batch_id}", True),
                 expiration_time=expires,
                 subkey=batch_id,
                 return_future=True,
@@ -369,7 +514,9 @@ class Directory:
         marks: dict[str, str | None] = {g: None for g, m in own.items() if durable(m, live)}
         rest = [g for g in ids if g not in own]
         futures = [self.dht.get(self.intent_prefix + g, return_future=True) for g in rest]
-        intents = {g: batches_named(f.result()) for g, f in zip(rest, futures, strict=True)}
+        intents = {
+            g: self._batches_named(g, f.result()) for g, f in zip(rest, futures, strict=True)
+        }
         batch_marks = self._marks(self.trained_batch_prefix, sorted(set().union(*intents.values())))
         marked = {b for b, m in batch_marks.items() if durable(m, live)}
         through = trained_through_batches(intents, marked)
@@ -394,8 +541,54 @@ class Directory:
     def _marks(self, prefix: str, names: list[str]) -> dict[str, Mark]:
         """The names whose key `prefix + name` holds a well-formed mark, with it."""
         futures = [self.dht.get(prefix + n, return_future=True) for n in names]
-        found = {n: read_mark(f.result()) for n, f in zip(names, futures, strict=True)}
+        found = {
+            n: read_mark(self._read_value(prefix + n, f.result()))
+            for n, f in zip(names, futures, strict=True)
+        }
         return {n: m for n, m in found.items() if m is not None}
+
+    def _batches_named(self, group_id: str, found: Any) -> set[str]:
+        """`batches_named`, of the batches whose intent a member signed for this group."""
+        named = batches_named(found)
+        if self.keys is None:
+            return named
+        key = self.intent_prefix + group_id
+        return {b for b in named if self._read_value(f"{key}/{b}", found.value[b]) is True}
+
+    # Trained marks, batch intents and checkpoint records, like directory records, are
+    # signed by the node that writes them (with keys): a value is read only if a member
+    # signed it, and signed it for the key (and subkey) it is found under, so a signed mark
+    # is not replayed under another group's key. A member is trusted with what it signs:
+    # certificates carry no role, so a rollout node's signed mark would count (named by
+    # its signature, revocable).
+
+    def _signed_value(self, key: str, value: Any) -> Any:
+        """`value` as it is stored under `key`: with keys, an identity.SignedRecord whose
+        payload is `[key, value]`."""
+        if self.keys is None:
+            return value
+        return self.keys.identity.sign_record(msgspec.msgpack.encode([key, value]))
+
+    def _read_value(self, key: str, found: Any) -> Any:
+        """The value a member stored under `key` (`found`: what the DHT returned, or the
+        value itself); None when absent, or refused (counted by the membership)."""
+        value = getattr(found, "value", found)
+        if self.keys is None or value is None:
+            return value
+        signed = self.keys.membership.signed_record(value)
+        if signed is None:
+            return None
+        certificate, payload = signed
+        try:
+            stored_for, inner = msgspec.msgpack.decode(payload)
+        except (msgspec.DecodeError, TypeError, ValueError):
+            stored_for, inner = None, None
+        if stored_for != key:
+            self.keys.membership.refuse(
+                "forged", f"a value {certificate.name!r} signed for another key, under {key!r}"
+            )
+            return None
+        return inner
 
 
 class Mark(NamedTuple):
@@ -406,8 +599,9 @@ class Mark(NamedTuple):
 
 
 def read_mark(found: Any) -> Mark | None:
-    """A DHT value as a Mark; None when absent or malformed (any peer can store values)."""
-    value = getattr(found, "value", None)
+    """A DHT value (or what the DHT returned) as a Mark; None when absent or malformed
+    (any peer can store values)."""
+    value = getattr(found, "value", found)
     if (
         isinstance(value, list | tuple)
         and len(value) == 2
@@ -483,9 +677,7 @@ def round_epochs(result: RoundResult) -> set[int | None]:
 async def _ping_peers(dht: hivemind.DHT, node: Any, maddrs: list[str]) -> int:
     """Runs inside the DHT's process: ping each peer (which puts it back in the routing
     table when it answers)."""
-    import asyncio
 
-    from hivemind.p2p import PeerID
     from hivemind.utils.multiaddr import Multiaddr
 
     peers = [PeerID.from_base58(Multiaddr(m)["p2p"]) for m in maddrs]
@@ -495,16 +687,56 @@ async def _ping_peers(dht: hivemind.DHT, node: Any, maddrs: list[str]) -> int:
     return sum(1 for a in answers if a is not None and not isinstance(a, BaseException))
 
 
-def read_directory(config: SwarmConfig, keys: SwarmKeys | None) -> list[protocol.NodeRecord]:
+def read_directory(config: SwarmConfig, keys: NodeKeys | None) -> list[protocol.NodeRecord]:
     """Join the swarm as a client for a moment and read every live node's record."""
     dht = start_dht(config, keys, client_mode=True)
     try:
-        return Directory(dht, config).records()
+        return Directory(dht, config, keys).records()
     finally:
         dht.shutdown()
 
 
-class _ExactGradientAverager(GradientAverager, ExactAverager):  # type: ignore[misc]
+class _MembersOnly(DecentralizedAverager):  # type: ignore[misc]
+    """hivemind's averaging handlers, answered for members only (`MemberGate`; None: no
+    gate, for net.insecure and in-process tests). Checked against hivemind 1.1.12's
+    DecentralizedAverager.rpc_join_group, rpc_aggregate_part and rpc_download_state: a
+    non-member's join is turned away as if this peer looked for no group, its all-reduce
+    stream gets a protocol violation before any part is read, and its state download ends
+    empty, as a peer that does not share state answers. (hivemind reads the handlers'
+    stream types from `typing.AsyncIterator` hints only: ServicerBase._strip_iterator_hint.)"""
+
+    def __init__(self, *args: Any, gate: MemberGate | None = None, **kwargs: Any) -> None:
+        self.gate = gate
+        super().__init__(*args, **kwargs)
+
+    async def rpc_join_group(
+        self, request: averaging_pb2.JoinRequest, context: P2PContext
+    ) -> typing.AsyncIterator[averaging_pb2.MessageFromLeader]:
+        if self.gate is not None and not await self.gate.admits(context, "round_joins"):
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.NOT_LOOKING_FOR_GROUP)
+            return
+        async for message in super().rpc_join_group(request, context):
+            yield message
+
+    async def rpc_aggregate_part(
+        self, stream: typing.AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> typing.AsyncIterator[averaging_pb2.AveragingData]:
+        if self.gate is not None and not await self.gate.admits(context, "aggregate_parts"):
+            yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for message in super().rpc_aggregate_part(stream, context):
+            yield message
+
+    async def rpc_download_state(
+        self, request: averaging_pb2.DownloadRequest, context: P2PContext
+    ) -> typing.AsyncIterator[averaging_pb2.DownloadData]:
+        if self.gate is not None and not await self.gate.admits(context, "state_downloads"):
+            return
+        async for message in super().rpc_download_state(request, context):
+            yield message
+
+
+class _ExactGradientAverager(_MembersOnly, GradientAverager, ExactAverager):  # type: ignore[misc]
     """hivemind's gradient averager, with rounds that leave every trainer the same bits,
     and a batch id for the gradients it accumulates: new at each reset (a step took them,
     or they were thrown away), unique to this process (a restarted trainer, same peer id,
@@ -562,7 +794,7 @@ class _AveragerWatch(ExactAverager):
         return state
 
 
-class _WholeStateAverager(TrainingStateAverager, _AveragerWatch):  # type: ignore[misc]
+class _WholeStateAverager(_MembersOnly, TrainingStateAverager, _AveragerWatch):  # type: ignore[misc]
     """Serves this trainer's state copied under the lock each step holds: one version.
 
     A peer therefore answers a state download only between its steps, and a step lasts
@@ -660,6 +892,34 @@ class _WholeStateAverager(TrainingStateAverager, _AveragerWatch):  # type: ignor
             return metadata, [t.clone() for t in tensors], infos
 
 
+class _Tracker(ProgressTracker):  # type: ignore[misc]
+    """hivemind's progress tracker, with its event loop left clean when it stops.
+
+    hivemind 1.1.12's `ProgressTracker._progress_fetcher` returns at shutdown without
+    cancelling a DHT read still in flight (and `run` never closes its loop), so a trainer
+    that stopped while its tracker was reading ended with asyncio's "Task was destroyed but
+    it is pending!" at ERROR when the loop was collected (test_durable, in CI). Same `run`,
+    then what is left on the loop is cancelled and awaited, and the loop closed.
+    """
+
+    def run(self) -> None:
+        loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_until_complete(
+                asyncio.gather(self._progress_reporter(), self._progress_fetcher())
+            )
+        finally:
+            try:
+                leftovers = asyncio.all_tasks(loop)
+                for task in leftovers:
+                    task.cancel()
+                loop.run_until_complete(asyncio.gather(*leftovers, return_exceptions=True))
+            finally:
+                loop.close()
+                self.shutdown_complete.set()
+
+
 class _Optimizer(hivemind.Optimizer):  # type: ignore[misc]
     """hivemind.Optimizer that counts discarded gradients and serves whole versions.
 
@@ -685,7 +945,14 @@ class _Optimizer(hivemind.Optimizer):  # type: ignore[misc]
     # Gradient rounds entered before the intents naming the batch's groups were stored.
     late_intents = 0
 
-    def __init__(self, *args: Any, other_trainers: Callable[[], int], **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        other_trainers: Callable[[], int],
+        gate: MemberGate | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self.gate = gate  # read by _make_state_averager, which hivemind calls in __init__
         self.step_lock = threading.Lock()  # held by SwarmOptimizer for each whole step
         self.loading = threading.Event()  # set while this trainer downloads the swarm's state
         self._other_trainers = other_trainers
@@ -696,9 +963,22 @@ class _Optimizer(hivemind.Optimizer):  # type: ignore[misc]
         super().__init__(*args, **kwargs)
         self.grad_averager.epoch = lambda: self.local_epoch
 
+    def _make_progress_tracker(self, target_batch_size: int, **kwargs: Any) -> ProgressTracker:
+        """hivemind 1.1.12's own, as `_Tracker` (a loop left clean at shutdown)."""
+        return _Tracker(
+            dht=self.dht,
+            prefix=self.run_id,
+            target_batch_size=target_batch_size,
+            client_mode=self.client_mode,
+            status_loglevel=self.status_loglevel,
+            start=True,
+            **kwargs,
+        )
+
     def _make_state_averager(self, **kwargs: Any) -> TrainingStateAverager:
         # hivemind binds the serving method at construction: the subclass must be built here.
         return _WholeStateAverager(
+            gate=self.gate,
             step_lock=self.step_lock,
             loading=self.loading,
             # A peer answers a state download between steps; a step takes up to a
@@ -943,12 +1223,17 @@ class SwarmOptimizer:
         target_batch_size: int,
         dht: hivemind.DHT | None = None,
         other_trainers: Callable[[], int] = lambda: 0,
+        gate: MemberGate | None = None,
+        directory: Directory | None = None,
     ) -> None:
-        """Train over `dht` (shared with the node's directory), or a DHT of its own.
-        `other_trainers()`: how many other live trainers the directory lists now."""
+        """Train over `dht` (shared with the node's `directory`, which signs the batches'
+        intents with the node's keys), or a DHT of its own. `other_trainers()`: how many
+        other live trainers the directory lists now. `gate`: who may call this trainer's
+        averaging handlers (None: anyone, without keys)."""
+        self.gate = gate
         self.owns_dht = dht is None
         self.dht = dht or start_dht(config, keys=None)  # in-process use (tests, bench)
-        self.directory = Directory(self.dht, config)
+        self.directory = directory or Directory(self.dht, config)
         # Versions re-taken from a peer after this trainer's parameter round failed.
         self.repairs = 0
         compression = Float16Compression() if config.grad_compression == "fp16" else NoCompression()
@@ -956,6 +1241,7 @@ class SwarmOptimizer:
         try:
             self.optimizer = _Optimizer(
                 other_trainers=other_trainers,
+                gate=gate,
                 dht=self.dht,
                 run_id=config.run_id,
                 target_batch_size=target_batch_size,
@@ -977,7 +1263,7 @@ class SwarmOptimizer:
                 # default, 60 s, would fail every round with it for a minute).
                 tracker_opts={"metadata_expiration": config.record_ttl_s},
                 grad_averager_factory=partial(
-                    _ExactGradientAverager, request_timeout=config.request_timeout_s
+                    _ExactGradientAverager, request_timeout=config.request_timeout_s, gate=gate
                 ),
                 # hivemind offloads the optimizer by default, and then averages parameters in
                 # place: the averager's process writes each averaged part straight into the
@@ -1091,7 +1377,12 @@ class SwarmOptimizer:
             "late_intents": optimizer.late_intents,
             "state_downloads": optimizer.reloads,
             "repairs": self.repairs,
+            **(self.gate.counts() if self.gate is not None else {}),
         }
+
+    def refusals(self) -> dict[str, int]:
+        """Non-members' averaging calls refused so far, per kind (none without a gate)."""
+        return self.gate.refusals() if self.gate is not None else {}
 
     def load_state_from_peers(self) -> bool:
         """Take the swarm's current weights, optimizer state and epoch (a joining trainer);

@@ -57,7 +57,7 @@ from agentjet.devices import (
     resolve_dtype,
 )
 from agentjet.errors import ModelError
-from agentjet.keys import swarm_keys
+from agentjet.identity import node_keys
 from agentjet.lifeline import CLEANUP_AFTER_CHILD_DEATH_S, watch_children
 from agentjet.metrics import MetricsWriter, Rate
 from agentjet.roles import print_join_command, run_role, supervise, wait_for
@@ -68,6 +68,7 @@ from node.gpu_monitor import metrics as gpu_metrics
 from node.groups import Filling, GroupBook, StepGroups, doubt_wait_s, oldest_version
 from node.learner import Learner, StepResult
 from node.lora import add_adapters, merged_weights
+from node.members import MemberGate
 from node.model import DTYPES, load_causal_lm, resolve_model
 from node.swarm import Directory, Mark, SwarmOptimizer, start_dht, visible_maddrs
 from node.verify import (
@@ -130,7 +131,9 @@ class Trainer:
 
     def setup(self, cleanup: ExitStack) -> None:
         cfg = self.config
-        keys = swarm_keys(cfg.net)
+        keys = node_keys(cfg.net, self.node_id)
+        if keys is not None:  # a node's own key file names it
+            self.node_id = keys.name
         torch.set_num_threads(cfg.trainer.torch_threads)
         torch.manual_seed(cfg.run.seed)
         self.device = resolve_device(cfg.trainer.device, "trainer.device")
@@ -156,8 +159,15 @@ class Trainer:
             self._load_params(resume["params"])
         self.dht = start_dht(cfg.swarm, keys)
         cleanup.callback(self.dht.shutdown)
-        self.directory = Directory(self.dht, cfg.swarm)
+        self.directory = Directory(self.dht, cfg.swarm, keys)
         cleanup.callback(self.directory.withdraw, self.node_id)
+        self.peer_id = self.dht.peer_id.to_base58()
+        gate = None
+        if keys is not None:
+            # Only members average with this trainer or download its state; it is one
+            # before its optimizer starts (which may download state from peers that check).
+            self.directory.declare_member(keys.identity, self.peer_id)
+            gate = MemberGate(self.dht, cfg.swarm.run_id, keys.membership.root_public)
         self.local_batch = local_batch = (
             cfg.trainer.informative_samples_per_step
             or cfg.trainer.groups_per_step * cfg.rollout.group_size
@@ -170,6 +180,8 @@ class Trainer:
             target_batch_size=cfg.swarm.target_batch_size or local_batch,
             dht=self.dht,
             other_trainers=lambda: len(self.other_trainers),
+            gate=gate,
+            directory=self.directory,
         )
         cleanup.callback(self.swarm.shutdown)
         loaded = False
@@ -291,10 +303,24 @@ class Trainer:
                 quarantined=self.quarantine.listed(),
                 lineage=self.lineage,
                 gpus=self.gpus,
+                refused={
+                    kind: n
+                    for kind, n in (
+                        *self.server.refused.items(),
+                        ("handshakes", self.server.denied),
+                        *self.swarm.refusals().items(),
+                    )
+                    if n
+                },
             )
             if not await blocking(self.directory.publish, record):
                 log.warning("could not store this trainer's record in the DHT")
             records = await blocking(self.directory.records_seen_by, self.node_id)
+            if self.server.keys is not None:  # revoked nodes: refused from the next request
+                await blocking(self.directory.sync_revocations, self.server.keys.membership)
+                await blocking(
+                    self.directory.declare_member, self.server.keys.identity, self.peer_id
+                )
             if any(r.node_id == self.node_id for r in records):  # else: a read to distrust
                 self.other_trainers = self._other_trainers_in(records)
                 self._set_connected(any(r.node_id != self.node_id for r in records))
@@ -867,6 +893,7 @@ class Trainer:
             **{f"counts/swarm_{k}": v for k, v in self.swarm.counts().items()},
             "counts/rejected_messages": self.server.rejected,
             "counts/denied_handshakes": self.server.denied,
+            **{f"counts/refused_{kind}": n for kind, n in self.server.refused.items()},
         }
 
 

@@ -14,12 +14,12 @@ from __future__ import annotations
 from agentjet import protocol
 from agentjet.config import Config
 from agentjet.errors import ProtocolError
-from agentjet.keys import SwarmKeys
+from agentjet.identity import NodeKeys
 from agentjet.transport import Client, PeerUnavailable
 
 
 def trainer_client(
-    endpoint: str, hello: protocol.Hello, config: Config, keys: SwarmKeys | None, timeout_s: float
+    endpoint: str, hello: protocol.Hello, config: Config, keys: NodeKeys | None, timeout_s: float
 ) -> Client:
     """A client of the trainer at `endpoint`, giving up on a reply after `timeout_s`."""
     return Client(
@@ -33,7 +33,7 @@ def trainer_client(
 
 
 async def answers(
-    endpoint: str, node_id: str, hello: protocol.Hello, config: Config, keys: SwarmKeys | None
+    endpoint: str, node_id: str, hello: protocol.Hello, config: Config, keys: NodeKeys | None
 ) -> bool:
     """Whether the trainer `node_id` answers at `endpoint` within a record's lifetime."""
     status = await probe(endpoint, hello, config, keys)
@@ -41,7 +41,7 @@ async def answers(
 
 
 async def probe(
-    endpoint: str, hello: protocol.Hello, config: Config, keys: SwarmKeys | None
+    endpoint: str, hello: protocol.Hello, config: Config, keys: NodeKeys | None
 ) -> protocol.GroupStatus | None:
     """What the trainer that answers at `endpoint` within a record's lifetime says of itself
     (node id, lineage, version), or None, asked on a socket of its own (the rollout node's

@@ -10,7 +10,9 @@ import msgspec
 import numpy as np
 
 from agentjet.episode import Completion, SamplingParams
+from agentjet.identity import NodeKeys, encode_certificate
 from agentjet.protocol import (
+    Hello,
     Sample,
     TrajectoryGroup,
     pack_floats,
@@ -32,6 +34,12 @@ def make_sample(**changes: Any) -> Sample:
         policy_version=0,
     )
     return Sample(**(fields | changes))
+
+
+def member_hello(keys: NodeKeys, role: str = "rollout") -> Hello:
+    """The Hello a node with `keys` says first: its name and certificate."""
+    certificate = encode_certificate(keys.identity.certificate)
+    return Hello(node_id=keys.name, role=role, certificate=certificate)  # type: ignore[arg-type]
 
 
 def make_group(

@@ -23,6 +23,7 @@ swarm; its kind (coordinator, trainer, rollout) says which charts its rows feed.
 from __future__ import annotations
 
 import math
+import os
 import tomllib
 from collections.abc import Coroutine
 from pathlib import Path
@@ -41,7 +42,8 @@ from agentjet.dashboard.reader import (
     tail_rows,
 )
 from agentjet.errors import AgentjetError, ProtocolError
-from agentjet.keys import DEFAULT_KEYS_FILE, read_keys
+from agentjet.identity import read_node_keys
+from agentjet.keys import DEFAULT_KEYS_FILE
 from agentjet.transport import Client, PeerUnavailable, outsider_client
 
 # Roles listed first, in this order; any other follows by name.
@@ -209,7 +211,7 @@ class RunDirSource:
                     f"the run's keys ({config.net.keys or DEFAULT_KEYS_FILE}) are not "
                     "readable here: asking the coordinator needs them"
                 )
-            keys = read_keys(found[0])
+            keys = read_node_keys(found[0], f"dashboard-{os.getpid()}")
         return outsider_client(
             config.coordinator.endpoint, "coordinator", keys, SCHEDULER_TIMEOUT_S, "dashboard"
         )

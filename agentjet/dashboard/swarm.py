@@ -46,7 +46,7 @@ from agentjet.dashboard.source import (
     role_order,
 )
 from agentjet.errors import ProtocolError
-from agentjet.keys import SwarmKeys
+from agentjet.identity import NodeKeys
 from agentjet.metrics import RecentRows
 from agentjet.roles import run_role
 from agentjet.transport import Client, PeerUnavailable, outsider_client
@@ -154,7 +154,7 @@ class SwarmSource:
     mode: Literal["run", "swarm"] = "swarm"
 
     def __init__(
-        self, directory: RecordReader, run_id: str, keys: SwarmKeys | None, name: str = "dashboard"
+        self, directory: RecordReader, run_id: str, keys: NodeKeys | None, name: str = "dashboard"
     ) -> None:
         self.directory = directory
         self.name = run_id
@@ -353,14 +353,14 @@ class SwarmSource:
 
 
 def open_swarm_source(
-    config: SwarmConfig, keys: SwarmKeys | None, cleanup: ExitStack
+    config: SwarmConfig, keys: NodeKeys | None, cleanup: ExitStack
 ) -> SwarmSource:
     """Join the swarm as a DHT client (one, for the dashboard's life) and follow it."""
     from node.swarm import Directory, start_dht
 
     dht = start_dht(config, keys, client_mode=True)
     cleanup.callback(dht.shutdown)
-    source = SwarmSource(Directory(dht, config), config.run_id, keys)
+    source = SwarmSource(Directory(dht, config, keys), config.run_id, keys)
     cleanup.callback(source.close)
     return source
 
@@ -370,7 +370,7 @@ class LiveDashboard:
     it gets a role's lifeline, signals and ordered cleanup (its DHT daemons end with it)."""
 
     def __init__(
-        self, config: SwarmConfig, keys: SwarmKeys | None, host: str, port: int, token: str
+        self, config: SwarmConfig, keys: NodeKeys | None, host: str, port: int, token: str
     ) -> None:
         self.config = config
         self.keys = keys
@@ -384,6 +384,6 @@ class LiveDashboard:
 
 
 def run_live_dashboard(
-    config: SwarmConfig, keys: SwarmKeys | None, host: str, port: int, token: str
+    config: SwarmConfig, keys: NodeKeys | None, host: str, port: int, token: str
 ) -> int:
     return run_role(LiveDashboard(config, keys, host, port, token), "dashboard")

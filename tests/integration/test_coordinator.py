@@ -33,7 +33,7 @@ from agentjet.config import (
     to_toml,
 )
 from agentjet.errors import ProtocolError
-from agentjet.keys import read_keys
+from agentjet.identity import NodeKeys, read_node_keys
 from agentjet.metrics import read_metrics
 from agentjet.protocol import (
     PROTOCOL_VERSION,
@@ -44,11 +44,13 @@ from agentjet.protocol import (
     Ok,
     SchedulerRow,
     StatusRequest,
+    Welcome,
     WorkGrant,
     WorkGrants,
     WorkRequest,
 )
-from agentjet.transport import Client, PeerUnavailable
+from agentjet.transport import Client, NotAMember, PeerUnavailable
+from tests.factories import member_hello
 
 pytestmark = pytest.mark.integration
 
@@ -73,7 +75,6 @@ class Coordinators:
     def __init__(self, workdir: Path, socket_dir: Path, keys_file: Path) -> None:
         self.workdir = workdir
         self.keys_file = keys_file
-        self.keys = read_keys(keys_file)
         self.endpoint = f"ipc://{socket_dir}/coordinator.ipc"  # short path: ipc has a ~100 B limit
         self.run_dir = workdir / "run"
         self.log_path = workdir / "coordinator.log"
@@ -113,8 +114,12 @@ class Coordinators:
         self.procs.append(proc)
         return proc
 
+    def member(self, node_id: str) -> NodeKeys:
+        """The keys of node `node_id` of this swarm (certified by the root file)."""
+        return read_node_keys(self.keys_file, node_id)
+
     def client(self, node_id: str, version: int = PROTOCOL_VERSION) -> Client:
-        """A client with this swarm's keys, as a rollout node connects."""
+        """A client of node `node_id` of this swarm, as a rollout node connects."""
         hello = Hello(node_id=node_id, role="rollout", protocol_version=version)
         return Client(
             self.endpoint,
@@ -122,7 +127,7 @@ class Coordinators:
             hello,
             MAX_MESSAGE_BYTES,
             REPLY_TIMEOUT_S,
-            self.keys,
+            self.member(node_id),
         )
 
     def reap(self) -> None:
@@ -236,14 +241,16 @@ def test_bad_messages_are_answered_and_the_coordinator_keeps_serving(
             for invalid in (
                 WorkRequest(node_id="node-a", max_groups=0),
                 WorkRequest(node_id="node-a", max_groups=2000),
-                WorkRequest(node_id="", max_groups=1),
                 GroupReport(node_id="node-a", grant_id="g", rewards=[math.nan]),
             ):
                 reply = await node.request(invalid)
                 assert isinstance(reply, Error) and reply.code == "invalid", invalid
+            # a request in any name but the node's own (here none) is no member's
+            with pytest.raises(NotAMember):
+                await node.request(WorkRequest(node_id="", max_groups=1))
             assert len(await work(node, "node-a", 1)) == 1
             status = await status_of(node)
-            assert status.rejected_messages == 4
+            assert status.rejected_messages == 3 and status.refused == {"impersonation": 1}
         finally:
             node.close()
 
@@ -251,9 +258,13 @@ def test_bad_messages_are_answered_and_the_coordinator_keeps_serving(
 
     raw: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
     raw.setsockopt(zmq.LINGER, 0)
-    coordinators.keys.secure_client(raw)
+    keys = coordinators.member("raw")
+    keys.secure_client(raw)
     raw.connect(coordinators.endpoint)
     try:
+        raw.send(protocol.encode(member_hello(keys)))
+        assert raw.poll(int(REPLY_TIMEOUT_S * 1000)), "no Welcome"
+        assert isinstance(protocol.coordinator_reply_decoder.decode(raw.recv()), Welcome)
         for garbage in (
             b"\xc1 not msgpack",
             protocol.encode(protocol.PolicyQuery()),  # a trainer message on the wrong socket
@@ -267,7 +278,7 @@ def test_bad_messages_are_answered_and_the_coordinator_keeps_serving(
         assert raw.poll(int(REPLY_TIMEOUT_S * 1000))
         status = protocol.coordinator_reply_decoder.decode(raw.recv())
         assert isinstance(status, CoordinatorStatus)
-        assert status.rejected_messages == 4 + 3
+        assert status.rejected_messages == 3 + 3
     finally:
         raw.close()
     assert proc.poll() is None

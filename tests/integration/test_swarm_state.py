@@ -8,6 +8,9 @@ waiting for the first one's state; both timed out, every step, for minutes.
 
 from __future__ import annotations
 
+import asyncio
+import gc
+import logging
 import threading
 import time
 
@@ -92,3 +95,43 @@ def test_a_trainer_behind_takes_the_state_of_one_that_keeps_stepping() -> None:
     assert outcomes and all(o.discarded and not o.applied and o.epoch == 2 for o in outcomes)
     for got, want in zip(_weights(model_a), ahead, strict=True):
         assert torch.equal(got, want)
+
+
+class _Leaky:
+    """hivemind 1.1.12's fetcher pattern at shutdown: a read started, never finished nor
+    cancelled, when the fetcher returns (`_fetch_progress_unless_shutdown_triggered`)."""
+
+    async def _progress_fetcher(self) -> None:
+        never: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        asyncio.ensure_future(asyncio.wait_for(never, None))
+        await asyncio.get_running_loop().run_in_executor(None, self.shutdown_triggered.wait)  # type: ignore[attr-defined]
+
+
+@pytest.mark.timeout(60)
+def test_a_stopped_tracker_leaves_no_task_pending(caplog: pytest.LogCaptureFixture) -> None:
+    """A trainer that stopped while its progress tracker was reading the DHT logged
+    asyncio's "Task was destroyed but it is pending!" (test_durable, in CI). `_Tracker`
+    cancels what is left on its loop; hivemind's own tracker, the control, does not."""
+    from hivemind.optim.progress_tracker import ProgressTracker
+
+    from node.swarm import _Tracker, start_dht
+
+    run = SwarmConfig(run_id=f"test-tracker-{time.monotonic_ns()}")
+    dht = start_dht(run, keys=None)
+    try:
+        destroyed = {}
+        for name, base in (("hivemind", ProgressTracker), ("ours", _Tracker)):
+            tracker = type("Tracker", (_Leaky, base), {})(
+                dht, prefix=f"{run.run_id}-{name}", target_batch_size=1, start=True
+            )
+            tracker.shutdown(timeout=10)
+            tracker.join(timeout=10)
+            assert not tracker.is_alive()
+            caplog.clear()
+            with caplog.at_level(logging.ERROR, logger="asyncio"):
+                del tracker
+                gc.collect()
+            destroyed[name] = "Task was destroyed but it is pending" in caplog.text
+        assert destroyed == {"hivemind": True, "ours": False}
+    finally:
+        dht.shutdown()

@@ -29,7 +29,7 @@ import zmq
 from agentjet import protocol
 from agentjet.config import load_config, to_toml
 from agentjet.errors import ProtocolError
-from agentjet.keys import SwarmKeys, read_keys
+from agentjet.identity import NodeKeys, read_node_keys
 from agentjet.metrics import read_metrics
 from agentjet.protocol import pack_ids
 from agentjet.transport import Client, PeerUnavailable
@@ -42,14 +42,16 @@ START_TIMEOUT_S = 120.0
 REPLY_TIMEOUT_S = 5.0
 MAX_MESSAGE_BYTES = 1 << 20
 QUEUE_BOUND = 3
+# The node the test clients are: tests.factories.make_group's groups name it.
+TEST_NODE = "test-node"
 
 
 @dataclass
 class Launched:
-    """A trainer process serving on `endpoint` with the swarm `keys`."""
+    """A trainer process serving on `endpoint`, of the swarm whose root is `keys_file`."""
 
     endpoint: str
-    keys: SwarmKeys
+    keys_file: Path
     proc: subprocess.Popen[bytes]
     run_dir: Path
     log_path: Path
@@ -57,6 +59,10 @@ class Launched:
     @property
     def pid(self) -> int:
         return self.proc.pid
+
+    def member(self, name: str = TEST_NODE) -> NodeKeys:
+        """The keys of a node of this swarm named `name` (certified by the root file)."""
+        return read_node_keys(self.keys_file, name)
 
     def stop(self) -> dict[str, Any]:
         """SIGTERM, expect a clean exit, and return the trainer's final metrics row."""
@@ -111,7 +117,7 @@ def launched_trainer(
         start_new_session=True,
     )
     try:
-        yield Launched(endpoint, read_keys(keys_file), proc, tmp_path / "run", log_path)
+        yield Launched(endpoint, keys_file, proc, tmp_path / "run", log_path)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
@@ -123,16 +129,19 @@ def launched_trainer(
 async def connect(
     trainer: Launched,
     protocol_version: int = protocol.PROTOCOL_VERSION,
-    keys: SwarmKeys | None = None,
+    keys: NodeKeys | None = None,
+    name: str = TEST_NODE,
 ) -> Client:
-    """A client with the swarm's keys (or `keys`), once the trainer answers."""
+    """A client of node `name` of the trainer's swarm (or with `keys`), once the trainer
+    answers."""
+    keys = keys or trainer.member(name)
     client = Client(
         trainer.endpoint,
         protocol.trainer_reply_decoder,
-        protocol.Hello(node_id="test", role="rollout", protocol_version=protocol_version),
+        protocol.Hello(node_id=keys.name, role="rollout", protocol_version=protocol_version),
         MAX_MESSAGE_BYTES,
         REPLY_TIMEOUT_S,
-        keys or trainer.keys,
+        keys,
     )
     deadline = time.monotonic() + START_TIMEOUT_S
     while True:
@@ -147,7 +156,7 @@ async def connect(
 def raw_request(trainer: Launched, payload: bytes) -> protocol.TrainerReply:
     with zmq.Context() as ctx, ctx.socket(zmq.DEALER) as sock:
         sock.setsockopt(zmq.LINGER, 0)
-        trainer.keys.secure_client(sock)
+        trainer.member().secure_client(sock)
         sock.connect(trainer.endpoint)
         sock.send(payload)
         assert sock.poll(int(REPLY_TIMEOUT_S * 1000)), "no reply to a malformed message"
@@ -221,7 +230,7 @@ def test_trainer_acks_dedupes_rejects_and_serves_weights(trainer: Launched):
             protocol.Hello(node_id="old", role="rollout", protocol_version=0),
             MAX_MESSAGE_BYTES,
             REPLY_TIMEOUT_S,
-            trainer.keys,
+            trainer.member("old"),
         )
         with pytest.raises(ProtocolError, match="protocol version 0"):
             await old.request(protocol.PolicyQuery())

@@ -131,7 +131,10 @@ async def scenario(
     vocab: int,
 ) -> dict[str, str]:
     """Submit each group, one at a time; what became of it."""
-    client = await connect(trainer)
+    # Each group comes from the node it names: the trainer serves a node only under its own
+    # certificate's name (agentjet/transport.py).
+    clients = {name: await connect(trainer, name=name) for name in ("honest", "forger", "liar")}
+    client = clients["honest"]
     submissions = {
         "honest python_tool": mixed[0],
         "honest arithmetic": scored[0],
@@ -150,7 +153,7 @@ async def scenario(
     }
     outcomes = {}
     for name, group in submissions.items():
-        ack = await client.request(protocol.SubmitGroup(group=group))
+        ack = await clients[group.node_id].request(protocol.SubmitGroup(group=group))
         assert isinstance(ack, protocol.GroupAck), ack
         if ack.status == "accepted":
             outcomes[name] = await final_status(client, group.group_id)
@@ -158,7 +161,9 @@ async def scenario(
             outcomes[name] = ack.status
             assert ack.reason.startswith("wrong reward: sample 0: reward 1 reported"), ack
     # three failed checks: the forger's next group is refused
-    refused = await client.request(protocol.SubmitGroup(group=forge(mixed[0], "after-quarantine")))
+    after = protocol.SubmitGroup(group=forge(mixed[0], "after-quarantine"))
+    refused = await clients["forger"].request(after)
     assert refused.status == "rejected" and refused.reason.startswith("quarantined: 3 failed")
-    client.close()
+    for each in clients.values():
+        each.close()
     return outcomes

@@ -27,11 +27,12 @@ from agentjet.config import Config, CoordinatorConfig, NetConfig, RunConfig
 from agentjet.dashboard.server import DashboardApp
 from agentjet.dashboard.source import LIVE_TRAJECTORIES_NOTE, RunDirSource
 from agentjet.dashboard.swarm import FORGET_AFTER_S, SwarmSource, node_key
-from agentjet.keys import read_keys
+from agentjet.identity import read_node_keys
 from agentjet.metrics import RECENT_ROWS, MetricsWriter, RecentRows
 from agentjet.protocol import GpuStats, MetricsRequest, MetricsRows, NodeRecord
 from agentjet.transport import outsider_client
 from coordinator.service import Coordinator
+from tests.factories import member_hello
 
 pytestmark = pytest.mark.unit
 
@@ -156,7 +157,7 @@ async def dashboard(source: Any) -> AsyncIterator[TestClient[Any, Any]]:
 def test_hostile_metrics_requests_get_one_error_and_the_coordinator_serves_on(
     coordinator: Coordinator, keys_file: Path, payload: dict[str, Any]
 ) -> None:
-    keys = read_keys(keys_file)
+    keys = read_node_keys(keys_file, "probe")
 
     async def go() -> None:
         context = zmq.asyncio.Context()
@@ -173,7 +174,7 @@ def test_hostile_metrics_requests_get_one_error_and_the_coordinator_serves_on(
         try:
             async with serving(coordinator):
                 coordinator.metrics.write({"coordinator/grants_issued": 3})
-                hello = protocol.Hello(node_id="probe", role="client")
+                hello = member_hello(keys, "client")
                 assert isinstance(await ask(protocol.encode(hello)), protocol.Welcome)
                 reply = await ask(msgspec.msgpack.encode(payload))
                 assert isinstance(reply, protocol.Error) and reply.message
@@ -201,7 +202,7 @@ def test_the_scheduler_page_asks_the_run_dirs_coordinator_and_says_when_it_has_e
                 rollout = outsider_client(
                     coordinator.server.endpoint,
                     "coordinator",
-                    read_keys(keys_file),
+                    read_node_keys(keys_file, "rollout-1"),
                     REPLY_TIMEOUT_S,
                     "rollout",
                 )
@@ -298,7 +299,7 @@ def test_the_live_source_shows_good_records_and_leaves_out_bad_ones(
         msgspec.structs.replace(rollout("rollout-d"), time=math.nan),
     ]
     directory = Directory(good + bad)
-    source = SwarmSource(directory, "swarm-test", read_keys(keys_file))
+    source = SwarmSource(directory, "swarm-test", read_node_keys(keys_file, "dashboard"))
 
     async def go() -> None:
         async with serving(coordinator), dashboard(source) as client:

@@ -649,6 +649,9 @@ def test_status_table_rows() -> None:
     assert envs["arithmetic"].visits == 4 and envs["arithmetic"].grant_share == 0.75
     assert envs["arithmetic"].target_share == 0.75 and envs["arithmetic"].failure_rate == 0.0
     assert envs["python_tool"].failure_rate == 1.0 and envs["python_tool"].mean_reward is None
+    # Half of arithmetic's groups agreed, above the 0.4 target: its keep rate fell from 1.
+    assert envs["arithmetic"].keep == stats.keep_rate("arithmetic") < 1.0
+    assert envs["python_tool"].keep == 1.0  # a failed report moves nothing
     cells = {row.name: row for row in rows if row.level == "cell"}
     assert cells["arithmetic d2 +"].grant_share == 0.5 and cells["arithmetic d2 +"].visits == 2
     assert cells["arithmetic d2 +"].score > cells["arithmetic d2 *"].score  # type: ignore[operator]
@@ -666,7 +669,7 @@ def test_agentjet_status_renders_counters_and_aligned_rows() -> None:
         table=[
             SchedulerRow(level="env", name="arithmetic", visits=8, mean_reward=0.5,
                          variance=0.125, mixed=0.5, grant_share=1.0, target_share=1.0,
-                         failure_rate=0.0),
+                         failure_rate=0.0, keep=0.25),
             SchedulerRow(level="cell", name="arithmetic d2 +", visits=3, mean_reward=0.4,
                          variance=0.2, mixed=0.75, grant_share=0.3, score=0.8),
         ],
@@ -681,9 +684,11 @@ def test_agentjet_status_renders_counters_and_aligned_rows() -> None:
     env_header, env_row = lines[3], lines[4]
     assert env_header.split() == [
         "environment", "(observed)", "visits", "reward", "variance", "P(mixed)", "target",
-        "failed", "last", "10",
+        "failed", "keep", "last", "10",
     ]  # fmt: skip
-    assert env_row.split() == ["arithmetic", "8", "0.500", "0.125", "0.50", "1.00", "0.00", "100%"]
+    assert env_row.split() == [
+        "arithmetic", "8", "0.500", "0.125", "0.50", "1.00", "0.00", "0.25", "100%",
+    ]  # fmt: skip
     assert len(env_header) == len(env_row)  # numbers right-aligned under their headers
     assert lines[7].split() == [
         "arithmetic",

@@ -149,6 +149,18 @@ def test_status_shows_each_trainers_quarantined_nodes():
     assert protocol.node_record_decoder.decode(old).quarantined == []
 
 
+def test_status_shows_what_each_trainer_refused():
+    records = [
+        protocol.NodeRecord(
+            node_id="t1", role="trainer", refused={"round_joins": 5, "impersonation": 2}
+        ),
+        protocol.NodeRecord(node_id="t2", role="trainer"),
+    ]
+    shown = format_swarm(records, now=0.0)
+    assert "refused by t1: impersonation 2, round joins 5" in shown
+    assert "refused by t2" not in shown
+
+
 def test_the_learner_leaves_forged_groups_out_of_its_gradients_exactly(
     tiny_model_dir: Path, one_torch_thread: None
 ):

@@ -93,7 +93,8 @@
   // Scheduler tables: [column, row key, digits] (digits "%": a share).
   const SCHEDULER_COLUMNS = {
     env: [["visits", "visits"], ["reward", "mean_reward", 3], ["variance", "variance", 3], ["P(mixed)", "mixed", 2],
-          ["target", "target_share", 2], ["failed", "failure_rate", 2], ["grants", "grant_share", "%"]],
+          ["target", "target_share", 2], ["failed", "failure_rate", 2], ["keep", "keep", 2],
+          ["grants", "grant_share", "%"]],
     cell: [["visits", "visits"], ["reward", "mean_reward", 3], ["variance", "variance", 3], ["P(mixed)", "mixed", 2],
            ["score", "score", 3], ["grants", "grant_share", "%"]],
     task: [["visits", "visits"], ["reward", "mean_reward", 3], ["variance", "variance", 3], ["P(mixed)", "mixed", 2],

@@ -2,16 +2,23 @@
 
     docker_warm: exec into a running container of a pool        (what episodes pay)
     docker_cold: `docker run --rm` of the same program per call   (no pool)
+    docker_exec: `docker exec python3 -c` into the same running container (the path
+                 before the runner, measured alongside)
     process:     ProcessSandbox exec (bubblewrap when installed)
-    execs_per_s: episodes (lease, one exec, give back: reset included) per second from
-                 pools of 1, 2 and 4 containers, 8 threads asking at once
+    process_fresh_interpreter: the same sandbox running `python -c` as a shell program,
+                 i.e. a fresh interpreter per call (the path before the runner)
+    execs_per_s: episodes (lease, one exec, give back: reset and health check included)
+                 per second from pools of 1, 2 and 4 containers, 8 threads asking at once
+    process_execs_per_s: the same from pools of process sandboxes
+
+Both backends run programs through a warm runner in each sandbox (sandboxes/runner.py).
 
 Every call runs the same Python program (`print(1)`). Latencies are measured interleaved,
 one call of each backend per round, so machine noise hits them alike. Writes
 bench/results/sandbox.json. Needs a docker engine and the sandbox image
 (`./just docker-up`). Run it on an otherwise idle machine.
 
-    .venv/bin/python bench/sandbox.py [--rounds 200] [--cold-rounds 30] [--episodes 120]
+    .venv/bin/python bench/sandbox.py [--rounds 200] [--cold-rounds 30] [--episodes 600]
 """
 
 from __future__ import annotations
@@ -72,29 +79,46 @@ def cold_run(engine: DockerEngine, settings: DockerSettings) -> None:
     assert output == b"1\n", output
 
 
+def exec_run(box: DockerSandbox) -> None:
+    """One `docker exec` of the program into the sandbox's running container."""
+    result = box.container.exec_run(["python3", "-c", PROGRAM], workdir=WORK_DIR)
+    assert result.output == b"1\n", result
+
+
+def local_python() -> str:
+    return sys.executable
+
+
 def latencies(engine: DockerEngine, rounds: int, cold_rounds: int) -> dict[str, Any]:
     settings = DockerSettings()
     warm: list[float] = []
     cold: list[float] = []
     process: list[float] = []
+    docker_exec: list[float] = []
+    fresh: list[float] = []
+    fresh_program = f"{local_python()} -c '{PROGRAM}'"
     with DockerSandbox(engine, settings) as box, ProcessSandbox() as local:
         for sandbox in (box, local):  # first calls warm the page cache
             assert sandbox.exec(PROGRAM, TIMEOUT_S).stdout == "1\n"
         for i in range(rounds):
             warm.append(timed(lambda: _check(box.exec(PROGRAM, TIMEOUT_S))))
             process.append(timed(lambda: _check(local.exec(PROGRAM, TIMEOUT_S))))
+            docker_exec.append(timed(lambda: exec_run(box)))
+            fresh.append(timed(lambda: _check(local.exec(fresh_program, TIMEOUT_S, language="sh"))))
             if i < cold_rounds:
                 cold.append(timed(lambda: cold_run(engine, settings)))
     return {
         "docker_warm": percentiles(warm),
         "docker_cold": percentiles(cold),
+        "docker_exec": percentiles(docker_exec),
         "process": percentiles(process) | {"bwrap": local.bwrap is not None},
+        "process_fresh_interpreter": percentiles(fresh),
     }
 
 
-def throughput(engine: DockerEngine, size: int, episodes: int, threads: int) -> float:
+def throughput(factory: Any, size: int, episodes: int, threads: int) -> float:
     """Episodes per second: lease a sandbox, run one program, give it back (reset)."""
-    pool = SandboxPool(lambda: DockerSandbox(engine), size, acquire_timeout_s=600)
+    pool = SandboxPool(factory, size, acquire_timeout_s=600)
     pool.start()
 
     def episode(_: int) -> None:
@@ -123,7 +147,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=200)
     parser.add_argument("--cold-rounds", type=int, default=30)
-    parser.add_argument("--episodes", type=int, default=120)
+    parser.add_argument("--episodes", type=int, default=600)
     parser.add_argument("--threads", type=int, default=8)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
@@ -131,10 +155,14 @@ def main() -> None:
     try:
         result: dict[str, Any] = latencies(engine, args.rounds, args.cold_rounds)
         print(json.dumps(result, indent=1), flush=True)
-        result["execs_per_s"] = {
-            str(size): round(throughput(engine, size, args.episodes, args.threads), 2)
-            for size in (1, 2, 4)
-        }
+        for key, factory in (
+            ("execs_per_s", lambda: DockerSandbox(engine)),
+            ("process_execs_per_s", ProcessSandbox),
+        ):
+            result[key] = {
+                str(size): round(throughput(factory, size, args.episodes, args.threads), 2)
+                for size in (1, 2, 4)
+            }
     finally:
         engine.remove_ours()
     result["setup"] = {

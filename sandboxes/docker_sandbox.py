@@ -1,46 +1,48 @@
 """DockerSandbox: programs run inside a long-lived, locked-down docker container.
 
     DockerEngine (one per node: client, owner labels, orphan reaping)
-        └── DockerSandbox.start() ──▶ container: PID 1 = a tiny reaper, sleeping
-              exec(code) ──▶ docker exec: timeout -s KILL T python3 -c code ──▶ ExecResult
-              put_file / get_file ──▶ small execs (base64 in, head -c out)
-              reset() ──▶ kill every process but PID 1, empty /work and /tmp
+        └── DockerSandbox.start() ──▶ container: PID 1 = the runner (sandboxes/runner.py),
+              talking over the container's attached stdin and stdout
+              exec(code) ──▶ runner: fork ──▶ child: the program ──▶ frames ──▶ ExecResult
+              put_file / get_file ──▶ the runner writes and reads /work
+              reset() ──▶ the runner kills every process but itself, empties /work and /tmp
 
-The container is created once and reused (a pool keeps several warm): an exec into a
-running container costs ~40 ms here, a `docker run` ~0.5-2 s. Its limits:
+The container is created once and reused (a pool keeps several warm); the runner forks a
+program in about a millisecond, where a `docker exec` costs ~40 ms here and a `docker run`
+0.5-2 s. Its limits:
 
 - no network (`--network none`) unless the settings allow it;
 - read-only root filesystem; /work (the cwd and HOME) and /tmp are size-capped tmpfs;
 - memory (swap included), CPU share and a process-count limit (pids cgroup), every
   capability dropped, no-new-privileges, an unprivileged user (nobody) by default.
 
-What a program does wrong comes back in the `ExecResult`: `timeout` kills its process
+What a program does wrong comes back in the `ExecResult`: the runner kills its process
 group at the deadline (fault "timeout"); after a failed run the container's cgroup
 counters tell an out-of-memory kill ("oom_killed") and a refused fork ("pids_limit")
-apart. A container that vanished (killed from outside) gives `error` and fault
-"sandbox_lost", and `healthy()` turns False so the pool replaces it.
+apart. As PID 1 the runner reaps orphans (killed programs leave no zombie eating the pids
+limit) and cannot be killed from inside the container. A container that vanished (killed
+from outside), or a runner that stops answering, gives `error` and fault "sandbox_lost",
+and `healthy()` turns False so the pool replaces it.
 
 Containers carry labels naming this host and the owning process (pid + start time). When
 a node dies its lifeline watcher removes its containers (agentjet/lifeline.py); what is
 still left (the watcher killed too, the engine unreachable) `DockerEngine.reap_orphans`
 removes at the next start: exactly those whose owner process is gone, no one else's.
 
-The image must provide /bin/sh, coreutils (`timeout`, `head`) and python3 (the reaper,
-file upload and Python programs): `agentjet sandbox build-image` makes one offline.
+The image must provide /bin/sh and python3 (3.9 or later: the runner):
+`agentjet sandbox build-image` makes one offline.
 """
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import logging
 import os
 import posixpath
 import socket
-import threading
+import struct
 import time
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +51,7 @@ import docker.errors
 import requests.exceptions
 
 from agentjet.lifeline import owner_token
+from sandboxes import runner
 from sandboxes.base import (
     FAULT_LOST,
     FAULT_OOM,
@@ -66,7 +69,7 @@ from sandboxes.base import (
 log = logging.getLogger(__name__)
 
 # What `agentjet sandbox build-image` builds (sandboxes/image.py); any image works that has
-# /bin/sh, coreutils and python3.
+# /bin/sh and python3.
 DEFAULT_IMAGE = "agentjet-sandbox:bookworm"
 WORK_DIR = "/work"
 # Labels on every container we make; `reap_orphans` and `remove_ours` select by them.
@@ -74,55 +77,38 @@ LABEL_SANDBOX = "agentjet.sandbox"
 LABEL_HOST = "agentjet.host"
 LABEL_OWNER = "agentjet.owner"  # "<pid>:<process start time>" of the creating process
 LABEL_NODE = "agentjet.node"  # the node id, for people reading `docker ps`
-# The engine's answer to a stuck program is the in-container `timeout`; if the exec's
-# stream is still open this long after the deadline, every process in the container is
-# killed, and after as long again the stream is abandoned and the sandbox marked broken.
+# The runner ends a program at its timeout; one that has not answered this long after it
+# is stuck, and its sandbox is marked broken (fault sandbox_lost).
 WATCHDOG_GRACE_S = 5.0
+# How long a new container's runner may take to answer (python3 start-up, a busy engine).
+RUNNER_START_TIMEOUT_S = 30.0
+# How long a health check waits for the runner's answer.
+HEALTH_TIMEOUT_S = 5.0
+# Deadline of the runner's file and reset requests.
+REQUEST_TIMEOUT_S = 30.0
 # Bytes of a file `get_file` reads; larger files are an error, not a memory spike.
 MAX_GET_FILE_BYTES = 16 << 20
-# Raw bytes per upload exec: base64 makes it ~87 KiB, under Linux's 128 KiB per argument.
-PUT_CHUNK_BYTES = 64 << 10
-# Connections the client keeps to the engine: execs of one pool run concurrently.
+# Largest file `put_file` writes in one request (the work dir's tmpfs caps it anyway).
+MAX_PUT_FILE_BYTES = runner.MAX_REQUEST_BYTES - (1 << 20)
+# Connections the client keeps to the engine: sandboxes of one pool work concurrently.
 CLIENT_POOL_SIZE = 32
-# Python PID 1: blocks SIGCHLD and reaps every orphan, so killed programs leave no zombie
-# eating the pids limit; as PID 1 of the container's namespace `kill -9 -1` spares it.
-_REAPER = """\
-import os, signal
-signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
-while True:
-    try:
-        while os.waitpid(-1, os.WNOHANG)[0]:
-            pass
-    except ChildProcessError:
-        pass
-    signal.sigwait({signal.SIGCHLD})
-"""
-# Writes base64 argv[3] to argv[1] (argv[2]: "wb" for the first chunk, then "ab").
-_WRITER = """\
-import base64, os, sys
-path = sys.argv[1]
-if os.path.dirname(path):
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-with open(path, sys.argv[2]) as f:
-    f.write(base64.b64decode(sys.argv[3]))
-"""
-# Every process but PID 1 (and this shell) dies; both scratch dirs end up empty.
-_RESET = """\
-kill -9 -1 2>/dev/null
-chmod -R u+rwx /work /tmp 2>/dev/null
-rm -rf /work/..?* /work/.[!.]* /work/* /tmp/..?* /tmp/.[!.]* /tmp/*
-[ -z "$(ls -A /work)" ] && [ -z "$(ls -A /tmp)" ]
-"""
-# The container's cgroup counters (v1 and v2 layouts), each file after a "== path" line.
-_COUNTERS = """\
-for f in /sys/fs/cgroup/memory/memory.oom_control /sys/fs/cgroup/memory.events \
-         /sys/fs/cgroup/pids/pids.events /sys/fs/cgroup/pids.events; do
-  [ -r "$f" ] && echo "== $f" && cat "$f"
-done
-true
-"""
-_ENVIRONMENT = {"HOME": WORK_DIR, "TMPDIR": "/tmp", **PROGRAM_ENVIRONMENT}
+# The container's cgroup counters, v1 and v2 layouts (those missing are skipped).
+_COUNTER_FILES = [
+    "/sys/fs/cgroup/memory/memory.oom_control",
+    "/sys/fs/cgroup/memory.events",
+    "/sys/fs/cgroup/pids/pids.events",
+    "/sys/fs/cgroup/pids.events",
+]
+# What every program (and the runner) sees: the runner's children get exactly this.
+_ENVIRONMENT = {
+    "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "HOME": WORK_DIR,
+    "TMPDIR": "/tmp",
+    **PROGRAM_ENVIRONMENT,
+}
 _ENGINE_ERRORS = (docker.errors.DockerException, requests.exceptions.RequestException)
+# docker's header on each chunk of an attached stream without a tty: stream, 0, 0, 0, size.
+_STREAM_HEADER = struct.Struct(">BxxxL")
 
 
 @dataclass(frozen=True)
@@ -218,7 +204,7 @@ def connect() -> docker.DockerClient:
 
 
 class DockerSandbox(Sandbox):
-    """One container, exec'd into for every program; see the module docstring."""
+    """One container whose PID 1 runs every program; see the module docstring."""
 
     def __init__(
         self,
@@ -232,6 +218,8 @@ class DockerSandbox(Sandbox):
         self.max_output_bytes = max_output_bytes
         self.container: Any = None
         self.broken = False
+        self._channel: _AttachedStream | None = None
+        self._link: runner.RunnerLink | None = None
         # cgroup counters at the last look: a rise after a failed run names its fault.
         self._counters = {"oom_kill": 0, "pids_max": 0}
 
@@ -246,8 +234,9 @@ class DockerSandbox(Sandbox):
         try:
             container = self.engine.client.containers.create(
                 s.image,
-                [s.python, "-c", _REAPER],
+                [s.python, "-c", runner.source()],
                 name=f"agentjet-sandbox-{uuid.uuid4().hex[:12]}",
+                stdin_open=True,
                 **container_options(s, self.engine.labels),
             )
         except docker.errors.ImageNotFound:
@@ -259,85 +248,105 @@ class DockerSandbox(Sandbox):
             raise SandboxError(f"cannot create a sandbox container: {_reason(e)}") from None
         try:
             container.start()
+            params = {"stdin": 1, "stdout": 1, "stderr": 1, "stream": 1}
+            channel = _AttachedStream(self.api.attach_socket(container.id, params=params))
         except _ENGINE_ERRORS as e:
             _remove(container)
             raise SandboxError(f"cannot start a sandbox container: {_reason(e)}") from None
-        self.container = container
+        self.container, self._channel = container, channel
+        self._link = runner.RunnerLink(channel.send, channel.receive)
         self.broken = False
         self._counters = {"oom_kill": 0, "pids_max": 0}
+        try:
+            self._request({"op": "text", "paths": []}, timeout_s=RUNNER_START_TIMEOUT_S)
+        except SandboxError as e:
+            self.close()
+            raise SandboxError(
+                f"the sandbox container's runner did not start ({s.image} needs python3 "
+                f"3.9 or later as {s.python!r}): {e}"
+            ) from None
 
     def close(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = self._link = None
         if self.container is not None:
             _remove(self.container)
             self.container = None
 
     def healthy(self) -> bool:
-        if self.container is None or self.broken:
+        """Whether the runner answers: a container killed from outside has closed its stream
+        (a round trip of well under a millisecond, where asking the engine costs ~10)."""
+        if self._link is None or self.broken:
             return False
         try:
-            self.container.reload()
-        except _ENGINE_ERRORS:
+            self._request({"op": "text", "paths": []}, timeout_s=HEALTH_TIMEOUT_S)
+        except SandboxError:
             return False
-        return bool(self.container.status == "running")
+        return True
 
     def reset(self) -> None:
         """Kill every process but PID 1 and empty /work and /tmp (the container stays)."""
-        exit_code, output = self._run(["/bin/sh", "-c", _RESET])
-        if exit_code != 0:
+        try:
+            self._request({"op": "reset", "dirs": [WORK_DIR, "/tmp"]})
+        except SandboxError as e:
             self.broken = True
-            raise SandboxError(f"cannot reset the sandbox container: {output[-200:]!r}")
+            raise SandboxError(f"cannot reset the sandbox container: {e}") from None
 
     def put_file(self, path: str, data: bytes) -> None:
         target = _work_path(path)
-        for offset in range(0, max(len(data), 1), PUT_CHUNK_BYTES):
-            chunk = base64.b64encode(data[offset : offset + PUT_CHUNK_BYTES]).decode()
-            mode = "wb" if offset == 0 else "ab"
-            exit_code, output = self._run(
-                [self.settings.python, "-c", _WRITER, target, mode, chunk]
-            )
-            if exit_code != 0:
-                raise SandboxError(f"cannot write {path!r} into the sandbox: {_last_line(output)}")
+        if len(data) > MAX_PUT_FILE_BYTES:
+            raise SandboxError(f"{path!r} is larger than {MAX_PUT_FILE_BYTES} bytes")
+        try:
+            self._request({"op": "write", "path": target}, data)
+        except SandboxError as e:
+            raise SandboxError(f"cannot write {path!r} into the sandbox: {e}") from None
 
     def get_file(self, path: str) -> bytes:
         target = _work_path(path)
-        exit_code, output = self._run(["head", "-c", str(MAX_GET_FILE_BYTES + 1), "--", target])
-        if exit_code != 0:
-            raise SandboxError(f"cannot read {path!r} from the sandbox: {_last_line(output)}")
-        if len(output) > MAX_GET_FILE_BYTES:
+        parts: list[bytes] = []
+        try:
+            self._request(
+                {"op": "read", "path": target, "max": MAX_GET_FILE_BYTES},
+                on_frame=lambda _, payload: parts.append(payload),
+            )
+        except SandboxError as e:
+            raise SandboxError(f"cannot read {path!r} from the sandbox: {e}") from None
+        data = b"".join(parts)
+        if len(data) > MAX_GET_FILE_BYTES:
             raise SandboxError(f"{path!r} is larger than {MAX_GET_FILE_BYTES} bytes")
-        return output
+        return data
 
     def exec(self, code: str, timeout_s: float, *, language: Language = "python") -> ExecResult:
         started = time.monotonic()
         if "\x00" in code:
             return _failed(started, "cannot start the program: embedded null byte")
-        shell = self.settings.python if language == "python" else "/bin/sh"
-        argv = ["timeout", "-s", "KILL", f"{timeout_s:.3f}", shell, "-c", code]
-        try:
-            exec_id = self.api.exec_create(
-                self._started().id, argv, workdir=WORK_DIR, environment=_ENVIRONMENT
-            )["Id"]
-            stream = self.api.exec_start(exec_id, stream=True, demux=True)
-        except _ENGINE_ERRORS as e:
-            return self._lost(started, e)
+        link = self._started_link()
+        header = {
+            "op": "exec",
+            "language": language,
+            "cwd": WORK_DIR,
+            "env": _ENVIRONMENT,
+            "timeout_s": timeout_s,
+            "max_output": self.max_output_bytes,
+        }
         stdout = BoundedBuffer(self.max_output_bytes)
         stderr = BoundedBuffer(self.max_output_bytes)
+
+        def output(kind: bytes, payload: bytes) -> None:
+            (stdout if kind == b"o" else stderr).append(payload)
+
+        deadline = started + timeout_s + WATCHDOG_GRACE_S
         try:
-            with self._watchdog(stream, timeout_s):
-                for out, err in stream:
-                    if out:
-                        stdout.append(out)
-                    if err:
-                        stderr.append(err)
-            raw_code = self.api.exec_inspect(exec_id)["ExitCode"]
-        except _ENGINE_ERRORS as e:
-            return self._lost(started, e)
-        duration = time.monotonic() - started
-        if raw_code is None:  # the stream was abandoned by the watchdog: still running
+            result = link.request(header, code.encode(), deadline, output)
+        except runner.RunnerGone as e:
             self.broken = True
-            return _failed(started, "the sandbox stopped answering", fault=FAULT_LOST)
-        exit_code = -(raw_code - 128) if 128 < raw_code < 160 else raw_code
-        timed_out = exit_code == -9 and duration >= timeout_s
+            log.warning("sandbox %s: %s", self, e)
+            return _failed(started, f"the sandbox container is gone: {e}", FAULT_LOST)
+        if result.get("error"):
+            return _failed(started, f"cannot start the program: {result['error']}")
+        exit_code = int(result["exit_code"])
+        timed_out = bool(result["timed_out"])
         fault = FAULT_TIMEOUT if timed_out else ""
         if exit_code != 0:
             fault = self._limit_hit() or fault
@@ -347,41 +356,19 @@ class DockerSandbox(Sandbox):
             stdout=stdout.text(),
             stderr=stderr.text(),
             exit_code=exit_code,
-            duration_s=duration,
+            duration_s=time.monotonic() - started,
             timed_out=timed_out,
-            truncated=stdout.dropped > 0 or stderr.dropped > 0,
+            truncated=bool(result["dropped"]) or stdout.dropped > 0 or stderr.dropped > 0,
             fault=fault,
         )
-
-    @contextlib.contextmanager
-    def _watchdog(self, stream: Any, timeout_s: float) -> Iterator[None]:
-        """Rescue a read that outlives the in-container timeout (a stuck engine)."""
-
-        def rescue() -> None:
-            log.warning("sandbox %s: exec outlived its timeout; killing its processes", self)
-            with contextlib.suppress(*_ENGINE_ERRORS):
-                self._run(["/bin/sh", "-c", "kill -9 -1"])
-            if not finished.wait(WATCHDOG_GRACE_S):
-                self.broken = True
-                stream.close()
-
-        finished = threading.Event()
-        timer = threading.Timer(timeout_s + WATCHDOG_GRACE_S, rescue)
-        timer.daemon = True
-        timer.start()
-        try:
-            yield
-        finally:
-            finished.set()
-            timer.cancel()
 
     def _limit_hit(self) -> str:
         """FAULT_OOM or FAULT_PIDS when the container's counters rose since the last look."""
         try:
-            _, output = self._run(["/bin/sh", "-c", _COUNTERS])
+            files = self._request({"op": "text", "paths": _COUNTER_FILES})["files"]
         except SandboxError:
             return ""
-        counters = _parse_counters(output.decode(errors="replace"))
+        counters = _parse_counters(files)
         before, self._counters = self._counters, counters
         if counters["oom_kill"] > before["oom_kill"]:
             return FAULT_OOM
@@ -389,27 +376,69 @@ class DockerSandbox(Sandbox):
             return FAULT_PIDS
         return ""
 
-    def _run(self, argv: list[str]) -> tuple[int, bytes]:
-        """A short helper command: (exit code, stdout + stderr). SandboxError if it cannot run."""
+    def _request(
+        self,
+        header: dict[str, Any],
+        blob: bytes = b"",
+        on_frame: Any = None,
+        timeout_s: float = REQUEST_TIMEOUT_S,
+    ) -> dict[str, Any]:
+        """A runner request that is not a program; SandboxError when it fails."""
+        link = self._started_link()
         try:
-            result = self._started().exec_run(argv, workdir=WORK_DIR, environment=_ENVIRONMENT)
-        except _ENGINE_ERRORS as e:
+            result = link.request(header, blob, time.monotonic() + timeout_s, on_frame)
+        except runner.RunnerGone as e:
             self.broken = True
-            raise SandboxError(f"the sandbox container is gone: {_reason(e)}") from None
-        return result.exit_code, result.output or b""
+            raise SandboxError(f"the sandbox container is gone: {e}") from None
+        if result.get("error"):
+            raise SandboxError(str(result["error"]))
+        return result
 
-    def _lost(self, started: float, error: BaseException) -> ExecResult:
-        self.broken = True
-        return _failed(started, f"the sandbox container is gone: {_reason(error)}", FAULT_LOST)
-
-    def _started(self) -> Any:
-        if self.container is None:
+    def _started_link(self) -> runner.RunnerLink:
+        if self._link is None:
             raise SandboxError("the sandbox is not started: call start() first")
-        return self.container
+        return self._link
 
     def __repr__(self) -> str:
         name = self.container.name if self.container is not None else "not started"
         return f"DockerSandbox({name})"
+
+
+class _AttachedStream:
+    """A container's attached stdin and stdout: `send` writes its stdin, `receive` returns
+    the next bytes of its stdout, taken out of docker's multiplexed stream (the runner's
+    own stderr is logged)."""
+
+    def __init__(self, raw: Any) -> None:
+        self._socket: socket.socket = getattr(raw, "_sock", raw)
+        self._raw = raw
+        self._pending = bytearray()
+
+    def send(self, data: bytes) -> None:
+        self._socket.sendall(data)
+
+    def receive(self, deadline: float) -> bytes:
+        while True:
+            while len(self._pending) < _STREAM_HEADER.size or len(self._pending) < (
+                _STREAM_HEADER.size + _STREAM_HEADER.unpack_from(self._pending)[1]
+            ):
+                runner.wait_readable(self._socket.fileno(), deadline)
+                chunk = self._socket.recv(1 << 16)
+                if not chunk:
+                    return b""
+                self._pending += chunk
+            stream, size = _STREAM_HEADER.unpack_from(self._pending)
+            end = _STREAM_HEADER.size + size
+            payload = bytes(self._pending[_STREAM_HEADER.size : end])
+            del self._pending[:end]
+            if stream == 1:
+                return payload
+            log.warning("sandbox runner: %s", payload.decode(errors="replace").strip()[-500:])
+
+    def close(self) -> None:
+        for closing in (self._socket, self._raw):
+            with contextlib.suppress(OSError):
+                closing.close()
 
 
 def _failed(started: float, error: str, fault: str = "") -> ExecResult:
@@ -459,21 +488,18 @@ def _work_path(path: str) -> str:
     return normal
 
 
-def _parse_counters(text: str) -> dict[str, int]:
-    """oom_kill and pids max counts from `_COUNTERS` output (missing files count 0)."""
+def _parse_counters(files: dict[str, str]) -> dict[str, int]:
+    """oom_kill and pids max counts from the cgroup counter files (missing ones count 0)."""
     counters = {"oom_kill": 0, "pids_max": 0}
-    section = ""
-    for line in text.splitlines():
-        if line.startswith("== "):
-            section = line[3:]
-            continue
-        key, _, value = line.partition(" ")
-        if not value.strip().isdigit():
-            continue
-        if "memory" in section and key == "oom_kill":
-            counters["oom_kill"] = int(value)
-        elif "pids" in section and key == "max":
-            counters["pids_max"] = int(value)
+    for path, text in files.items():
+        for line in text.splitlines():
+            key, _, value = line.partition(" ")
+            if not value.strip().isdigit():
+                continue
+            if "memory" in path and key == "oom_kill":
+                counters["oom_kill"] = int(value)
+            elif "pids" in path and key == "max":
+                counters["pids_max"] = int(value)
     return counters
 
 
@@ -492,8 +518,3 @@ def _reason(error: BaseException) -> str:
     if isinstance(error, docker.errors.APIError) and error.explanation:
         return str(error.explanation)
     return str(error).splitlines()[0] if str(error) else type(error).__name__
-
-
-def _last_line(output: bytes) -> str:
-    lines = output.decode(errors="replace").strip().splitlines()
-    return lines[-1] if lines else "no output"

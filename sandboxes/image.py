@@ -64,7 +64,7 @@ IMAGE_CHANGES = (
     'CMD ["sleep", "infinity"]',
 )
 # Run in the new image (no network): /bin/sh, python3 with the stdlib test programs use, and
-# the coreutils the docker backend relies on. It prints "ok".
+# the coreutils shell tasks use. It prints "ok".
 SMOKE_TEST = 'python3 -c "import json, unittest" && echo b2sK | base64 -d | timeout 5 cat'
 # Emptied in the rootfs: a sandbox never runs apt (no network), nobody reads docs there, and
 # docker mounts its own /dev.

@@ -1,24 +1,30 @@
 """ProcessSandbox: programs run as local subprocesses, the embedded default where no docker runs.
 
-    exec(code) ──▶ [bwrap …] python -c LAUNCHER <rlimits> <program…> ──▶ pipes ──▶ ExecResult
-                    (own session, minimal env, cwd = private temp work dir)
+    start() ──▶ [bwrap …] python -c RUNNER   (one warm runner per sandbox: sandboxes/runner.py)
+    exec(code) ──▶ runner: fork ──▶ child: own session, rlimits, minimal env, cwd = the
+                   private work dir, then the program ──▶ output frames ──▶ ExecResult
 
 Isolation, from weakest guarantee to strongest:
 
-- a private temp work dir (wiped by `reset`), handled without following links, so a
-  program cannot steer put_file/get_file/reset outside it; and a minimal environment: no
-  variable of the parent (API keys, tokens) reaches the program, but for the node's
-  lifeline mark (agentjet/lifeline.py: the program ends if the node dies);
-- rlimits set by a tiny launcher just before exec: CPU seconds, address space, file size,
-  open files, processes, no core dumps. A launcher, not `preexec_fn`, because environments
-  run tool calls from a thread pool and `preexec_fn` is unsafe in a threaded parent;
+- a private temp work dir (a new one at a new path on every `reset`), handled without
+  following links, so a program cannot steer put_file/get_file/reset outside it; and a
+  minimal environment: no variable of the parent (API keys, tokens) reaches the runner or
+  the program, but for the node's lifeline mark (agentjet/lifeline.py: both end if the
+  node dies);
+- rlimits set in the program's process before it runs: CPU seconds, address space, file
+  size, open files, processes, no core dumps;
 - its own session and process group: on timeout, and after every run, the whole group is
   killed by its id (`os.killpg`), so children it left behind die with it;
 - under bubblewrap (`bwrap`), when installed: the root filesystem read-only, a private /tmp,
-  only the work dir writable, and new user, pid, net, ipc and uts namespaces, so no
+  only the sandbox's own dir writable, and new user, pid, net, ipc and uts namespaces, so no
   network and no view of other processes. Without bwrap the program can do whatever the
   parent's user can (as root: anything) and can reach the network; it is then a bound on
   faults, not a security boundary: use bwrap or the docker backend for code you distrust.
+
+The runner outlives each program, so a program could try to reach the next one through
+it: it is not dumpable (no ptrace, no /proc/PID/fd of it without CAP_SYS_PTRACE, which
+bwrap drops), and a program that kills it ends its own run with fault `sandbox_lost`; the
+next exec starts a new runner.
 
 Known limits of this backend:
 
@@ -27,7 +33,10 @@ Known limits of this backend:
   the timeout and the CPU limit per process. Under bwrap's user namespace (Linux >= 5.14)
   the count is per namespace and holds.
 - A program that calls setsid() leaves the process group; it is then bounded only by its
-  CPU limit (bwrap's pid namespace ends it with the run).
+  CPU limit (bwrap's pid namespace ends it with the runner).
+- Without bwrap, a program running as the runner's user (root included) can reach the
+  runner, and through it the programs after it in the same sandbox: the same bound as
+  above, not a boundary.
 """
 
 from __future__ import annotations
@@ -35,19 +44,19 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import selectors
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from agentjet import lifeline
+from sandboxes import runner
 from sandboxes.base import (
+    FAULT_LOST,
     FAULT_TIMEOUT,
     MAX_OUTPUT_BYTES,
     PROGRAM_ENVIRONMENT,
@@ -58,27 +67,14 @@ from sandboxes.base import (
     SandboxError,
 )
 
-# After the program exits, output still buffered in the pipes is read for at most this
-# long; only a process that escaped the group (setsid) can hold a pipe open past it.
-PIPE_DRAIN_GRACE_S = 0.5
-# One read from a pipe; the kernel's pipe buffer is 64 KiB.
-READ_CHUNK_BYTES = 64 * 1024
 # Seconds of CPU beyond the wall-clock timeout before the kernel kills a process: the
 # timeout fires first, the CPU limit catches processes that escaped the group.
 CPU_LIMIT_MARGIN_S = 1
-
-# The launcher applies rlimits ("NAME=value,…" in argv[1]) to itself, then execs argv[2:].
-# A limit is lowered to the existing hard limit when that is smaller (raising it would fail).
-_LAUNCHER = """\
-import os, resource, sys
-for item in sys.argv[1].split(","):
-    name, value = item.split("=")
-    kind = getattr(resource, name)
-    hard = resource.getrlimit(kind)[1]
-    limit = int(value) if hard == resource.RLIM_INFINITY else min(int(value), hard)
-    resource.setrlimit(kind, (limit, limit))
-os.execv(sys.argv[2], sys.argv[2:])
-"""
+# The runner ends a program at its timeout; one that has not answered this long after it
+# is stuck, and is replaced (the run's fault: sandbox_lost).
+RUNNER_GRACE_S = 5.0
+# How long a runner may take to start (interpreter and bwrap start-up, a loaded machine).
+RUNNER_START_TIMEOUT_S = 30.0
 
 # Where programs look for executables; nothing from the parent's PATH (pyenv shims, venvs).
 _SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
@@ -98,7 +94,7 @@ class ResourceLimits:
 
 
 class ProcessSandbox(Sandbox):
-    """Runs programs as subprocesses in a private temp dir; see the module docstring."""
+    """Runs programs through a warm runner in a private temp dir; see the module docstring."""
 
     def __init__(
         self,
@@ -117,11 +113,14 @@ class ProcessSandbox(Sandbox):
         self.bwrap = bwrap if use_bwrap is not False else None
         self.max_output_bytes = max_output_bytes
         self._root: Path | None = None
+        self._resets = 0
+        self._runner: subprocess.Popen[bytes] | None = None
+        self._link: runner.RunnerLink | None = None
 
     @property
     def work_dir(self) -> Path:
         """The program's cwd and HOME; put_file/get_file paths are relative to it."""
-        return self._started_root() / "work"
+        return self._started_root() / f"work-{self._resets}"
 
     def _started_root(self) -> Path:
         if self._root is None:
@@ -133,22 +132,32 @@ class ProcessSandbox(Sandbox):
             return
         try:
             self._root = Path(tempfile.mkdtemp(prefix="agentjet-sandbox-"))
-            (self._root / "work").mkdir()
+            self.work_dir.mkdir()
         except OSError as e:
             raise SandboxError(
                 f"cannot create a sandbox dir in {tempfile.gettempdir()}: {e}"
             ) from None
+        self._start_runner()
 
     def close(self) -> None:
+        self._stop_runner()
         if self._root is not None:
             _remove_tree(self._root)
             self._root = None
 
+    def healthy(self) -> bool:
+        return self._runner is not None and self._runner.poll() is None
+
     def reset(self) -> None:
-        """A new empty work dir (at a new path: nothing may hold on to the old one)."""
-        self._started_root()
-        self.close()
-        self.start()
+        """A new empty work dir at a new path (nothing may hold on to the old one); the
+        runner stays."""
+        old = self.work_dir
+        self._resets += 1
+        try:
+            self.work_dir.mkdir()
+        except OSError as e:
+            raise SandboxError(f"cannot create a sandbox work dir: {e}") from None
+        _remove_tree(old)
 
     def put_file(self, path: str, data: bytes) -> None:
         target = self._resolve(path)
@@ -167,91 +176,61 @@ class ProcessSandbox(Sandbox):
 
     def exec(self, code: str, timeout_s: float, *, language: Language = "python") -> ExecResult:
         work = self.work_dir
-        program = [self.python, "-c", code] if language == "python" else ["/bin/sh", "-c", code]
-        argv = self._isolation_prefix() + self._launcher(timeout_s) + program
-        env = {
-            "PATH": _SANDBOX_PATH,
-            "HOME": str(work),
-            "TMPDIR": str(work),
-            **PROGRAM_ENVIRONMENT,
-            **lifeline.mark(),  # the program ends with its node, even one killed
-        }
         started = time.monotonic()
-        try:
-            proc = subprocess.Popen(
-                argv,
-                cwd=work,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                start_new_session=True,
-            )
-        except (OSError, ValueError) as e:  # ValueError: a NUL byte in the code
-            return ExecResult(
-                stdout="",
-                stderr="",
-                exit_code=-1,
-                duration_s=time.monotonic() - started,
-                error=f"cannot start the program: {e}",
-            )
-        with proc:
-            try:
-                return self._collect(proc, started, started + timeout_s)
-            except BaseException:
-                _kill_group(proc.pid)  # never leave a program running behind an error
-                raise
-
-    def _collect(
-        self, proc: subprocess.Popen[bytes], started: float, deadline: float
-    ) -> ExecResult:
-        """Read both pipes until the program ends or the deadline passes; kill its group.
-
-        The program's exit is watched through a pidfd, which becomes readable on exit
-        without reaping it: the loop sleeps in one `select` and wakes on output or exit.
-        """
-        assert proc.stdout is not None and proc.stderr is not None
+        if "\x00" in code:
+            return _failed(started, "cannot start the program: embedded null byte")
+        if not self.healthy():
+            self._start_runner()  # the last program killed it
+        assert self._link is not None
+        header = {
+            "op": "exec",
+            "language": language,
+            "cwd": str(work),
+            "env": {
+                "PATH": _SANDBOX_PATH,
+                "HOME": str(work),
+                "TMPDIR": str(work),
+                **PROGRAM_ENVIRONMENT,
+                **lifeline.mark(),  # the program ends with its node, even one killed
+            },
+            "timeout_s": timeout_s,
+            "max_output": self.max_output_bytes,
+            "limits": self._limits(timeout_s),
+        }
         stdout = BoundedBuffer(self.max_output_bytes)
         stderr = BoundedBuffer(self.max_output_bytes)
-        outputs = {proc.stdout.fileno(): stdout, proc.stderr.fileno(): stderr}
-        exited = False
-        with selectors.DefaultSelector() as selector, _pidfd(proc.pid) as exit_fd:
-            for fd in (*outputs, exit_fd):
-                selector.register(fd, selectors.EVENT_READ)
-            while len(selector.get_map()) > (0 if exited else 1):
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    break
-                for key, _ in selector.select(remaining):
-                    if key.fd == exit_fd:
-                        exited = True
-                        selector.unregister(exit_fd)
-                        # Children left running would hold the pipes open: end them now.
-                        _kill_group(proc.pid)
-                        deadline = min(deadline, time.monotonic() + PIPE_DRAIN_GRACE_S)
-                    elif chunk := os.read(key.fd, READ_CHUNK_BYTES):
-                        outputs[key.fd].append(chunk)
-                    else:
-                        selector.unregister(key.fd)
-            if not exited:  # the pipes closed early, or the deadline passed
-                ready = selector.select(max(0.0, deadline - time.monotonic()))
-                exited = any(key.fd == exit_fd for key, _ in ready)
-        # The leader is not reaped yet (a zombie at worst), so its pid is still the group id
-        # and cannot have been reused: killing the group reaches only what the program started.
-        _kill_group(proc.pid)
-        proc.wait()
+
+        def output(kind: bytes, payload: bytes) -> None:
+            (stdout if kind == b"o" else stderr).append(payload)
+
+        deadline = started + timeout_s + RUNNER_GRACE_S
+        try:
+            result = self._link.request(header, code.encode(), deadline, output)
+        except runner.RunnerGone as e:
+            self._stop_runner()
+            return ExecResult(
+                stdout=stdout.text(),
+                stderr=stderr.text(),
+                exit_code=-1,
+                duration_s=time.monotonic() - started,
+                error=f"{e} during the program",
+                fault=FAULT_LOST,
+            )
+        if result.get("error"):
+            return _failed(started, f"cannot start the program: {result['error']}")
+        timed_out = bool(result["timed_out"])
         return ExecResult(
             stdout=stdout.text(),
             stderr=stderr.text(),
-            exit_code=proc.returncode,
+            exit_code=int(result["exit_code"]),
             duration_s=time.monotonic() - started,
-            timed_out=not exited,
-            truncated=stdout.dropped > 0 or stderr.dropped > 0,
-            fault="" if exited else FAULT_TIMEOUT,
+            timed_out=timed_out,
+            truncated=bool(result["dropped"]) or stdout.dropped > 0 or stderr.dropped > 0,
+            fault=FAULT_TIMEOUT if timed_out else "",
         )
 
-    def _launcher(self, timeout_s: float) -> list[str]:
-        limits = {
+    def _limits(self, timeout_s: float) -> dict[str, int]:
+        return {
             "RLIMIT_CPU": math.ceil(timeout_s) + CPU_LIMIT_MARGIN_S,
             "RLIMIT_AS": self.limits.memory_bytes,
             "RLIMIT_FSIZE": self.limits.file_bytes,
@@ -259,17 +238,57 @@ class ProcessSandbox(Sandbox):
             "RLIMIT_NOFILE": self.limits.open_files,
             "RLIMIT_CORE": 0,
         }
-        spec = ",".join(f"{name}={value}" for name, value in limits.items())
-        # -I -S: the launcher ignores PYTHON* variables and site-packages, and starts fast.
-        return [self.python, "-I", "-S", "-c", _LAUNCHER, spec]
 
-    def _isolation_prefix(self) -> list[str]:
+    def _start_runner(self) -> None:
+        """A new runner for this sandbox (the last one, if any, is stopped first)."""
+        self._stop_runner()
+        root = self._started_root()
+        argv = self._isolation_prefix(root) + [self.python, "-c", runner.source()]
+        env = {"PATH": _SANDBOX_PATH, "HOME": str(root), **PROGRAM_ENVIRONMENT, **lifeline.mark()}
+        try:
+            proc = subprocess.Popen(
+                argv,
+                cwd=root,
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                start_new_session=True,
+            )
+        except OSError as e:
+            raise SandboxError(f"cannot start the sandbox runner: {e}") from None
+        self._runner, self._link = proc, runner.pipe_link(proc)
+        try:
+            answer = self._link.request(
+                {"op": "text", "paths": []}, deadline=time.monotonic() + RUNNER_START_TIMEOUT_S
+            )
+        except runner.RunnerGone as e:
+            self._stop_runner()
+            raise SandboxError(f"the sandbox runner did not start: {e}") from None
+        if answer.get("error"):
+            self._stop_runner()
+            raise SandboxError(f"the sandbox runner did not start: {answer['error']}")
+
+    def _stop_runner(self) -> None:
+        """End the runner: its stdin closes (it exits), then its session is killed."""
+        proc, self._runner, self._link = self._runner, None, None
+        if proc is None:
+            return
+        with contextlib.suppress(OSError):
+            if proc.stdin is not None:
+                proc.stdin.close()
+        if proc.poll() is None:
+            _kill_group(proc.pid)
+        proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+    def _isolation_prefix(self, root: Path) -> list[str]:
         if self.bwrap is None:
             return []
         # The interpreter's installation (a venv: two levels up) stays visible when it
         # lives under /tmp, which the sandbox replaces with an empty tmpfs.
         prefix = Path(self.python).absolute().parent.parent
-        return bwrap_argv(self.bwrap, self.work_dir, keep=[prefix])
+        return bwrap_argv(self.bwrap, root, keep=[prefix])
 
     def _resolve(self, path: str) -> Path:
         """`path` inside the work dir, following symlinks: a program must not be able to
@@ -283,10 +302,12 @@ class ProcessSandbox(Sandbox):
         return target
 
 
-def bwrap_argv(bwrap: str, work_dir: Path, keep: list[Path] | None = None) -> list[str]:
-    """The bubblewrap prefix: read-only root filesystem, a private /tmp, only the work dir
-    writable, fresh namespaces (no network), and death with the parent. `keep`: paths
-    under /tmp that stay visible, read-only (the interpreter's installation)."""
+def bwrap_argv(bwrap: str, sandbox_dir: Path, keep: list[Path] | None = None) -> list[str]:
+    """The bubblewrap prefix: read-only root filesystem, a private /tmp, only the sandbox's
+    dir writable, fresh namespaces (no network). `keep`: paths under /tmp that stay
+    visible, read-only (the interpreter's installation). Not --die-with-parent: that signal
+    follows the thread that started bwrap, and a runner outlives it; the runner exits when
+    its stdin closes, and carries the node's lifeline mark."""
     kept = [path for path in keep or [] if path.is_relative_to("/tmp")]
     return [
         bwrap,
@@ -295,22 +316,17 @@ def bwrap_argv(bwrap: str, work_dir: Path, keep: list[Path] | None = None) -> li
         "--proc", "/proc",
         "--tmpfs", "/tmp",
         *[arg for path in kept for arg in ("--ro-bind", str(path), str(path))],
-        "--bind", str(work_dir), str(work_dir),
-        "--chdir", str(work_dir),
+        "--bind", str(sandbox_dir), str(sandbox_dir),
+        "--chdir", str(sandbox_dir),
         "--unshare-all",
-        "--die-with-parent",
         "--",
     ]  # fmt: skip
 
 
-@contextlib.contextmanager
-def _pidfd(pid: int) -> Iterator[int]:
-    """A descriptor that becomes readable when `pid` exits (Linux >= 5.3)."""
-    fd = os.pidfd_open(pid)
-    try:
-        yield fd
-    finally:
-        os.close(fd)
+def _failed(started: float, error: str) -> ExecResult:
+    return ExecResult(
+        stdout="", stderr="", exit_code=-1, duration_s=time.monotonic() - started, error=error
+    )
 
 
 def _kill_group(pgid: int) -> None:

@@ -151,6 +151,27 @@ def test_reset_empties_the_work_dir_and_kills_leftover_processes(box: DockerSand
     assert "sleep" not in listing
 
 
+def test_the_runner_is_out_of_a_programs_reach(box: DockerSandbox) -> None:
+    # PID 1 of the container runs every program: a program cannot kill it, read its
+    # channel or trace it, and what it does to its own interpreter ends with it.
+    code = """
+import ctypes, os, signal, sys
+os.kill(1, signal.SIGKILL)
+os.kill(1, signal.SIGTERM)
+try:
+    open('/proc/1/fd/1', 'wb').write(b'forged')
+    print('opened')
+except OSError:
+    print('refused')
+print('ptrace', ctypes.CDLL(None).ptrace(16, 1, 0, 0))
+sys.modules['json'] = None
+"""
+    result = box.exec(code, QUICK_S)
+    assert result.stdout.split("\n")[:2] == ["refused", "ptrace -1"], result
+    after = box.exec("import json, os; print(json.dumps(os.getppid()))", QUICK_S)
+    assert after.stdout == "1\n" and box.healthy()
+
+
 def test_a_container_killed_from_outside_is_reported_and_replaced(engine: DockerEngine) -> None:
     pool = SandboxPool(lambda: DockerSandbox(engine, SMALL), 1, acquire_timeout_s=QUICK_S)
     pool.start()

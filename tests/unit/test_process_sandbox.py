@@ -149,7 +149,10 @@ def test_a_work_dir_swapped_for_a_link_is_not_followed(tmp_path: Path) -> None:
     victim = tmp_path / "victim"
     victim.mkdir()
     (victim / "precious.txt").write_bytes(b"keep")
-    swap = f"import os\nos.chdir('..')\nos.rename('work', 'old')\nos.symlink('{victim}', 'work')"
+    swap = (
+        "import os\nwork = os.path.basename(os.getcwd())\nos.chdir('..')\n"
+        f"os.rename(work, 'old')\nos.symlink('{victim}', work)"
+    )
     with ProcessSandbox(use_bwrap=False) as box:
         assert box.exec(swap, QUICK_S).ok
         with pytest.raises(SandboxError, match="link"):

@@ -319,8 +319,10 @@ class DockerSandbox(Sandbox):
 
     def exec(self, code: str, timeout_s: float, *, language: Language = "python") -> ExecResult:
         started = time.monotonic()
-        if "\x00" in code:
-            return _failed(started, "cannot start the program: embedded null byte")
+        try:
+            source = runner.program_bytes(code)
+        except ValueError as e:
+            return _failed(started, f"cannot start the program: {e}")
         link = self._started_link()
         header = {
             "op": "exec",
@@ -338,7 +340,7 @@ class DockerSandbox(Sandbox):
 
         deadline = started + timeout_s + WATCHDOG_GRACE_S
         try:
-            result = link.request(header, code.encode(), deadline, output)
+            result = link.request(header, source, deadline, output)
         except runner.RunnerGone as e:
             self.broken = True
             log.warning("sandbox %s: %s", self, e)

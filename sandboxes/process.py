@@ -137,7 +137,11 @@ class ProcessSandbox(Sandbox):
             raise SandboxError(
                 f"cannot create a sandbox dir in {tempfile.gettempdir()}: {e}"
             ) from None
-        self._start_runner()
+        try:
+            self._start_runner()
+        except SandboxError:
+            self.close()  # nothing left behind by a sandbox that never started
+            raise
 
     def close(self) -> None:
         self._stop_runner()
@@ -177,8 +181,10 @@ class ProcessSandbox(Sandbox):
     def exec(self, code: str, timeout_s: float, *, language: Language = "python") -> ExecResult:
         work = self.work_dir
         started = time.monotonic()
-        if "\x00" in code:
-            return _failed(started, "cannot start the program: embedded null byte")
+        try:
+            source = runner.program_bytes(code)
+        except ValueError as e:
+            return _failed(started, f"cannot start the program: {e}")
         if not self.healthy():
             self._start_runner()  # the last program killed it
         assert self._link is not None
@@ -205,7 +211,7 @@ class ProcessSandbox(Sandbox):
 
         deadline = started + timeout_s + RUNNER_GRACE_S
         try:
-            result = self._link.request(header, code.encode(), deadline, output)
+            result = self._link.request(header, source, deadline, output)
         except runner.RunnerGone as e:
             self._stop_runner()
             return ExecResult(

@@ -418,6 +418,18 @@ class RunnerLink:
         return taken
 
 
+def program_bytes(code: str) -> bytes:
+    """A program's source as the runner takes it; ValueError (one line) for source no
+    interpreter could take: a NUL byte, or text that is not valid Unicode (a lone
+    surrogate, which a hostile JSON request can carry)."""
+    if "\x00" in code:
+        raise ValueError("embedded null byte")
+    try:
+        return code.encode()
+    except UnicodeEncodeError as e:
+        raise ValueError(f"the source is not valid Unicode ({e.reason} at {e.start})") from None
+
+
 def pipe_link(process: subprocess.Popen[bytes]) -> RunnerLink:
     """The link to a runner started as `process` with stdin and stdout pipes."""
     assert process.stdin is not None and process.stdout is not None

@@ -10,13 +10,15 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from sandboxes import runner
-from sandboxes.base import FAULT_LOST, FAULT_TIMEOUT
+from sandboxes.base import FAULT_LOST, FAULT_TIMEOUT, SandboxError
 from sandboxes.process import ProcessSandbox
 
 pytestmark = pytest.mark.unit
@@ -67,6 +69,21 @@ def test_a_shell_program_gets_default_signal_handling(box: ProcessSandbox) -> No
     # The runner is Python, which ignores SIGPIPE; `yes` must still die of it quietly.
     result = box.exec("yes | head -1", QUICK_S, language="sh")
     assert (result.stdout, result.stderr, result.exit_code) == ("y\n", "", 0)
+
+
+@pytest.mark.parametrize("code", ["print('a')\x00", "print('\ud800')"])
+def test_source_no_interpreter_takes_is_a_result(box: ProcessSandbox, code: str) -> None:
+    result = box.exec(code, QUICK_S)
+    assert result.error.startswith("cannot start the program") and not result.ok
+    assert box.exec("print(5)", QUICK_S).stdout == "5\n"
+
+
+def test_a_runner_that_cannot_start_leaves_nothing_behind(tmp_path: Path) -> None:
+    before = set(Path(tempfile.gettempdir()).glob("agentjet-sandbox-*"))
+    box = ProcessSandbox(python=str(tmp_path / "no-python"), use_bwrap=False)
+    with pytest.raises(SandboxError, match="runner"):
+        box.start()
+    assert set(Path(tempfile.gettempdir()).glob("agentjet-sandbox-*")) == before
 
 
 def test_atexit_handlers_and_threads_finish_before_the_run_ends(box: ProcessSandbox) -> None:

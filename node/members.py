@@ -39,7 +39,8 @@ def revoked_key(run_id: str) -> str:
 
 
 # The gate reads the members' bindings again at most this often (an unknown caller waits
-# for the next read), and at least this often anyway (a revoked trainer is shut out within it).
+# for the next read), and at least this often anyway, beside a member's call (a revoked
+# trainer is shut out within it and one read).
 MEMBERS_REREAD_S = 1.0
 MEMBERS_MAX_AGE_S = 10.0
 # The averaging calls a gate counts refusals of (SwarmOptimizer.counts: refused_<call>).
@@ -66,13 +67,21 @@ class MemberGate:
         self.refused = {call: mp.Value("q", 0) for call in GATED_CALLS}
         self._logged_at: dict[str, float] = {}
         self._reading = asyncio.Lock()  # bound to the averager's loop at first use
+        self._refresh: asyncio.Task[None] | None = None  # a read beside members' calls
 
     async def admits(self, context: P2PContext, call: str) -> bool:
         peer = context.remote_id.to_base58()
         asked = now = time.monotonic()
-        if now - self.read_at >= MEMBERS_MAX_AGE_S or not self._bound(peer):
-            # A trainer that just joined stored its binding a moment ago: read again.
-            await self._read_after(asked)
+        if self._bound(peer):
+            # A member's call never waits on the DHT (mid all-reduce that wait failed rounds
+            # of three on a loaded box): the bindings are read again beside it.
+            if now - self.read_at >= MEMBERS_MAX_AGE_S and (
+                self._refresh is None or self._refresh.done()
+            ):
+                self._refresh = asyncio.create_task(self._read_after(asked))
+            return True
+        # A trainer that just joined stored its binding a moment ago: read again.
+        await self._read_after(asked)
         if self._bound(peer):
             return True
         with self.refused[call].get_lock():

@@ -145,3 +145,18 @@ class BoundedBuffer:
 
     def text(self) -> str:
         return b"".join(self.chunks).decode("utf-8", errors="replace")
+
+
+class ProgramOutput:
+    """A program's stdout and stderr as the runner's output frames bring them, each bounded."""
+
+    def __init__(self, limit: int) -> None:
+        self.stdout = BoundedBuffer(limit)
+        self.stderr = BoundedBuffer(limit)
+
+    def frame(self, kind: bytes, payload: bytes) -> None:
+        """An "o" (stdout) or "e" (stderr) frame's payload (sandboxes/runner.py)."""
+        (self.stdout if kind == b"o" else self.stderr).append(payload)
+
+    def truncated(self, dropped_by_runner: int) -> bool:
+        return dropped_by_runner > 0 or self.stdout.dropped > 0 or self.stderr.dropped > 0

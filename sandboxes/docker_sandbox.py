@@ -59,9 +59,9 @@ from sandboxes.base import (
     FAULT_TIMEOUT,
     MAX_OUTPUT_BYTES,
     PROGRAM_ENVIRONMENT,
-    BoundedBuffer,
     ExecResult,
     Language,
+    ProgramOutput,
     Sandbox,
     SandboxError,
 )
@@ -332,15 +332,10 @@ class DockerSandbox(Sandbox):
             "timeout_s": timeout_s,
             "max_output": self.max_output_bytes,
         }
-        stdout = BoundedBuffer(self.max_output_bytes)
-        stderr = BoundedBuffer(self.max_output_bytes)
-
-        def output(kind: bytes, payload: bytes) -> None:
-            (stdout if kind == b"o" else stderr).append(payload)
-
+        output = ProgramOutput(self.max_output_bytes)
         deadline = started + timeout_s + WATCHDOG_GRACE_S
         try:
-            result = link.request(header, source, deadline, output)
+            result = link.request(header, source, deadline, output.frame)
         except runner.RunnerGone as e:
             self.broken = True
             log.warning("sandbox %s: %s", self, e)
@@ -355,12 +350,12 @@ class DockerSandbox(Sandbox):
             if fault == FAULT_OOM:
                 timed_out = False
         return ExecResult(
-            stdout=stdout.text(),
-            stderr=stderr.text(),
+            stdout=output.stdout.text(),
+            stderr=output.stderr.text(),
             exit_code=exit_code,
             duration_s=time.monotonic() - started,
             timed_out=timed_out,
-            truncated=bool(result["dropped"]) or stdout.dropped > 0 or stderr.dropped > 0,
+            truncated=output.truncated(int(result["dropped"])),
             fault=fault,
         )
 

@@ -60,9 +60,9 @@ from sandboxes.base import (
     FAULT_TIMEOUT,
     MAX_OUTPUT_BYTES,
     PROGRAM_ENVIRONMENT,
-    BoundedBuffer,
     ExecResult,
     Language,
+    ProgramOutput,
     Sandbox,
     SandboxError,
 )
@@ -203,20 +203,15 @@ class ProcessSandbox(Sandbox):
             "max_output": self.max_output_bytes,
             "limits": self._limits(timeout_s),
         }
-        stdout = BoundedBuffer(self.max_output_bytes)
-        stderr = BoundedBuffer(self.max_output_bytes)
-
-        def output(kind: bytes, payload: bytes) -> None:
-            (stdout if kind == b"o" else stderr).append(payload)
-
+        output = ProgramOutput(self.max_output_bytes)
         deadline = started + timeout_s + RUNNER_GRACE_S
         try:
-            result = self._link.request(header, source, deadline, output)
+            result = self._link.request(header, source, deadline, output.frame)
         except runner.RunnerGone as e:
             self._stop_runner()
             return ExecResult(
-                stdout=stdout.text(),
-                stderr=stderr.text(),
+                stdout=output.stdout.text(),
+                stderr=output.stderr.text(),
                 exit_code=-1,
                 duration_s=time.monotonic() - started,
                 error=f"{e} during the program",
@@ -226,12 +221,12 @@ class ProcessSandbox(Sandbox):
             return _failed(started, f"cannot start the program: {result['error']}")
         timed_out = bool(result["timed_out"])
         return ExecResult(
-            stdout=stdout.text(),
-            stderr=stderr.text(),
+            stdout=output.stdout.text(),
+            stderr=output.stderr.text(),
             exit_code=int(result["exit_code"]),
             duration_s=time.monotonic() - started,
             timed_out=timed_out,
-            truncated=bool(result["dropped"]) or stdout.dropped > 0 or stderr.dropped > 0,
+            truncated=output.truncated(int(result["dropped"])),
             fault=FAULT_TIMEOUT if timed_out else "",
         )
 

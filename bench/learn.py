@@ -11,7 +11,7 @@ classify as "even" or "odd" (word answers), scored by a user reward function
 bench/results/learn_custom.json.
 The reference point (TRL GRPOTrainer, same model, lr 1e-5, 8 prompts x 8 samples, 32 new
 tokens, 15 minutes on this 2-core box): 29% -> 44% overall, 1-digit 74% -> 96%,
-2-digit 11% -> 32%, peak RSS 6.7 GB.
+2-digit 11% -> 32%, peak RSS 6.7 GB (one process).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from agentjet.lifeline import descendants  # noqa: E402
+from agentjet.lifeline import descendants, process_table  # noqa: E402
 from agentjet.metrics import read_metrics  # noqa: E402
 
 HELDOUT_SEED = 12345
@@ -47,6 +47,36 @@ def memory_mb(pids: set[int]) -> float:
         except OSError:
             continue
     return total_kb / 1024
+
+
+ROLES = ("trainer", "rollout", "coordinator", "other")
+
+
+def role_of(pid: int) -> str:
+    """The role `agentjet local` started as `pid` (from its argv), else "other"."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return "other"
+    if b"coordinator" in argv:
+        return "coordinator"
+    for role in ("trainer", "rollout"):
+        if role.encode() in argv and b"--role" in argv:
+            return role
+    return "other"
+
+
+def memory_by_role(launcher: int) -> dict[str, float]:
+    """PSS (MB) of each role's process tree under the `agentjet local` launcher (a role's
+    children, hivemind's averagers and DHT, p2pd, sandboxes, count as the role's); the
+    launcher, the dashboard and anything else are "other"."""
+    table = process_table()
+    by_role = dict.fromkeys(ROLES, 0.0)
+    by_role["other"] = memory_mb({launcher})
+    for child, info in table.items():
+        if info.ppid == launcher:
+            by_role[role_of(child)] += memory_mb({child} | descendants(child, table))
+    return by_role
 
 
 def final_checkpoint(run_dir: Path) -> Path:
@@ -109,16 +139,21 @@ def evaluate(
     return json.loads(out.stdout)
 
 
-def train(minutes: float, config: Path, run_dir: Path, extra: list[str]) -> tuple[float, float]:
-    """Run `agentjet local` for `minutes`, then stop it like a user would (SIGINT)."""
+def train(
+    minutes: float, config: Path, run_dir: Path, extra: list[str]
+) -> tuple[float, dict[str, float]]:
+    """Run `agentjet local` for `minutes`, then stop it like a user would (SIGINT); the
+    wall time and the peak PSS (MB) of all roles together ("total") and of each role."""
     proc = subprocess.Popen(
         [*AGENTJET, "local", "--config", str(config), "--run-dir", str(run_dir), *extra],
         cwd=ROOT, start_new_session=True,
     )  # fmt: skip
     start = time.monotonic()
-    peak = 0.0
+    peak = dict.fromkeys(("total", *ROLES), 0.0)
     while proc.poll() is None and time.monotonic() - start < minutes * 60:
-        peak = max(peak, memory_mb(descendants(proc.pid)))
+        now = memory_by_role(proc.pid)
+        now["total"] = sum(now.values())
+        peak = {key: max(peak[key], now[key]) for key in peak}
         time.sleep(2.0)
     if proc.poll() is None:
         proc.send_signal(signal.SIGINT)
@@ -151,7 +186,7 @@ def main() -> int:
     print("before:", json.dumps(before), flush=True)
 
     extra = [a for s in args.set for a in ("--set", s)]
-    wall_s, peak_rss = train(args.minutes, args.config, run_dir / "train", extra)
+    wall_s, peak_pss = train(args.minutes, args.config, run_dir / "train", extra)
     checkpoint = str(final_checkpoint(run_dir / "train"))
     after = evaluate(checkpoint, tasks, args.config, env=env, overrides=args.set)
     print("after:", json.dumps(after), flush=True)
@@ -184,8 +219,9 @@ def main() -> int:
             wall_s / max(len({r["policy_version"] for r in steps}), 1), 2
         ),
         "zero_variance_group_frac": round(zero_var / max(groups, 1), 3),
-        # Peak memory of all roles together, as proportional set size (see memory_mb).
-        "peak_rss_mb": round(peak_rss, 1),
+        # Peak memory as proportional set size (see memory_mb), sampled every 2 s: of all
+        # roles together, and each role's own peak (memory_by_role).
+        "peak_pss_mb": {key: round(mb, 1) for key, mb in peak_pss.items()},
         "config": str(args.config.relative_to(ROOT)),
         "overrides": args.set,
         "heldout_seed": HELDOUT_SEED,

@@ -50,6 +50,7 @@ from agentjet.roles import run_role, supervise, wait_for
 from agentjet.tasks import TaskSource, draw_tasks
 from agentjet.timeline import Sequence
 from agentjet.transport import Client, PeerUnavailable
+from node import memory
 from node.agents import AgentEnv, make_agent_env
 from node.delivery import Ledger, Pending, TrainerPeer
 from node.engine import open_engine
@@ -807,6 +808,11 @@ class Rollout:
                 chunk = await client.request(
                     protocol.WeightChunkRequest(version=info.version, index=index)
                 )
+                if isinstance(chunk, protocol.Error) and chunk.code == "gone":
+                    # A trainer serves its newest version only: fetch that one at once.
+                    log.info("policy version %d superseded while fetched", info.version)
+                    self.newer_policy.set()
+                    return True
                 if not isinstance(chunk, protocol.WeightChunk):
                     raise ValueError(f"chunk {index}: {chunk}")
                 assembly.add(index, chunk.data)
@@ -833,6 +839,7 @@ class Rollout:
         await self.engine.load_state_dict(state, version)
         if self.ready_weights is ready:
             self.ready_weights = None  # (one fetched meanwhile is newer: the next batch's)
+        del state, ready
         if lineage != self.lineage:
             log.info(
                 "policy lineage %s -> %s (version %d)",
@@ -850,6 +857,7 @@ class Rollout:
                 "perf/load_s": time.perf_counter() - start,
             }
         )
+        await blocking(memory.trim)  # the version's buffer and what the batches freed
 
 
 def main(config: Config) -> int:

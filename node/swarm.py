@@ -89,6 +89,7 @@ from agentjet.identity import (
     encode_revocation,
     signed_by,
 )
+from node import memory
 from node.allreduce import ExactAverager, RoundResult, incomplete
 from node.members import MemberGate, members_key, revoked_key, subkey_values
 
@@ -708,6 +709,13 @@ class _MembersOnly(DecentralizedAverager):  # type: ignore[misc]
     def __init__(self, *args: Any, gate: MemberGate | None = None, **kwargs: Any) -> None:
         self.gate = gate
         super().__init__(*args, **kwargs)
+
+    def start(self) -> None:
+        """Fork the averager's process without the trainer's own tensors (node/memory.py):
+        it works on copies in shared memory. Checked against hivemind 1.1.12, where
+        DecentralizedAverager is an `mp.Process` started from its constructor."""
+        with memory.left_behind():
+            super().start()
 
     async def rpc_join_group(
         self, request: averaging_pb2.JoinRequest, context: P2PContext

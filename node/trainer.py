@@ -63,6 +63,7 @@ from agentjet.metrics import MetricsWriter, Rate
 from agentjet.roles import print_join_command, run_role, supervise, wait_for
 from agentjet.tasks import TaskSource
 from agentjet.transport import Server
+from node import memory
 from node.gpu_monitor import GpuMonitor
 from node.gpu_monitor import metrics as gpu_metrics
 from node.groups import Filling, GroupBook, StepGroups, doubt_wait_s, oldest_version
@@ -121,8 +122,9 @@ class Trainer:
         self.other_trainers: dict[str, protocol.NodeRecord] = {}
         self.counts: Counter[str] = Counter()
         self.lag_histogram: Counter[int] = Counter()
+        # Only the newest version is served: a fetch of an older one is answered "gone" and
+        # the rollout node fetches the newest (a second snapshot would cost a model's bytes).
         self.published: PolicySnapshot | None = None
-        self.previous: PolicySnapshot | None = None
         self.version = 0
         # The current version's weights may be this trainer's own, not the swarm's (a
         # parameter round failed and no peer sent state): not checkpointed nor published.
@@ -386,13 +388,13 @@ class Trainer:
                     lineage=self.lineage,
                 )
             case protocol.WeightChunkRequest(version=version, index=index):
-                for snap in (self.published, self.previous):
-                    if snap is not None and snap.version == version:
-                        if not 0 <= index < snap.num_chunks:
-                            return protocol.Error(code="invalid", message=f"no chunk {index}")
-                        return protocol.WeightChunk(
-                            version=version, index=index, data=snap.chunk(index)
-                        )
+                snap = self.published
+                if snap is not None and snap.version == version:
+                    if not 0 <= index < snap.num_chunks:
+                        return protocol.Error(code="invalid", message=f"no chunk {index}")
+                    return protocol.WeightChunk(
+                        version=version, index=index, data=snap.chunk(index)
+                    )
                 return protocol.Error(code="gone", message=f"policy version {version} is gone")
             case protocol.MetricsRequest():
                 return self.metrics.recent.answer(msg)
@@ -668,14 +670,16 @@ class Trainer:
 
     async def _publish(self) -> None:
         """Serve the current weights as the current version."""
-        self.previous = self.published
         self.published = await blocking(self._snapshot)
 
     def _snapshot(self) -> PolicySnapshot:
-        """The current version as rollout nodes load it: in the compute dtype (the engine's)."""
-        return snapshot(
+        """The current version as rollout nodes load it: in the compute dtype (the engine's).
+        Made after each step: the free memory the step left is handed back then."""
+        made = snapshot(
             self.model, self.version, self.config.net.weight_chunk_bytes, self.compute_dtype
         )
+        memory.trim()
+        return made
 
     def _published(self) -> PolicySnapshot:
         assert self.published is not None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import struct
@@ -21,7 +22,6 @@ from pathlib import Path
 from typing import Any, BinaryIO, cast
 
 import torch
-from safetensors.torch import load as load_safetensors
 
 from agentjet.errors import ModelError
 from agentjet.progress import CountingReader, ProgressReport
@@ -35,6 +35,7 @@ SAFETENSORS_DTYPES = {
     torch.float64: "F64",
     torch.int64: "I64",
 }
+DTYPES_BY_NAME = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
 # In the newest checkpoint only: what a trainer needs to resume (trainable parameters,
 # optimizer state, version). Older checkpoints drop it: it is 3x the trainable weights.
 RESUME_STATE = "trainer_state.pt"
@@ -119,13 +120,52 @@ class WeightAssembly:
         return [i for i in range(self.num_chunks) if i not in self.chunks]
 
     def finish(self) -> dict[str, torch.Tensor]:
-        """The state dict, or ValueError when incomplete or corrupt (nothing is loaded then)."""
+        """The state dict, or ValueError when incomplete or corrupt (nothing is loaded then).
+        The chunks are copied into one buffer, each dropped as it is copied, and the
+        tensors are views of that buffer: the version is in memory once, not three times
+        (chunks, joined bytes, loaded tensors)."""
         if self.missing():
             raise ValueError(f"policy version {self.version}: {len(self.missing())} chunks missing")
-        blob = b"".join(self.chunks[i] for i in range(self.num_chunks))
-        if len(blob) != self.nbytes or hashlib.sha256(blob).hexdigest() != self.sha256:
+        blob = bytearray(self.nbytes)
+        offset = 0
+        for index in range(self.num_chunks):
+            data = self.chunks.pop(index)
+            if offset + len(data) > self.nbytes:
+                raise ValueError(f"policy version {self.version}: over {self.nbytes} bytes")
+            blob[offset : offset + len(data)] = data
+            offset += len(data)
+        if offset != self.nbytes or hashlib.sha256(blob).hexdigest() != self.sha256:
             raise ValueError(f"policy version {self.version}: checksum mismatch")
-        return load_safetensors(blob)
+        return from_safetensors(blob)
+
+
+def from_safetensors(blob: bytearray) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors `blob` as views of it (no copy); ValueError when it is
+    not one this module writes (a dtype outside SAFETENSORS_DTYPES, offsets outside it)."""
+    try:
+        (length,) = struct.unpack_from("<Q", blob)
+        header = json.loads(bytes(blob[8 : 8 + length]))
+        start = 8 + length
+        if not isinstance(header, dict) or start > len(blob):
+            raise ValueError("no header")
+        tensors = {}
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            kind = DTYPES_BY_NAME[entry["dtype"]]
+            shape = [int(n) for n in entry["shape"]]
+            begin, end = (int(n) for n in entry["data_offsets"])
+            count = math.prod(shape)
+            if not 0 <= begin <= end <= len(blob) - start or end - begin != count * kind.itemsize:
+                raise ValueError(f"{name}: offsets {begin}..{end} do not fit")
+            if count == 0:
+                tensors[name] = torch.empty(shape, dtype=kind)
+                continue
+            flat = torch.frombuffer(blob, dtype=kind, count=count, offset=start + begin)
+            tensors[name] = flat.view(shape)
+    except (struct.error, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"not a policy version's safetensors: {e!r}") from None
+    return tensors
 
 
 def save_checkpoint(

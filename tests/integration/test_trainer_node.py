@@ -216,10 +216,10 @@ def test_trainer_acks_dedupes_rejects_and_serves_weights(trainer: Launched):
         for index in range(info.num_chunks):
             chunk = await client.request(protocol.WeightChunkRequest(version=0, index=index))
             assembly.add(index, chunk.data)
-        state = assembly.finish()
-        assert "model.embed_tokens.weight" in state
         blob = b"".join(assembly.chunks[i] for i in range(info.num_chunks))
         assert hashlib.sha256(blob).hexdigest() == info.sha256
+        state = assembly.finish()
+        assert "model.embed_tokens.weight" in state
         gone = await client.request(protocol.WeightChunkRequest(version=9, index=0))
         assert isinstance(gone, protocol.Error) and gone.code == "gone"
         client.close()

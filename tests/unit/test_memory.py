@@ -1,0 +1,75 @@
+"""node/memory.py: a child forked in `left_behind()` does not hold the parent's tensors."""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from node import memory
+
+pytestmark = pytest.mark.unit
+
+
+def mapped(address: int) -> bool:
+    """Whether `address` lies in a mapping of this process."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        low, high = (int(x, 16) for x in line.split()[0].split("-"))
+        if low <= address < high:
+            return True
+    return False
+
+
+def in_child(probe: Callable[[], Any]) -> Any:
+    """Fork, run `probe` in the child, return what it returned (as JSON); reaps the child."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            os.write(write, json.dumps(probe()).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        answer = pipe.read()
+    os.waitpid(pid, 0)
+    return json.loads(answer)
+
+
+def middle(tensor: torch.Tensor) -> int:
+    return tensor.data_ptr() + tensor.numel() * tensor.element_size() // 2
+
+
+def test_a_child_forked_inside_the_block_has_no_copy_of_the_parents_tensor() -> None:
+    weights = torch.full((8 << 20,), 3.0)  # 32 MiB, private to this process
+    averaged = torch.full((1 << 20,), 5.0).share_memory_()
+    with memory.left_behind():
+        seen = in_child(lambda: [mapped(middle(weights)), float(averaged[7])])
+    assert seen == [False, 5.0]  # shared memory still reaches the child
+    # The parent keeps its tensor, and a later fork inherits it as usual.
+    weights.add_(1)
+    assert float(weights[12345]) == 4.0
+    assert in_child(lambda: [mapped(middle(weights)), float(weights[12345])]) == [True, 4.0]
+
+
+def test_ranges_are_whole_pages_inside_large_private_storages_only() -> None:
+    large = torch.zeros(3 << 20, dtype=torch.uint8)[1:]  # a view: its storage counts once
+    small = torch.zeros(1000)
+    shared = torch.zeros(1 << 20).share_memory_()
+    ranges = memory.private_ranges()
+    base = large.untyped_storage().data_ptr()
+    mine = [(a, n) for a, n in ranges if base <= a < base + (3 << 20)]
+    assert len(mine) == 1
+    address, length = mine[0]
+    assert address % mmap.PAGESIZE == 0 and length % mmap.PAGESIZE == 0
+    assert base <= address and address + length <= base + (3 << 20)
+    assert length >= (3 << 20) - 2 * mmap.PAGESIZE
+    for tensor in (small, shared):
+        start = tensor.untyped_storage().data_ptr()
+        assert not any(a <= start + 8192 < a + n for a, n in ranges)

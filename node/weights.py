@@ -126,15 +126,15 @@ class WeightAssembly:
         (chunks, joined bytes, loaded tensors)."""
         if self.missing():
             raise ValueError(f"policy version {self.version}: {len(self.missing())} chunks missing")
+        if sum(len(data) for data in self.chunks.values()) != self.nbytes:
+            raise ValueError(f"policy version {self.version}: chunks do not add up to its size")
         blob = bytearray(self.nbytes)
         offset = 0
         for index in range(self.num_chunks):
             data = self.chunks.pop(index)
-            if offset + len(data) > self.nbytes:
-                raise ValueError(f"policy version {self.version}: over {self.nbytes} bytes")
             blob[offset : offset + len(data)] = data
             offset += len(data)
-        if offset != self.nbytes or hashlib.sha256(blob).hexdigest() != self.sha256:
+        if hashlib.sha256(blob).hexdigest() != self.sha256:
             raise ValueError(f"policy version {self.version}: checksum mismatch")
         return from_safetensors(blob)
 
@@ -154,6 +154,8 @@ def from_safetensors(blob: bytearray) -> dict[str, torch.Tensor]:
                 continue
             kind = DTYPES_BY_NAME[entry["dtype"]]
             shape = [int(n) for n in entry["shape"]]
+            if any(n < 0 for n in shape):
+                raise ValueError(f"{name}: shape {shape}")
             begin, end = (int(n) for n in entry["data_offsets"])
             count = math.prod(shape)
             if not 0 <= begin <= end <= len(blob) - start or end - begin != count * kind.itemsize:

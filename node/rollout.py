@@ -809,7 +809,7 @@ class Rollout:
                     protocol.WeightChunkRequest(version=info.version, index=index)
                 )
                 if isinstance(chunk, protocol.Error) and chunk.code == "gone":
-                    # A trainer serves its newest version only: fetch that one at once.
+                    # Two steps overtook this fetch: fetch the newest at once.
                     log.info("policy version %d superseded while fetched", info.version)
                     self.newer_policy.set()
                     return True

@@ -122,9 +122,11 @@ class Trainer:
         self.other_trainers: dict[str, protocol.NodeRecord] = {}
         self.counts: Counter[str] = Counter()
         self.lag_histogram: Counter[int] = Counter()
-        # Only the newest version is served: a fetch of an older one is answered "gone" and
-        # the rollout node fetches the newest (a second snapshot would cost a model's bytes).
+        # The newest version and the one before: a fetch a step overtakes still completes
+        # (served the newest only, a node whose fetch takes longer than a step never
+        # finished one: the fault suite, bench/LOG.md). Older versions are "gone".
         self.published: PolicySnapshot | None = None
+        self.previous: PolicySnapshot | None = None
         self.version = 0
         # The current version's weights may be this trainer's own, not the swarm's (a
         # parameter round failed and no peer sent state): not checkpointed nor published.
@@ -388,13 +390,13 @@ class Trainer:
                     lineage=self.lineage,
                 )
             case protocol.WeightChunkRequest(version=version, index=index):
-                snap = self.published
-                if snap is not None and snap.version == version:
-                    if not 0 <= index < snap.num_chunks:
-                        return protocol.Error(code="invalid", message=f"no chunk {index}")
-                    return protocol.WeightChunk(
-                        version=version, index=index, data=snap.chunk(index)
-                    )
+                for snap in (self.published, self.previous):
+                    if snap is not None and snap.version == version:
+                        if not 0 <= index < snap.num_chunks:
+                            return protocol.Error(code="invalid", message=f"no chunk {index}")
+                        return protocol.WeightChunk(
+                            version=version, index=index, data=snap.chunk(index)
+                        )
                 return protocol.Error(code="gone", message=f"policy version {version} is gone")
             case protocol.MetricsRequest():
                 return self.metrics.recent.answer(msg)
@@ -670,6 +672,7 @@ class Trainer:
 
     async def _publish(self) -> None:
         """Serve the current weights as the current version."""
+        self.previous = self.published
         self.published = await blocking(self._snapshot)
 
     def _snapshot(self) -> PolicySnapshot:

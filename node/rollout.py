@@ -839,7 +839,7 @@ class Rollout:
         await self.engine.load_state_dict(state, version)
         if self.ready_weights is ready:
             self.ready_weights = None  # (one fetched meanwhile is newer: the next batch's)
-        del state, ready
+        del state, ready  # the version's buffer goes with the last references to it
         if lineage != self.lineage:
             log.info(
                 "policy lineage %s -> %s (version %d)",

@@ -126,14 +126,11 @@ class WeightAssembly:
         (chunks, joined bytes, loaded tensors)."""
         if self.missing():
             raise ValueError(f"policy version {self.version}: {len(self.missing())} chunks missing")
-        if sum(len(data) for data in self.chunks.values()) != self.nbytes:
-            raise ValueError(f"policy version {self.version}: chunks do not add up to its size")
-        blob = bytearray(self.nbytes)
-        offset = 0
+        blob = bytearray()  # grows with the bytes that came, whatever size was announced
         for index in range(self.num_chunks):
-            data = self.chunks.pop(index)
-            blob[offset : offset + len(data)] = data
-            offset += len(data)
+            blob += self.chunks.pop(index)
+        if len(blob) != self.nbytes:
+            raise ValueError(f"policy version {self.version}: chunks do not add up to its size")
         if hashlib.sha256(blob).hexdigest() != self.sha256:
             raise ValueError(f"policy version {self.version}: checksum mismatch")
         return from_safetensors(blob)

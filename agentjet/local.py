@@ -19,7 +19,6 @@ import ctypes.util
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,6 +31,7 @@ from agentjet.dashboard import dashboard_url
 from agentjet.errors import ConfigError
 from agentjet.keys import DEFAULT_KEYS_FILE, write_keys
 from agentjet.lifeline import descendants, process_table
+from agentjet.ports import free_port
 
 ROLES = ("coordinator", "trainer", "rollout")
 # How often the launcher reads metrics and checks on its children.
@@ -43,12 +43,6 @@ DAEMON_EXIT_S = 10.0
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 # The child that finds the GPUs imports torch (a few seconds on a small box).
 PLACE_TIMEOUT_S = 120.0
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

@@ -4,8 +4,9 @@ It starts its lifeline watcher as `run_role` does, then one process of each kind
 starts: a forked child (as hivemind's DHT and averagers are), an exec'd program (as p2pd
 and the beacon are) and a sandbox program (its own session, an environment of its own).
 It prints one JSON line, {"forked", "started", "sandboxed", "watcher": pids, "token",
-"pipe": the marks}, then waits to be killed; with `clean` it says its cleanup ran and
-exits at once, leaving the three behind for its watcher to end.
+"pipe": the marks}, then waits to be killed; with `clean` it waits for a line on stdin
+(the test has seen its processes), says its cleanup ran and exits, leaving the three
+behind for its watcher to end.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ def main(clean: bool) -> int:
     }
     print(json.dumps(marks), flush=True)
     if clean:
+        sys.stdin.readline()
         lifeline.close()
         os._exit(0)  # as a role whose cleanup missed these three
     time.sleep(FOREVER_S)

@@ -17,7 +17,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -33,6 +32,7 @@ from agentjet.config import load_config, to_toml
 from agentjet.episode import Episode, SamplingParams
 from agentjet.lifeline import descendants, running
 from agentjet.metrics import read_metrics
+from agentjet.ports import free_port
 from agentjet.protocol import Task
 from node.agents import AgentEnv
 from node.openai_api import ApiError, EpisodeHub
@@ -88,12 +88,6 @@ async def run_episode(task, client):
         await client.chat.completions.create(model="policy", messages=messages)
     return float(len(reply.choices[0].message.content or "") % 2 == 0)
 '''
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = WAIT_S) -> None:

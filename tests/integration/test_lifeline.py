@@ -66,7 +66,12 @@ def test_what_a_role_started_ends_with_it(tmp_path: Path, end: str):
     env = {**os.environ, "TMPDIR": str(tmp_path)}  # the sandbox's work dir
     argv = [sys.executable, "-m", "tests.lifeline_role", *(["clean"] if end == "clean" else [])]
     role = subprocess.Popen(
-        argv, stdout=subprocess.PIPE, env=env, cwd=REPO_ROOT, start_new_session=True
+        argv,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=env,
+        cwd=REPO_ROOT,
+        start_new_session=True,
     )
     seen: set[int] = set()
     try:
@@ -78,8 +83,12 @@ def test_what_a_role_started_ends_with_it(tmp_path: Path, end: str):
         started = {marks[k] for k in ("forked", "started", "sandboxed", "watcher")}
         seen |= started
         assert {pid for pid in started if running(pid)} == started
+        assert role.stdin is not None
         if end == "sigkill":
             os.kill(role.pid, signal.SIGKILL)  # the role alone, not its process group
+        else:
+            role.stdin.write(b"end\n")  # the stand-in ends only once its processes were seen
+            role.stdin.flush()
         role.wait(timeout=KILL_DEADLINE_S)
 
         assert gone_within(started, KILL_DEADLINE_S) == set()

@@ -15,7 +15,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ from agentjet.config import load_config, to_toml
 from agentjet.keys import DEFAULT_KEYS_FILE, write_keys
 from agentjet.lifeline import descendants, running
 from agentjet.metrics import read_metrics
+from agentjet.ports import free_port
 from tests.netns import Node, Swarmnet, require_netns
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -45,16 +45,7 @@ SAMPLES_PER_TRAINER_BATCH = 8
 
 def free_listen() -> str:
     """127.0.0.1:P for --listen, with P (ZMQ) and P+1 (the hivemind peer) both free now."""
-    while True:
-        with socket.socket() as a, socket.socket() as b:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            if port < 65535:
-                try:
-                    b.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-                return f"127.0.0.1:{port}"
+    return f"127.0.0.1:{free_port(span=2)}"
 
 
 class Swarm:

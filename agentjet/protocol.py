@@ -36,7 +36,10 @@ import numpy as np
 # 9: SchedulerRow.keep (an environment's EnvSched keep rate); Hello.certificate (the
 #    sender's node certificate, agentjet/identity.py) and Error code "denied"; directory
 #    records signed by their node (identity.SignedRecord) and NodeRecord.refused.
-PROTOCOL_VERSION = 9
+# 10: policy versions with a manifest (PolicyInfo.chunk_hashes; sha256 is the manifest's),
+#    sealed chunks and their endpoint without CURVE (PolicyInfo.key, .ticket,
+#    .sealed_endpoint; WeightChunkRequest.ticket).
+PROTOCOL_VERSION = 10
 
 # Earlier lineages a Lineage remembers (one per trainer restart from a checkpoint).
 MAX_ANCESTORS = 16
@@ -387,24 +390,33 @@ class PolicyQuery(_Msg, tag="policy_query"):
 
 
 class PolicyInfo(_Msg, tag="policy_info"):
-    """The newest complete policy version a trainer serves (version 0 = base weights)."""
+    """The newest complete policy version a trainer serves (version 0 = base weights), with
+    its manifest: the blake3 hash of each chunk (node/weights.py). With the swarm's keys its
+    chunks are sealed under `key` (AES-256-GCM), which travels only over CURVE, and
+    `sealed_endpoint` serves them without CURVE to requests carrying `ticket`."""
 
     version: int
     nbytes: int
-    sha256: str
+    sha256: str  # of the manifest (node/weights.py `manifest_digest`)
     num_chunks: int
     lineage: Lineage = msgspec.field(default_factory=Lineage)
+    chunk_bytes: int = 0
+    chunk_hashes: list[bytes] = msgspec.field(default_factory=list)
+    key: bytes = b""
+    ticket: bytes = b""
+    sealed_endpoint: str = ""
 
 
 class WeightChunkRequest(_Msg, tag="weight_chunk_request"):
     version: int
     index: int
+    ticket: bytes = b""  # PolicyInfo.ticket: asked on the sealed endpoint only
 
 
 class WeightChunk(_Msg, tag="weight_chunk"):
     version: int
     index: int
-    data: bytes
+    data: memoryview  # decoded as a view of the received message, not a copy
 
 
 TrainerRequest = (

@@ -31,7 +31,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, Literal
 
 import msgspec
@@ -192,7 +192,9 @@ class Server:
         return {str(kind): n for kind, n in self.keys.membership.refused.items()}
 
     async def reply(self, envelope: list[bytes], msg: msgspec.Struct) -> None:
-        await self.socket.send_multipart([*envelope, protocol.encode(msg)])
+        # Not copied again into libzmq's message (a weight chunk is megabytes): the socket
+        # keeps the encoded bytes until they are sent.
+        await self.socket.send_multipart([*envelope, protocol.encode(msg)], copy=False)
 
     async def _reject(self, envelope: list[bytes], reason: str) -> None:
         self.rejected += 1
@@ -249,7 +251,8 @@ def _handshake_failure(event: Mapping[str, object]) -> str:
 
 
 class Client:
-    """A DEALER socket with one request in flight, a timeout and reconnect on timeout.
+    """A DEALER socket with one request in flight (several with `pipelined`), a timeout and
+    reconnect on timeout.
 
     The first request on every fresh socket is the `Hello` handshake; a server that speaks
     another protocol version raises ProtocolError (not retryable). With `keys` every fresh
@@ -283,31 +286,68 @@ class Client:
 
     async def request(self, msg: msgspec.Struct, timeout_s: float | None = None) -> Any:
         async with self._lock:
-            if self._socket is None:
-                self._socket = self._connect()
-                self.welcome = None
-            if self.welcome is None:
-                reply = await self._roundtrip(self.hello, timeout_s)
-                if isinstance(reply, protocol.Error):
-                    raise _refused(self.endpoint, "the handshake", reply)
-                if not isinstance(reply, protocol.Welcome):
-                    raise ProtocolError(f"{self.endpoint} answered Hello with {type(reply)}")
-                self.welcome = reply
-            reply = await self._roundtrip(msg, timeout_s)
-            if isinstance(reply, protocol.Error) and reply.code == "denied":
-                raise _refused(self.endpoint, type(msg).__name__, reply)
-            return reply
+            await self._handshake(timeout_s)
+            await self._send(msg)
+            return self._checked(msg, await self._receive(timeout_s))
 
-    async def _roundtrip(self, msg: msgspec.Struct, timeout_s: float | None) -> Any:
+    async def pipelined(
+        self, msgs: Sequence[msgspec.Struct], window: int, timeout_s: float | None = None
+    ) -> AsyncIterator[Any]:
+        """The replies to `msgs`, in order, with up to `window` requests in flight (a server
+        answers one client's requests in the order they came): the server sends the next
+        reply while this side handles the last. Replies still due when the caller stops
+        early are left behind with the socket (the next request opens a fresh one)."""
+        async with self._lock:
+            await self._handshake(timeout_s)
+            sent = received = 0
+            try:
+                while received < len(msgs):
+                    while sent < len(msgs) and sent - received < window:
+                        await self._send(msgs[sent])
+                        sent += 1
+                    reply = self._checked(msgs[received], await self._receive(timeout_s))
+                    received += 1
+                    yield reply
+            finally:
+                if received < sent:
+                    self._reset()
+
+    async def handshake(self, timeout_s: float | None = None) -> None:
+        """Connect and say Hello now (a request does it too, when needed)."""
+        async with self._lock:
+            await self._handshake(timeout_s)
+
+    async def _handshake(self, timeout_s: float | None) -> None:
+        if self._socket is None:
+            self._socket = self._connect()
+            self.welcome = None
+        if self.welcome is None:
+            await self._send(self.hello)
+            reply = await self._receive(timeout_s)
+            if isinstance(reply, protocol.Error):
+                raise _refused(self.endpoint, "the handshake", reply)
+            if not isinstance(reply, protocol.Welcome):
+                raise ProtocolError(f"{self.endpoint} answered Hello with {type(reply)}")
+            self.welcome = reply
+
+    def _checked(self, msg: msgspec.Struct, reply: Any) -> Any:
+        if isinstance(reply, protocol.Error) and reply.code == "denied":
+            raise _refused(self.endpoint, type(msg).__name__, reply)
+        return reply
+
+    async def _send(self, msg: msgspec.Struct) -> None:
         assert self._socket is not None
         await self._socket.send(protocol.encode(msg))
+
+    async def _receive(self, timeout_s: float | None) -> Any:
+        assert self._socket is not None
         timeout = self.timeout_s if timeout_s is None else timeout_s
         if not await self._socket.poll(int(timeout * 1000), zmq.POLLIN):  # type: ignore[call-arg]
             self._reset()
             raise PeerUnavailable(f"no reply from {self.endpoint} within {timeout:.1f} s")
-        payload = await self._socket.recv()
+        frame = await self._socket.recv(copy=False)
         try:
-            return self.decoder.decode(payload)
+            return self.decoder.decode(frame.buffer)  # a weight chunk's data stays in it
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             self._reset()
             raise ProtocolError(f"undecodable reply from {self.endpoint}: {e}") from None

@@ -17,13 +17,14 @@ policy version costs to deliver to a rollout node.
                 (parameters, Adam moments) is averaged at every step too (node/swarm.py with
                 SwarmConfig.average_state_every=1, the default); --grads-only repeats the
                 three with state averaging off, so gradient bytes alone show.
-    delivery    a transport.Server serving a PolicySnapshot of the model in chunks, as the
-                trainer does (PolicyQuery, WeightChunkRequest; CURVE-encrypted with a
-                fresh swarm keypair, as every node's sockets are) ──▶ a transport.Client in
-                another process fetches every chunk into a WeightAssembly and calls
-                finish() (sha256, safetensors load): median of --fetches ──▶
-                weight_delivery_s; the same byte count streamed over a plain TCP socket
-                on loopback between two processes ──▶ weight_delivery_floor_s.
+    delivery    a node/publisher.py Publisher serving a sealed PolicySnapshot of the model,
+                as a trainer with the swarm's keys does (PolicyQuery over CURVE with a
+                fresh swarm keypair, chunks on its sealed endpoint) ──▶ another process
+                fetches it as a rollout node does (node/trainer_link.py fetch_chunks: each
+                chunk unsealed and checked as it comes) and calls finish(): median of
+                --fetches ──▶ weight_delivery_s; the same sealed chunks over the CURVE
+                socket ──▶ over_curve_s; the same byte count streamed over a plain TCP
+                socket on loopback between two processes ──▶ weight_delivery_floor_s.
 
 Every child is this script in another role (`--child`), a process of its own in its own
 session: it writes JSON lines to the parent on stdout (library output goes to its log),
@@ -63,6 +64,7 @@ from typing import Any, TextIO
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import hivemind  # noqa: E402
+import msgspec  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import uvloop  # noqa: E402
@@ -82,8 +84,10 @@ from agentjet.transport import Client, Server  # noqa: E402
 from node.learner import Learner  # noqa: E402
 from node.lora import add_adapters  # noqa: E402
 from node.model import build_tiny_model, load_causal_lm, resolve_model  # noqa: E402
+from node.publisher import Publisher  # noqa: E402
 from node.swarm import SwarmOptimizer, visible_maddrs  # noqa: E402
-from node.weights import PolicySnapshot, WeightAssembly, snapshot  # noqa: E402
+from node.trainer_link import fetch_chunks  # noqa: E402
+from node.weights import PolicySnapshot, SpareBuffer, WeightAssembly, snapshot  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "swarm.json"
 
@@ -301,7 +305,7 @@ def train_until_stopped(
 
 def weight_server_child(settings: dict[str, Any], out: TextIO) -> None:
     model, _ = load_causal_lm(settings["model_dir"])
-    published = snapshot(model, 1, settings["chunk_bytes"])
+    published = snapshot(model, 1, settings["chunk_bytes"], seal=True)  # as with keys
     del model
     keys = read_node_keys(settings["keys"], "bench-trainer")
     uvloop.run(serve_policy(published, out, settings["max_message_bytes"], keys))
@@ -310,46 +314,46 @@ def weight_server_child(settings: dict[str, Any], out: TextIO) -> None:
 async def serve_policy(
     published: PolicySnapshot, out: TextIO, max_message_bytes: int, keys: NodeKeys
 ) -> None:
-    """Answer Hello, PolicyQuery and WeightChunkRequest as node/trainer.py does (CURVE with
-    the swarm's keys), until stdin says anything (or closes)."""
+    """Serve one version as node/trainer.py does with the swarm's keys (a node/publisher.py
+    Publisher: PolicyQuery and chunks over CURVE, sealed chunks on its sealed endpoint),
+    until stdin says anything (or closes)."""
     server = Server("tcp://127.0.0.1:0", protocol.trainer_request_decoder, max_message_bytes, keys)
+    sealed = Server("tcp://127.0.0.1:0", protocol.trainer_request_decoder, max_message_bytes)
+    publisher = Publisher(published, "bench", sealed)
+    publisher.announce(server.endpoint)
     stop = asyncio.Event()
     asyncio.get_running_loop().add_reader(sys.stdin.fileno(), stop.set)
-    serving = asyncio.create_task(answer_requests(server, published), name="bench-serve")
+    serving = [
+        asyncio.create_task(answer_requests(server, publisher), name="bench-serve"),
+        asyncio.create_task(publisher.serve_sealed(), name="bench-serve-sealed"),
+    ]
     emit(
         out,
         "ready",
         endpoint=server.endpoint,
-        nbytes=len(published.blob),
+        nbytes=published.nbytes,
         num_chunks=published.num_chunks,
     )
     try:
         await stop.wait()
     finally:
-        serving.cancel()
+        for task in serving:
+            task.cancel()
         server.close()
+        sealed.close()
 
 
-async def answer_requests(server: Server, published: PolicySnapshot) -> None:
+async def answer_requests(server: Server, publisher: Publisher) -> None:
     while True:
         envelope, msg = await server.recv()
         reply: protocol.TrainerReply
         match msg:
             case protocol.Hello():
-                reply = protocol.answer_hello(msg, "bench", published.version)
+                reply = protocol.answer_hello(msg, "bench", publisher.published.version)
             case protocol.PolicyQuery():
-                reply = protocol.PolicyInfo(
-                    version=published.version,
-                    nbytes=len(published.blob),
-                    sha256=published.sha256,
-                    num_chunks=published.num_chunks,
-                )
-            case protocol.WeightChunkRequest(version=published.version, index=index) if (
-                0 <= index < published.num_chunks
-            ):
-                reply = protocol.WeightChunk(
-                    version=published.version, index=index, data=published.chunk(index)
-                )
+                reply = publisher.info(protocol.Lineage())
+            case protocol.WeightChunkRequest():
+                reply = publisher.chunk(msg)
             case _:
                 reply = protocol.Error(code="invalid", message=f"unexpected {msg!r}"[:200])
         await server.reply(envelope, reply)
@@ -840,10 +844,11 @@ def summarize(
 
 async def fetch_and_stream(
     endpoint: str, port: int, nbytes: int, rounds: int, net: NetConfig, keys: NodeKeys
-) -> tuple[list[dict[str, float]], list[float]]:
-    """Interleaved, so machine noise hits both alike: fetch the served policy, then stream
-    as many bytes to the TCP sink; `rounds` + 1 times on one connection each (the first
-    round connects and warms up; it is left out)."""
+) -> tuple[dict[str, list[dict[str, float]]], list[float]]:
+    """Interleaved, so machine noise hits all alike: fetch the served policy as a rollout
+    node does (sealed chunks on the sealed endpoint), then the same sealed chunks over
+    CURVE (the trainer's own socket), then stream as many bytes to the TCP sink; `rounds`
+    + 1 times on one connection each (the first round connects and warms up; left out)."""
     hello = protocol.Hello(node_id=keys.name, role="rollout")
     client = Client(
         endpoint,
@@ -854,32 +859,39 @@ async def fetch_and_stream(
         keys,
     )
     payload = memoryview(bytearray(nbytes))
-    fetches, streams = [], []
+    fetches: dict[str, list[dict[str, float]]] = {"sealed": [], "over_curve": []}
+    spares = {way: SpareBuffer() for way in fetches}  # one per rollout node, as it keeps one
+    streams = []
     try:
         with socket.create_connection(("127.0.0.1", port)) as sock:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             for _ in range(rounds + 1):
-                fetches.append(await fetch_policy(client))
+                for way, rows in fetches.items():
+                    rows.append(await fetch_policy(client, spares[way], way == "sealed"))
                 streams.append(stream_once(sock, payload))
     finally:
         client.close()
-    return fetches[1:], streams[1:]
+    return {way: rows[1:] for way, rows in fetches.items()}, streams[1:]
 
 
-async def fetch_policy(client: Client) -> dict[str, float]:
-    """What node/rollout.py does: PolicyQuery, every chunk, finish() (sha256, load)."""
+async def fetch_policy(
+    client: Client, spare: SpareBuffer, sealed_endpoint: bool
+) -> dict[str, float]:
+    """What node/rollout.py does: PolicyQuery, every chunk (each unsealed and checked as it
+    comes) into the last version's buffer, finish() (the tensors), the buffer kept for the
+    next fetch; without `sealed_endpoint` every chunk over CURVE."""
     start = time.perf_counter()
     info = await client.request(protocol.PolicyQuery())
     assert isinstance(info, protocol.PolicyInfo), info
-    assembly = WeightAssembly(info.version, info.nbytes, info.sha256, info.num_chunks)
-    for index in assembly.missing():
-        chunk = await client.request(protocol.WeightChunkRequest(version=info.version, index=index))
-        assert isinstance(chunk, protocol.WeightChunk), chunk
-        assembly.add(index, chunk.data)
+    if not sealed_endpoint:
+        info = msgspec.structs.replace(info, sealed_endpoint="")
+    assembly = WeightAssembly.of(info, spare)
+    await fetch_chunks(assembly, info, client)
     transferred = time.perf_counter()
     state = assembly.finish()
     done = time.perf_counter()
     assert state, "an empty policy"
+    spare.keep(assembly.blob)
     return {
         "total_s": done - start,
         "transfer_s": transferred - start,
@@ -921,9 +933,11 @@ def measure_delivery(
             fetch_and_stream(served["endpoint"], port, served["nbytes"], args.fetches, net, keys)
         )
         children.stop(SERVICE_TIMEOUT_S)
-    delivery_s = statistics.median(f["total_s"] for f in fetches)
+    sealed, over_curve = fetches["sealed"], fetches["over_curve"]
+    delivery_s = statistics.median(f["total_s"] for f in sealed)
+    curve_s = statistics.median(f["total_s"] for f in over_curve)
     floor_s = statistics.median(streams)
-    print(f"weight delivery: {len(fetches)} fetches", flush=True)
+    print(f"weight delivery: {len(sealed)} fetches each way", flush=True)
     return {
         "weight_delivery_s": round(delivery_s, 4),
         "weight_delivery_floor_s": round(floor_s, 4),
@@ -933,12 +947,16 @@ def measure_delivery(
             "snapshot_bytes": served["nbytes"],
             "chunks": served["num_chunks"],
             "chunk_bytes": net.weight_chunk_bytes,
-            "fetches": len(fetches),
-            "transfer_s_median": round(statistics.median(f["transfer_s"] for f in fetches), 4),
-            "finish_s_median": round(statistics.median(f["finish_s"] for f in fetches), 4),
-            "fetch_s": [round(f["total_s"], 4) for f in fetches],
+            "fetches": len(sealed),
+            "transfer_s_median": round(statistics.median(f["transfer_s"] for f in sealed), 4),
+            "finish_s_median": round(statistics.median(f["finish_s"] for f in sealed), 4),
+            "fetch_s": [round(f["total_s"], 4) for f in sealed],
             "floor_s": [round(t, 4) for t in streams],
             "loopback_tcp_gbit_s": round(served["nbytes"] * 8 / floor_s / 1e9, 2),
+            # the same sealed chunks through the trainer's CURVE socket (no sealed endpoint)
+            "over_curve_s": round(curve_s, 4),
+            "over_curve_ratio": round(curve_s / floor_s, 2),
+            "over_curve_fetch_s": [round(f["total_s"], 4) for f in over_curve],
         },
     }
 

@@ -5,7 +5,7 @@
                                    ▼
                              Ledger ──SubmitGroup──▶ least backlogged trainer ──GroupAck──▶ held
                                    ◀──GroupStatus: trained──  (deliver task, node/delivery.py)
-    newest trainer ──PolicyInfo / WeightChunks──▶ sync task: assemble, verify sha256 ──▶ loaded
+    newest trainer ──PolicyInfo / WeightChunks──▶ sync task: check each chunk, assemble ──▶ loaded
                                                   between batches, never mid-episode
     swarm directory (DHT) ◀──▶ discover task: own record out; trainers and coordinator in
 
@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import mmap
 import os
 import random
 import socket
@@ -61,15 +62,19 @@ from node.lora import AdapterMerger
 from node.model import resolve_model
 from node.spool import Spool, SpoolFull
 from node.swarm import Directory, start_dht, visible_maddrs
-from node.trainer_link import answers, probe, trainer_client
+from node.trainer_link import Superseded, answers, fetch_chunks, probe, trainer_client
 from node.trajectory_log import TrajectoryLog
-from node.weights import WeightAssembly
+from node.weights import SpareBuffer, WeightAssembly
 from sandboxes.envs import Environment, PromptEnv, make_env
 from sandboxes.envs.prompt import rewards_metrics
 from sandboxes.pool import SandboxPool, open_pool
 from sandboxes.process import ProcessSandbox
 
 log = logging.getLogger(__name__)
+
+# A fetched version waiting for the batch in progress to end: lineage, version, checksum,
+# its tensors and the buffer they are views of.
+ReadyWeights = tuple[protocol.Lineage, int, str, dict[str, torch.Tensor], mmap.mmap]
 
 # How often the node asks the trainer for a newer policy version (acks also announce one).
 POLICY_POLL_S = 1.0
@@ -163,7 +168,8 @@ class Rollout:
         self.samples_per_s = 0.0
         self.reports: asyncio.Queue[protocol.GroupReport] = asyncio.Queue()
         # A complete, verified policy version waiting to be loaded between batches.
-        self.ready_weights: tuple[protocol.Lineage, int, str, dict[str, torch.Tensor]] | None = None
+        self.ready_weights: ReadyWeights | None = None
+        self.spare_weights = SpareBuffer()  # the buffer of the version loaded last
         self.counts: defaultdict[str, int] = defaultdict(int)
 
     def setup(self, cleanup: ExitStack) -> None:
@@ -803,26 +809,20 @@ class Rollout:
                 lineage, version = self.ready_weights[0], self.ready_weights[1]
             if not info.lineage.supersedes(info.version, lineage, version):
                 return True
-            assembly = WeightAssembly(info.version, info.nbytes, info.sha256, info.num_chunks)
-            for index in assembly.missing():
-                chunk = await client.request(
-                    protocol.WeightChunkRequest(version=info.version, index=index)
-                )
-                if isinstance(chunk, protocol.Error) and chunk.code == "gone":
-                    # Two steps overtook this fetch: fetch the newest at once.
-                    log.info("policy version %d superseded while fetched", info.version)
-                    self.newer_policy.set()
-                    return True
-                if not isinstance(chunk, protocol.WeightChunk):
-                    raise ValueError(f"chunk {index}: {chunk}")
-                assembly.add(index, chunk.data)
+            assembly = WeightAssembly.of(info, self.spare_weights)
+            await fetch_chunks(assembly, info, client)
             state = await blocking(assembly.finish)
             if self.merger is not None:  # LoRA: adapters arrive, this engine takes weights
                 state = await blocking(self.merger.merge, state, self.engine.state_dict())
+        except Superseded:
+            # Two steps overtook this fetch: fetch the newest at once.
+            log.info("policy version %d superseded while fetched", info.version)
+            self.newer_policy.set()
+            return True
         except (PeerUnavailable, ValueError) as e:
             log.info("policy fetch from %s interrupted (%s); will retry", source.node_id, e)
             return False
-        self.ready_weights = (info.lineage, info.version, info.sha256, state)
+        self.ready_weights = (info.lineage, info.version, info.sha256, state, assembly.blob)
         self.metrics.write(
             {"event": "weights_fetched", "policy_version": info.version, "lineage": info.lineage.id}
         )
@@ -832,14 +832,16 @@ class Rollout:
         ready = self.ready_weights
         if ready is None:
             return
-        lineage, version, sha256, state = ready
+        lineage, version, sha256, state, buffer = ready
         start = time.perf_counter()
         # Left in `ready_weights` while it loads, so the fetch task, comparing against it,
         # does not fetch and load the same version again meanwhile.
         await self.engine.load_state_dict(state, version)
         if self.ready_weights is ready:
             self.ready_weights = None  # (one fetched meanwhile is newer: the next batch's)
-        del state, ready  # the version's buffer goes with the last references to it
+        del state, ready
+        self.spare_weights.keep(buffer)  # for the next fetch, once no tensor of it lives
+        del buffer
         if lineage != self.lineage:
             log.info(
                 "policy lineage %s -> %s (version %d)",
@@ -857,7 +859,7 @@ class Rollout:
                 "perf/load_s": time.perf_counter() - start,
             }
         )
-        await blocking(memory.trim)  # the version's buffer and what the batches freed
+        await blocking(memory.trim)  # what the batches freed
 
 
 def main(config: Config) -> int:

@@ -37,6 +37,7 @@ import socket
 import time
 import uuid
 from collections import Counter
+from collections.abc import Coroutine
 from contextlib import ExitStack, suppress
 from pathlib import Path
 from typing import Any
@@ -71,6 +72,7 @@ from node.learner import Learner, StepResult
 from node.lora import add_adapters, merged_weights
 from node.members import MemberGate
 from node.model import DTYPES, load_causal_lm, resolve_model
+from node.publisher import Publisher, sealed_bind_endpoint
 from node.swarm import Directory, Mark, SwarmOptimizer, start_dht, visible_maddrs
 from node.verify import (
     Quarantine,
@@ -122,11 +124,6 @@ class Trainer:
         self.other_trainers: dict[str, protocol.NodeRecord] = {}
         self.counts: Counter[str] = Counter()
         self.lag_histogram: Counter[int] = Counter()
-        # The newest version and the one before: a fetch a step overtakes still completes
-        # (served the newest only, a node whose fetch takes longer than a step never
-        # finished one: the fault suite, bench/LOG.md). Older versions are "gone".
-        self.published: PolicySnapshot | None = None
-        self.previous: PolicySnapshot | None = None
         self.version = 0
         # The current version's weights may be this trainer's own, not the swarm's (a
         # parameter round failed and no peer sent state): not checkpointed nor published.
@@ -232,7 +229,6 @@ class Trainer:
             pad_token_id=int(self.tokenizer.pad_token_id or 0),
             compute_dtype=self.compute_dtype,
         )
-        self.published = self._snapshot()
         self.server = Server(
             cfg.net.trainer_endpoint,
             protocol.trainer_request_decoder,
@@ -240,6 +236,15 @@ class Trainer:
             keys,
         )
         cleanup.callback(self.server.close)
+        sealed = None
+        if keys is not None:  # versions are sealed: their chunks need no CURVE
+            sealed = Server(
+                sealed_bind_endpoint(self.server.endpoint),
+                protocol.trainer_request_decoder,
+                cfg.net.max_message_bytes,
+            )
+            cleanup.callback(sealed.close)
+        self.publisher = Publisher(self._snapshot(sealed is not None), cfg.swarm.run_id, sealed)
         self.metrics = MetricsWriter(self.run_dir, "trainer", cfg.log)
         cleanup.callback(self.metrics.close)
         cleanup.callback(self._final_checkpoint)
@@ -249,13 +254,14 @@ class Trainer:
         self.connected = asyncio.Event()  # the directory lists some other node
         self.connected.set()
         self.endpoint = cfg.swarm.announce_endpoint or self.server.endpoint
+        self.publisher.announce(self.endpoint)
         self.maddrs = visible_maddrs(self.dht)
         self.metrics.write(
             {
                 "event": "started",
                 "node_id": self.node_id,
                 "policy_version": self.version,
-                "policy_sha256": self.published.sha256,
+                "policy_sha256": self.publisher.published.sha256,
                 "lineage": self.lineage.id,
                 "lineage_ancestors": self.lineage.ancestors,
                 "joined": bool(cfg.swarm.initial_peers),
@@ -274,9 +280,13 @@ class Trainer:
             print_join_command(self.maddrs, cfg.net.keys)
 
     async def run(self, stop: asyncio.Event) -> None:
+        sealed: dict[str, Coroutine[Any, Any, None]] = {}
+        if self.publisher.sealed is not None:
+            sealed["trainer-serve-sealed"] = self.publisher.serve_sealed()
         await supervise(
             stop,
             {
+                **sealed,
                 "trainer-serve": self._serve(),
                 "trainer-learn": self._learn(stop),
                 "trainer-heartbeat": self._heartbeat(),
@@ -380,24 +390,9 @@ class Trainer:
                     node_id=self.node_id,
                 )
             case protocol.PolicyQuery():
-                snap = self.published
-                assert snap is not None
-                return protocol.PolicyInfo(
-                    version=snap.version,
-                    nbytes=len(snap.blob),
-                    sha256=snap.sha256,
-                    num_chunks=snap.num_chunks,
-                    lineage=self.lineage,
-                )
-            case protocol.WeightChunkRequest(version=version, index=index):
-                for snap in (self.published, self.previous):
-                    if snap is not None and snap.version == version:
-                        if not 0 <= index < snap.num_chunks:
-                            return protocol.Error(code="invalid", message=f"no chunk {index}")
-                        return protocol.WeightChunk(
-                            version=version, index=index, data=snap.chunk(index)
-                        )
-                return protocol.Error(code="gone", message=f"policy version {version} is gone")
+                return self.publisher.info(self.lineage)
+            case protocol.WeightChunkRequest():
+                return self.publisher.chunk(msg)
             case protocol.MetricsRequest():
                 return self.metrics.recent.answer(msg)
         return protocol.Error(code="unknown", message=f"unexpected {type(msg).__name__}")
@@ -666,27 +661,22 @@ class Trainer:
                 "policy_version": self.version,
                 "lineage": self.lineage.id,
                 "lineage_ancestors": self.lineage.ancestors,
-                "policy_sha256": self._published().sha256,
+                "policy_sha256": self.publisher.published.sha256,
             }
         )
 
     async def _publish(self) -> None:
         """Serve the current weights as the current version."""
-        self.previous = self.published
-        self.published = await blocking(self._snapshot)
+        self.publisher.publish(await blocking(self._snapshot, self.publisher.sealed is not None))
 
-    def _snapshot(self) -> PolicySnapshot:
-        """The current version as rollout nodes load it: in the compute dtype (the engine's).
-        Made after each step: the free memory the step left is handed back then."""
-        made = snapshot(
-            self.model, self.version, self.config.net.weight_chunk_bytes, self.compute_dtype
-        )
+    def _snapshot(self, seal: bool) -> PolicySnapshot:
+        """The current version as rollout nodes load it: in the compute dtype (the engine's),
+        sealed with the swarm's keys. Made after each step: the free memory the step left
+        is handed back then."""
+        chunk_bytes = self.config.net.weight_chunk_bytes
+        made = snapshot(self.model, self.version, chunk_bytes, self.compute_dtype, seal)
         memory.trim()
         return made
-
-    def _published(self) -> PolicySnapshot:
-        assert self.published is not None
-        return self.published
 
     async def _settle_doubtful(self) -> None:
         """Look up the marks of the doubtful batches; mark trained the groups of those a
@@ -793,7 +783,7 @@ class Trainer:
                 "lineage": self.lineage.id,
                 "trained_group_ids": [g.group_id for g in groups.trained],
                 "trained_group_versions": [oldest_version(g) for g in groups.trained],
-                "policy_sha256": self._published().sha256,
+                "policy_sha256": self.publisher.published.sha256,
                 "charts/staleness_mean": sum(lags) / len(lags),
                 "charts/staleness_max": max(lags),
                 "perf/s_per_version": now - last,
@@ -899,6 +889,8 @@ class Trainer:
             **{f"counts/{k}": v for k, v in self.counts.items()},
             **{f"counts/swarm_{k}": v for k, v in self.swarm.counts().items()},
             "counts/rejected_messages": self.server.rejected,
+            "counts/sealed_chunks_served": self.publisher.sealed_served,
+            "counts/sealed_requests_refused": self.publisher.sealed_refused,
             "counts/denied_handshakes": self.server.denied,
             **{f"counts/refused_{kind}": n for kind, n in self.server.refused.items()},
         }

@@ -1,7 +1,12 @@
-"""How a rollout node reaches a trainer: its client, and a direct probe of who answers.
+"""How a rollout node reaches a trainer: its client, a direct probe of who answers, and
+the fetch of a policy version's chunks.
 
     rollout node ──trainer_client──▶ Client(endpoint, hello, keys, timeout)   (its usual socket)
                  ──probe──▶ fresh socket ──GroupStatusQuery([])──▶ GroupStatus | None
+                 ──fetch_chunks(PolicyInfo)──▶ CHUNK_WINDOW WeightChunkRequests in flight,
+                   on the sealed endpoint when the version is sealed (node/publisher.py),
+                   else, or for what that endpoint did not give, on the usual socket
+                   ──▶ WeightAssembly.add (unseal, check the hash) off the event loop
 
 A probe is how a rollout node tells a live trainer from a record that outlives its trainer
 (swarm.record_ttl_s): only what answers now, with the lineage it answers with, counts, and
@@ -11,11 +16,27 @@ new node: the one the record named is gone).
 
 from __future__ import annotations
 
+import logging
+
 from agentjet import protocol
+from agentjet.bridge import blocking
 from agentjet.config import Config
 from agentjet.errors import ProtocolError
 from agentjet.identity import NodeKeys
 from agentjet.transport import Client, PeerUnavailable
+from node.weights import WeightAssembly
+
+log = logging.getLogger(__name__)
+
+# Chunk requests in flight: the trainer sends the next chunks while this node checks one.
+CHUNK_WINDOW = 4
+# A sealed endpoint that does not answer this soon (a firewall that lets only the trainer's
+# own port through) is given up for this fetch: the chunks come over the usual socket.
+SEALED_HANDSHAKE_TIMEOUT_S = 5.0
+
+
+class Superseded(Exception):
+    """The version being fetched is gone from its trainer: two steps overtook the fetch."""
 
 
 def trainer_client(
@@ -54,3 +75,49 @@ async def probe(
     finally:
         client.close()
     return reply if isinstance(reply, protocol.GroupStatus) else None
+
+
+async def fetch_chunks(assembly: WeightAssembly, info: protocol.PolicyInfo, client: Client) -> None:
+    """Every chunk `assembly` misses, from the trainer `client` talks to. Raises Superseded,
+    PeerUnavailable, ProtocolError, or ValueError for a chunk the trainer's own socket gave
+    that does not check (nothing of it is kept)."""
+    if info.sealed_endpoint:
+        sealed = Client(
+            info.sealed_endpoint,
+            protocol.trainer_reply_decoder,
+            client.hello,
+            client.max_message_bytes,
+            client.timeout_s,
+            context=client.context,
+        )
+        try:
+            await sealed.handshake(SEALED_HANDSHAKE_TIMEOUT_S)
+            await _stream(assembly, info, sealed)
+        except (PeerUnavailable, ProtocolError, ValueError) as e:
+            log.info(
+                "sealed endpoint %s: %s; the rest of version %d over the trainer's socket",
+                info.sealed_endpoint,
+                e,
+                info.version,
+            )
+        finally:
+            sealed.close()
+    await _stream(assembly, info, client)
+
+
+async def _stream(assembly: WeightAssembly, info: protocol.PolicyInfo, client: Client) -> None:
+    missing = assembly.missing()
+    if not missing:
+        return
+    requests = [
+        protocol.WeightChunkRequest(version=info.version, index=i, ticket=info.ticket)
+        for i in missing
+    ]
+    async for chunk in client.pipelined(requests, CHUNK_WINDOW):
+        match chunk:
+            case protocol.Error(code="gone"):
+                raise Superseded(f"policy version {info.version} is gone")
+            case protocol.WeightChunk(version=version, index=index) if version == info.version:
+                await blocking(assembly.add, index, chunk.data)
+            case _:
+                raise ValueError(f"asked for a chunk of version {info.version}, got {chunk}"[:300])

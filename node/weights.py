@@ -1,32 +1,53 @@
-"""Policy versions as bytes: serialize, checksum, chunk, reassemble, verify, checkpoint.
+"""Policy versions as bytes: serialize, chunk, hash, seal, verify, reassemble, checkpoint.
 
-    trainer: parameters (CPU or GPU) ──to_safetensors: one host buffer──▶ PolicySnapshot(version,
-             blob, sha256) ──chunks──▶ wire
-    rollout: chunks ──WeightAssembly──▶ complete? sha256 ok? ──▶ state_dict ──▶ engine
+    trainer: parameters (CPU or GPU) ──to_safetensors: one host buffer──▶ chunks ──▶ blake3
+             of each (the manifest; its sha256 is the version's checksum) ──▶ with keys,
+             each sealed under the version's own AES-256-GCM key ──▶ PolicySnapshot ──▶ wire
+    rollout: manifest (PolicyInfo, from the trainer over CURVE) ──▶ each chunk as it comes:
+             unseal, hash ok? ──WeightAssembly: joined in order──▶ state_dict ──▶ engine
 
-A rollout node loads a version only when every chunk arrived and the checksum matches.
+A sealed chunk can travel on a socket without CURVE (node/publisher.py): only nodes that
+were given the version's key over CURVE can read it, and its hash in the manifest, not the
+socket it came on, decides whether it is the trainer's. A rollout node loads a version only
+when every chunk arrived and matched.
 Tied parameters (SmolLM2 ties lm_head to the embeddings) travel once: we ship
 `named_parameters()`, which lists a shared tensor under one name only.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
+import mmap
 import os
+import secrets
 import shutil
 import struct
-from dataclasses import dataclass, field
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, cast
 
+import blake3
 import torch
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from agentjet import protocol
 from agentjet.errors import ModelError
 from agentjet.progress import CountingReader, ProgressReport
 
 CHECKPOINT_META = "agentjet.json"
+# A sealed chunk is its plain bytes encrypted with AES-256-GCM, this tag appended.
+SEAL_TAG_BYTES = 16
+SEAL_KEY_BYTES = 32
+CHUNK_HASH_BYTES = 32  # blake3
+TICKET_BYTES = 16
+
+Buffer = bytes | bytearray | memoryview
 # The safetensors format's names of the dtypes policy versions travel in.
 SAFETENSORS_DTYPES = {
     torch.float32: "F32",
@@ -43,27 +64,87 @@ RESUME_STATE = "trainer_state.pt"
 
 @dataclass(frozen=True)
 class PolicySnapshot:
+    """One version as a trainer serves it: its chunks one after another in `stored`, each
+    sealed (AES-256-GCM under the version's own `key`, tag appended) when the swarm has
+    keys, else plain; and its manifest, the blake3 hash of each plain chunk."""
+
     version: int
-    blob: bytearray  # safetensors bytes; never changed once made
-    sha256: str
+    nbytes: int  # of the safetensors bytes
     chunk_bytes: int
+    hashes: tuple[bytes, ...]
+    sha256: str  # manifest_digest(hashes): equal weights, equal digest, whoever made them
+    stored: bytearray  # never changed once made
+    key: bytes = b""  # b"": the chunks are stored plain
+    ticket: bytes = b""  # asked of every request for a sealed chunk on the open socket
 
     @property
     def num_chunks(self) -> int:
-        return max(1, -(-len(self.blob) // self.chunk_bytes))
+        return len(self.hashes)
 
-    def chunk(self, index: int) -> bytes:
-        return bytes(self.blob[index * self.chunk_bytes : (index + 1) * self.chunk_bytes])
+    def chunk(self, index: int) -> memoryview:
+        """Chunk `index` as stored (sealed or plain): a view, not a copy."""
+        stride = self.chunk_bytes + (SEAL_TAG_BYTES if self.key else 0)
+        return memoryview(self.stored)[index * stride : (index + 1) * stride]
 
 
 def snapshot(
-    model: torch.nn.Module, version: int, chunk_bytes: int, dtype: torch.dtype | None = None
+    model: torch.nn.Module,
+    version: int,
+    chunk_bytes: int,
+    dtype: torch.dtype | None = None,
+    seal: bool = False,
 ) -> PolicySnapshot:
-    """The parameters that train (with LoRA: the adapters only) as one checksummed blob,
-    cast to `dtype` on the way (None: as they are)."""
+    """The parameters that train (with LoRA: the adapters only) as one version in chunks,
+    cast to `dtype` on the way (None: as they are), sealed under a fresh key if `seal`."""
     tensors = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
     blob = to_safetensors(tensors, {"policy_version": str(version)}, dtype)
-    return PolicySnapshot(version, blob, hashlib.sha256(blob).hexdigest(), chunk_bytes)
+    return chunked(blob, version, chunk_bytes, seal)
+
+
+def chunked(blob: bytearray, version: int, chunk_bytes: int, seal: bool) -> PolicySnapshot:
+    """`blob` cut into chunks of `chunk_bytes` (the last one shorter), hashed, and sealed
+    into a buffer of their own if `seal` (`blob` is then left to the caller to drop)."""
+    view = memoryview(blob)
+    pieces = [view[i : i + chunk_bytes] for i in range(0, len(blob), chunk_bytes)] or [view]
+    hashes = tuple(chunk_hash(piece) for piece in pieces)
+    if not seal:
+        return PolicySnapshot(
+            version, len(blob), chunk_bytes, hashes, manifest_digest(hashes), blob
+        )
+    key = AESGCM.generate_key(bit_length=256)
+    aead = AESGCM(key)
+    stored = bytearray(len(blob) + SEAL_TAG_BYTES * len(pieces))
+    out = memoryview(stored)
+    offset = 0
+    for index, piece in enumerate(pieces):
+        end = offset + len(piece) + SEAL_TAG_BYTES
+        aead.encrypt_into(seal_nonce(version, index), piece, None, out[offset:end])
+        offset = end
+    out.release()
+    return PolicySnapshot(
+        version,
+        len(blob),
+        chunk_bytes,
+        hashes,
+        manifest_digest(hashes),
+        stored,
+        key,
+        secrets.token_bytes(TICKET_BYTES),
+    )
+
+
+def chunk_hash(data: Buffer) -> bytes:
+    return blake3.blake3(data).digest()
+
+
+def manifest_digest(hashes: Sequence[bytes]) -> str:
+    """A version's checksum: sha256 of its chunks' hashes in order."""
+    return hashlib.sha256(b"".join(hashes)).hexdigest()
+
+
+def seal_nonce(version: int, index: int) -> bytes:
+    """Unique per chunk under a version's key (each version has a key of its own)."""
+    return struct.pack(">QI", version, index)
 
 
 def to_safetensors(
@@ -101,42 +182,122 @@ def to_safetensors(
     return blob
 
 
-@dataclass
+class SpareBuffer:
+    """The buffer of the version a node loaded last, offered to its next fetch of the same
+    size: its pages exist already (writing fresh pages was a third of a SmolLM2-135M fetch
+    on a 2-core box, bench/LOG.md). Taken only once no tensor of it lives: torch holds a
+    reference to a buffer while any tensor on it does, and an engine may keep the tensors
+    it was given (the vLLM engine's CPU copy is them)."""
+
+    def __init__(self) -> None:
+        self._buffer: mmap.mmap | None = None
+
+    def keep(self, buffer: mmap.mmap) -> None:
+        self._buffer = buffer
+
+    def take(self, nbytes: int) -> mmap.mmap | None:
+        buffer, self._buffer = self._buffer, None
+        if buffer is None or len(buffer) != nbytes:
+            return None
+        # `buffer` here and getrefcount's argument: any other reference is a live tensor's
+        return buffer if sys.getrefcount(buffer) == 2 else None
+
+
 class WeightAssembly:
-    """Chunks of one policy version arriving in any order."""
+    """One policy version's chunks, arriving in any order, each written in its place in one
+    buffer: unsealed straight into it (with the version's key) or copied, then checked
+    against its hash in the manifest; a chunk that fails is not counted (the next copy of
+    it overwrites it). The buffer is an anonymous mapping (huge pages where the kernel
+    gives them): pages exist once written, so an announced size allocates nothing, and
+    the whole goes back to the system when the last tensor of it does."""
 
-    version: int
-    nbytes: int
-    sha256: str
-    num_chunks: int
-    chunks: dict[int, bytes] = field(default_factory=dict)
+    def __init__(
+        self,
+        version: int,
+        nbytes: int,
+        chunk_bytes: int,
+        hashes: tuple[bytes, ...],
+        key: bytes,
+        spare: SpareBuffer | None = None,
+    ) -> None:
+        self.version = version
+        self.nbytes = nbytes
+        self.chunk_bytes = chunk_bytes
+        self.hashes = hashes
+        self.key = key
+        self._aead = AESGCM(key) if key else None
+        self.present: set[int] = set()
+        reused = spare.take(nbytes) if spare is not None else None
+        if reused is not None:
+            self.blob = reused
+            return
+        try:
+            self.blob = mmap.mmap(-1, nbytes)
+        except OSError as e:
+            raise ValueError(
+                f"policy version {version}: no room for {nbytes} bytes ({e})"
+            ) from None
+        with contextlib.suppress(AttributeError, OSError):  # no THP: normal pages
+            self.blob.madvise(mmap.MADV_HUGEPAGE)
 
-    def add(self, index: int, data: bytes) -> None:
-        if not 0 <= index < self.num_chunks:
-            raise ValueError(f"chunk {index} outside 0..{self.num_chunks - 1}")
-        self.chunks[index] = data
+    @classmethod
+    def of(cls, info: protocol.PolicyInfo, spare: SpareBuffer | None = None) -> WeightAssembly:
+        """For the version `info` announces; ValueError when its manifest does not hold
+        together (hashes, digest, sizes, key)."""
+        hashes = tuple(info.chunk_hashes)
+        count = len(hashes)
+        if not hashes or any(len(h) != CHUNK_HASH_BYTES for h in hashes):
+            raise ValueError(f"policy version {info.version}: a malformed manifest")
+        if manifest_digest(hashes) != info.sha256:
+            raise ValueError(f"policy version {info.version}: the manifest is not its checksum's")
+        if info.chunk_bytes < 1 or not (
+            (count - 1) * info.chunk_bytes < info.nbytes <= count * info.chunk_bytes
+        ):
+            raise ValueError(
+                f"policy version {info.version}: {count} chunks cannot hold {info.nbytes} bytes"
+            )
+        if len(info.key) not in (0, SEAL_KEY_BYTES):
+            raise ValueError(f"policy version {info.version}: a key of {len(info.key)} bytes")
+        return cls(info.version, info.nbytes, info.chunk_bytes, hashes, info.key, spare)
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.hashes)
 
     def missing(self) -> list[int]:
-        return [i for i in range(self.num_chunks) if i not in self.chunks]
+        return [i for i in range(self.num_chunks) if i not in self.present]
+
+    def add(self, index: int, data: Buffer) -> None:
+        """Chunk `index` as served; ValueError (and it stays missing) when it is not one the
+        version still misses, or does not unseal, or does not match its hash."""
+        if not 0 <= index < self.num_chunks or index in self.present:
+            raise ValueError(f"chunk {index} is not one policy version {self.version} misses")
+        begin = index * self.chunk_bytes
+        size = min(self.chunk_bytes, self.nbytes - begin)
+        sealed_size = size + (SEAL_TAG_BYTES if self._aead else 0)
+        if len(data) != sealed_size:
+            raise ValueError(f"chunk {index}: {len(data)} bytes, not {sealed_size}")
+        with memoryview(self.blob)[begin : begin + size] as place:
+            if self._aead is None:
+                place[:] = data
+            else:
+                try:
+                    self._aead.decrypt_into(seal_nonce(self.version, index), data, None, place)
+                except InvalidTag:
+                    raise ValueError(f"chunk {index} does not unseal with its key") from None
+            if chunk_hash(place) != self.hashes[index]:
+                raise ValueError(f"chunk {index} does not match its hash in the manifest")
+        self.present.add(index)
 
     def finish(self) -> dict[str, torch.Tensor]:
-        """The state dict, or ValueError when incomplete or corrupt (nothing is loaded then).
-        The chunks are copied into one buffer, each dropped as it is copied, and the
-        tensors are views of that buffer: the version is in memory once, not three times
-        (chunks, joined bytes, loaded tensors)."""
-        if self.missing():
+        """The state dict (tensors are views of the one buffer), or ValueError when chunks
+        are missing (nothing is loaded then)."""
+        if len(self.present) < self.num_chunks:
             raise ValueError(f"policy version {self.version}: {len(self.missing())} chunks missing")
-        blob = bytearray()  # grows with the bytes that came, whatever size was announced
-        for index in range(self.num_chunks):
-            blob += self.chunks.pop(index)
-        if len(blob) != self.nbytes:
-            raise ValueError(f"policy version {self.version}: chunks do not add up to its size")
-        if hashlib.sha256(blob).hexdigest() != self.sha256:
-            raise ValueError(f"policy version {self.version}: checksum mismatch")
-        return from_safetensors(blob)
+        return from_safetensors(self.blob)
 
 
-def from_safetensors(blob: bytearray) -> dict[str, torch.Tensor]:
+def from_safetensors(blob: bytearray | mmap.mmap) -> dict[str, torch.Tensor]:
     """The tensors of a safetensors `blob` as views of it (no copy); ValueError when it is
     not one this module writes (a dtype outside SAFETENSORS_DTYPES, offsets outside it)."""
     try:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import os
 import shutil
 import signal
@@ -24,7 +23,9 @@ from typing import Any
 
 import msgspec
 import pytest
+import torch
 import zmq
+from safetensors.torch import load_file as load_safetensors
 
 from agentjet import protocol
 from agentjet.config import load_config, to_toml
@@ -33,6 +34,7 @@ from agentjet.identity import NodeKeys, read_node_keys
 from agentjet.metrics import read_metrics
 from agentjet.protocol import pack_ids
 from agentjet.transport import Client, PeerUnavailable
+from node.trainer_link import fetch_chunks
 from node.weights import WeightAssembly
 from tests.factories import make_group
 
@@ -163,7 +165,7 @@ def raw_request(trainer: Launched, payload: bytes) -> protocol.TrainerReply:
         return protocol.trainer_reply_decoder.decode(sock.recv())
 
 
-def test_trainer_acks_dedupes_rejects_and_serves_weights(trainer: Launched):
+def test_trainer_acks_dedupes_rejects_and_serves_weights(trainer: Launched, tiny_model_dir: Path):
 
     async def scenario() -> None:
         client = await connect(trainer)
@@ -209,17 +211,36 @@ def test_trainer_acks_dedupes_rejects_and_serves_weights(trainer: Launched):
             reply = raw_request(trainer, payload)
             assert isinstance(reply, protocol.Error) and reply.code == "decode"
 
-        # the base policy (version 0) arrives whole and verified
+        # the base policy (version 0) is sealed: its key and manifest come over CURVE, its
+        # chunks from an endpoint without CURVE that gives them only for the version's ticket
         info = await client.request(protocol.PolicyQuery())
-        assert info.version == 0 and info.num_chunks > 1
-        assembly = WeightAssembly(info.version, info.nbytes, info.sha256, info.num_chunks)
-        for index in range(info.num_chunks):
-            chunk = await client.request(protocol.WeightChunkRequest(version=0, index=index))
-            assembly.add(index, chunk.data)
-        blob = b"".join(assembly.chunks[i] for i in range(info.num_chunks))
-        assert hashlib.sha256(blob).hexdigest() == info.sha256
+        assert info.version == 0 and info.num_chunks > 1 and info.key and info.sealed_endpoint
+        stranger = Client(
+            info.sealed_endpoint,
+            protocol.trainer_reply_decoder,
+            protocol.Hello(node_id="stranger", role="rollout"),
+            MAX_MESSAGE_BYTES,
+            REPLY_TIMEOUT_S,
+        )
+        for asked in (
+            protocol.WeightChunkRequest(version=0, index=0),
+            protocol.WeightChunkRequest(version=0, index=0, ticket=bytes(len(info.ticket))),
+            protocol.PolicyQuery(),
+            protocol.SubmitGroup(group=make_group("s")),
+        ):
+            refused = await stranger.request(asked)
+            assert isinstance(refused, protocol.Error), asked
+        sealed = await stranger.request(
+            protocol.WeightChunkRequest(version=0, index=0, ticket=info.ticket)
+        )
+        assert len(sealed.data) == info.chunk_bytes + 16  # ciphertext and its tag
+        stranger.close()
+        # ... and arrives whole and verified, each chunk checked against the manifest
+        assembly = WeightAssembly.of(info)
+        await fetch_chunks(assembly, info, client)
         state = assembly.finish()
-        assert "model.embed_tokens.weight" in state
+        base = load_safetensors(tiny_model_dir / "model.safetensors")
+        assert torch.equal(state["model.embed_tokens.weight"], base["model.embed_tokens.weight"])
         gone = await client.request(protocol.WeightChunkRequest(version=9, index=0))
         assert isinstance(gone, protocol.Error) and gone.code == "gone"
         client.close()

@@ -162,11 +162,11 @@ def test_a_version_travels_in_the_compute_dtype_and_loads_back_exactly(
     model, _ = load_causal_lm(tiny_model_dir)
     for dtype in (None, torch.bfloat16):
         snap = snapshot(model, 3, 1 << 16, dtype)
-        state = load_safetensors(bytes(snap.blob))
+        state = load_safetensors(bytes(snap.stored))  # plain: stored as made
         for name, p in model.named_parameters():
             expected = p.detach() if dtype is None else p.detach().to(dtype)
             assert torch.equal(state[name], expected), name
-        assert b"".join(snap.chunk(i) for i in range(snap.num_chunks)) == snap.blob
+        assert b"".join(snap.chunk(i) for i in range(snap.num_chunks)) == snap.stored
     # Non-contiguous and empty tensors too.
     odd = {"strided": torch.arange(10.0)[::3], "empty": torch.zeros(0, 4)}
     back = load_safetensors(bytes(to_safetensors(odd, {})))

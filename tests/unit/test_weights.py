@@ -1,4 +1,5 @@
-"""node/weights.py: a version's chunks assemble into one buffer, read back without copies."""
+"""node/weights.py: a version's chunks, plain or sealed, each checked against the manifest
+as it arrives, assemble into one buffer and read back without copies."""
 
 from __future__ import annotations
 
@@ -6,11 +7,22 @@ import hashlib
 import json
 import struct
 
+import msgspec
 import pytest
 import torch
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from safetensors.torch import load as load_safetensors
 
-from node.weights import WeightAssembly, from_safetensors, to_safetensors
+from agentjet import protocol
+from node.publisher import Publisher
+from node.weights import (
+    SpareBuffer,
+    WeightAssembly,
+    chunked,
+    from_safetensors,
+    seal_nonce,
+    to_safetensors,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -22,16 +34,20 @@ TENSORS = {
 }
 
 
-def assembly_of(blob: bytearray, chunk: int) -> tuple[WeightAssembly, list[bytes]]:
-    chunks = [bytes(blob[i : i + chunk]) for i in range(0, len(blob), chunk)]
-    digest = hashlib.sha256(blob).hexdigest()
-    return WeightAssembly(4, len(blob), digest, len(chunks)), chunks
+def version(blob: bytearray, chunk: int, seal: bool) -> tuple[protocol.PolicyInfo, list[bytes]]:
+    """What a trainer announces and serves for `blob` (node/publisher.py)."""
+    snap = chunked(bytearray(blob), 4, chunk, seal)
+    info = Publisher(snap, "run").info(protocol.Lineage())
+    return info, [bytes(snap.chunk(i)) for i in range(snap.num_chunks)]
 
 
-def test_chunks_in_any_order_give_what_safetensors_reads_as_views_of_one_buffer() -> None:
+@pytest.mark.parametrize("seal", [False, True])
+def test_chunks_in_any_order_give_what_safetensors_reads_as_views_of_one_buffer(seal: bool) -> None:
     blob = to_safetensors(TENSORS, {"policy_version": "4"})
-    assembly, chunks = assembly_of(blob, 100)
-    for index in reversed(range(len(chunks))):
+    info, chunks = version(blob, 100, seal)
+    assert bool(info.key) == seal and (chunks[0] != blob[:100]) == seal
+    assembly = WeightAssembly.of(info)
+    for index in [*range(1, len(chunks)), 0]:  # all but the first wait for it
         assembly.add(index, chunks[index])
     state = assembly.finish()
     reference = load_safetensors(bytes(blob))
@@ -41,26 +57,72 @@ def test_chunks_in_any_order_give_what_safetensors_reads_as_views_of_one_buffer(
     # No copies: every non-empty tensor lies in one buffer of the version's size.
     pointers = sorted(t.data_ptr() for t in state.values() if t.numel())
     assert pointers[-1] - pointers[0] < len(blob)
-    assert not assembly.chunks  # each chunk was let go once copied
 
 
-def test_a_corrupt_short_long_or_missing_chunk_is_refused() -> None:
+def test_equal_weights_have_equal_checksums_sealed_or_not_and_others_differ() -> None:
     blob = to_safetensors(TENSORS, {})
-    for damage in ("flip", "short", "long", "missing"):
-        assembly, chunks = assembly_of(blob, 100)
-        if damage == "flip":
-            chunks[2] = bytes([chunks[2][0] ^ 1]) + chunks[2][1:]
-        elif damage == "short":
-            chunks[2] = chunks[2][:-1]
-        elif damage == "long":
-            chunks[-1] = chunks[-1] + b"x" * 200
-        for index, data in enumerate(chunks):
-            if not (damage == "missing" and index == 1):
-                assembly.add(index, data)
-        with pytest.raises(ValueError, match="missing|checksum|add up"):
-            assembly.finish()
-    with pytest.raises(ValueError, match="outside"):
-        assembly_of(blob, 100)[0].add(10_000, b"")
+    plain, sealed, again = (
+        version(blob, 100, False),
+        version(blob, 100, True),
+        version(blob, 100, True),
+    )
+    assert plain[0].sha256 == sealed[0].sha256 == again[0].sha256
+    assert sealed[0].key != again[0].key and sealed[1] != again[1]  # a key per version made
+    other = bytearray(blob)
+    other[-1] ^= 1
+    assert version(other, 100, False)[0].sha256 != plain[0].sha256
+    assert plain[0].sha256 == hashlib.sha256(b"".join(plain[0].chunk_hashes)).hexdigest()
+
+
+@pytest.mark.parametrize("seal", [False, True])
+def test_a_bad_chunk_is_refused_alone_and_the_good_one_is_taken_after_it(seal: bool) -> None:
+    blob = to_safetensors(TENSORS, {})
+    info, chunks = version(blob, 100, seal)
+    forged = bytearray(blob[100:200])
+    forged[0] ^= 1
+    bad = {
+        "flipped": bytes([chunks[1][0] ^ 1]) + chunks[1][1:],
+        "short": chunks[1][:-1],
+        "long": chunks[1] + b"x",
+        "another chunk": chunks[2],
+        "another version's key": version(blob, 100, True)[1][1],
+        # a member holds the key: what it seals still has to match the manifest's hash
+        "sealed by a member": (
+            AESGCM(info.key).encrypt(seal_nonce(4, 1), bytes(forged), None)
+            if seal
+            else bytes(forged)
+        ),
+    }
+    assembly = WeightAssembly.of(info)
+    assembly.add(0, chunks[0])
+    for what, data in bad.items():
+        with pytest.raises(ValueError, match="hash|unseal|bytes"):
+            assembly.add(1, data)
+        assert assembly.missing() == list(range(1, len(chunks))), what
+    with pytest.raises(ValueError, match="missing"):
+        assembly.finish()
+    for index in range(1, len(chunks)):
+        assembly.add(index, chunks[index])
+    assert torch.equal(assembly.finish()["embed"], TENSORS["embed"])
+    for index in (0, len(chunks), -1):  # joined already, or no such chunk
+        with pytest.raises(ValueError, match="misses"):
+            assembly.add(index, chunks[0])
+
+
+def test_a_manifest_that_does_not_hold_together_is_refused_before_anything_is_fetched() -> None:
+    info, _ = version(to_safetensors(TENSORS, {}), 100, True)
+    hashes = info.chunk_hashes
+    for broken in (
+        msgspec.structs.replace(info, chunk_hashes=[]),
+        msgspec.structs.replace(info, chunk_hashes=[h[:16] for h in hashes]),
+        msgspec.structs.replace(info, chunk_hashes=hashes[:-1]),  # not its checksum's
+        msgspec.structs.replace(info, nbytes=info.nbytes + 100),  # more than its chunks hold
+        msgspec.structs.replace(info, nbytes=1 << 40),
+        msgspec.structs.replace(info, chunk_bytes=0),
+        msgspec.structs.replace(info, key=b"short"),
+    ):
+        with pytest.raises(ValueError):
+            WeightAssembly.of(broken)
 
 
 def header_blob(header: object, data: bytes = b"\0" * 16) -> bytearray:
@@ -85,3 +147,33 @@ def header_blob(header: object, data: bytes = b"\0" * 16) -> bytearray:
 def test_a_blob_that_is_no_version_of_ours_is_one_value_error(blob: bytearray) -> None:
     with pytest.raises(ValueError):
         from_safetensors(blob)
+
+
+def test_the_last_versions_buffer_is_reused_only_once_no_tensor_of_it_lives() -> None:
+    blob = to_safetensors(TENSORS, {})
+    info, chunks = version(blob, 100, True)
+    spare = SpareBuffer()
+
+    def fetched() -> tuple[WeightAssembly, dict[str, torch.Tensor]]:
+        assembly = WeightAssembly.of(info, spare)
+        for index, data in enumerate(chunks):
+            assembly.add(index, data)
+        return assembly, assembly.finish()
+
+    first, state = fetched()
+    spare.keep(first.blob)
+    buffer = id(first.blob)  # (a name for it would be a reference that keeps it in use)
+    del first
+    kept = state["embed"][3]  # a tensor of it lives on (as in a vLLM engine's copy)
+    del state
+    second, state = fetched()
+    assert id(second.blob) != buffer  # not handed out while `kept` views it
+    assert torch.equal(kept, TENSORS["embed"][3])
+    spare.keep(second.blob)
+    buffer = id(second.blob)
+    del second, state
+    third, state = fetched()
+    assert id(third.blob) == buffer  # nothing of it lived: its pages are used again
+    assert torch.equal(state["embed"], TENSORS["embed"])
+    spare.keep(third.blob)
+    assert spare.take(len(third.blob) + 1) is None  # another size: a fresh buffer

@@ -73,7 +73,7 @@ class PolicySnapshot:
     chunk_bytes: int
     hashes: tuple[bytes, ...]
     sha256: str  # manifest_digest(hashes): equal weights, equal digest, whoever made them
-    stored: bytearray  # never changed once made
+    stored: mmap.mmap | bytearray  # never changed once made
     key: bytes = b""  # b"": the chunks are stored plain
     ticket: bytes = b""  # asked of every request for a sealed chunk on the open socket
 
@@ -101,9 +101,12 @@ def snapshot(
     return chunked(blob, version, chunk_bytes, seal)
 
 
-def chunked(blob: bytearray, version: int, chunk_bytes: int, seal: bool) -> PolicySnapshot:
+def chunked(
+    blob: mmap.mmap | bytearray, version: int, chunk_bytes: int, seal: bool
+) -> PolicySnapshot:
     """`blob` cut into chunks of `chunk_bytes` (the last one shorter), hashed, and sealed
-    into a buffer of their own if `seal` (`blob` is then left to the caller to drop)."""
+    into a buffer of their own if `seal`. Sealing consumes `blob`: a mapping's pages are
+    handed back as each chunk is sealed, so a version is in memory about once, not twice."""
     view = memoryview(blob)
     pieces = [view[i : i + chunk_bytes] for i in range(0, len(blob), chunk_bytes)] or [view]
     hashes = tuple(chunk_hash(piece) for piece in pieces)
@@ -113,13 +116,15 @@ def chunked(blob: bytearray, version: int, chunk_bytes: int, seal: bool) -> Poli
         )
     key = AESGCM.generate_key(bit_length=256)
     aead = AESGCM(key)
-    stored = bytearray(len(blob) + SEAL_TAG_BYTES * len(pieces))
+    stored = anonymous(len(blob) + SEAL_TAG_BYTES * len(pieces))
     out = memoryview(stored)
     offset = 0
     for index, piece in enumerate(pieces):
         end = offset + len(piece) + SEAL_TAG_BYTES
         aead.encrypt_into(seal_nonce(version, index), piece, None, out[offset:end])
         offset = end
+        if isinstance(blob, mmap.mmap):
+            release_pages(blob, index * chunk_bytes, index * chunk_bytes + len(piece))
     out.release()
     return PolicySnapshot(
         version,
@@ -131,6 +136,20 @@ def chunked(blob: bytearray, version: int, chunk_bytes: int, seal: bool) -> Poli
         key,
         secrets.token_bytes(TICKET_BYTES),
     )
+
+
+def anonymous(nbytes: int) -> mmap.mmap:
+    """A private anonymous mapping (pages exist once written; MADV_DONTNEED frees them,
+    which it would not in a shared one)."""
+    return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+
+def release_pages(mapping: mmap.mmap, begin: int, end: int) -> None:
+    """Hand the whole pages of mapping[begin:end] back to the system (they read as zeros)."""
+    page = mmap.PAGESIZE
+    low, high = -(-begin // page) * page, end // page * page
+    if high > low:
+        mapping.madvise(mmap.MADV_DONTNEED, low, high - low)
 
 
 def chunk_hash(data: Buffer) -> bytes:
@@ -149,10 +168,11 @@ def seal_nonce(version: int, index: int) -> bytes:
 
 def to_safetensors(
     tensors: dict[str, torch.Tensor], metadata: dict[str, str], dtype: torch.dtype | None = None
-) -> bytearray:
+) -> mmap.mmap:
     """`tensors` (on any device) in the safetensors format, each copied straight into its
     place in one host buffer: the only host copy, and no whole-model copy on a GPU (a
-    cast or a non-contiguous tensor makes a temporary of that one tensor)."""
+    cast or a non-contiguous tensor makes a temporary of that one tensor). The buffer is an
+    anonymous mapping: its memory goes back to the system when it is dropped."""
     header: dict[str, Any] = {"__metadata__": metadata}
     offset = 0
     for name, tensor in tensors.items():
@@ -166,7 +186,7 @@ def to_safetensors(
         offset += nbytes
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # the format pads the header to 8 bytes with spaces
-    blob = bytearray(8 + len(head) + offset)
+    blob = anonymous(8 + len(head) + offset)
     blob[:8] = struct.pack("<Q", len(head))
     blob[8 : 8 + len(head)] = head
     start = 8 + len(head)
@@ -232,7 +252,7 @@ class WeightAssembly:
             self.blob = reused
             return
         try:
-            self.blob = mmap.mmap(-1, nbytes)
+            self.blob = anonymous(nbytes)
         except OSError as e:
             raise ValueError(
                 f"policy version {version}: no room for {nbytes} bytes ({e})"

@@ -166,7 +166,7 @@ def test_a_version_travels_in_the_compute_dtype_and_loads_back_exactly(
         for name, p in model.named_parameters():
             expected = p.detach() if dtype is None else p.detach().to(dtype)
             assert torch.equal(state[name], expected), name
-        assert b"".join(snap.chunk(i) for i in range(snap.num_chunks)) == snap.stored
+        assert b"".join(snap.chunk(i) for i in range(snap.num_chunks)) == bytes(snap.stored)
     # Non-contiguous and empty tensors too.
     odd = {"strided": torch.arange(10.0)[::3], "empty": torch.zeros(0, 4)}
     back = load_safetensors(bytes(to_safetensors(odd, {})))

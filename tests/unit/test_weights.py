@@ -177,3 +177,15 @@ def test_the_last_versions_buffer_is_reused_only_once_no_tensor_of_it_lives() ->
     assert torch.equal(state["embed"], TENSORS["embed"])
     spare.keep(third.blob)
     assert spare.take(len(third.blob) + 1) is None  # another size: a fresh buffer
+
+
+def test_sealing_hands_back_the_plain_versions_pages_as_it_goes() -> None:
+    """A version is in memory about once while it is sealed, not twice."""
+    blob = to_safetensors({"w": torch.randn(64, 1024)}, {})  # 256 KiB and a header
+    plain = bytes(blob)
+    snap = chunked(blob, 1, 64 << 10, seal=True)
+    assert bytes(blob[: 4 * (64 << 10)]) == bytes(4 * (64 << 10))  # released: zeros
+    assembly = WeightAssembly.of(Publisher(snap, "run").info(protocol.Lineage()))
+    for index in range(snap.num_chunks):
+        assembly.add(index, snap.chunk(index))
+    assert bytes(assembly.blob) == plain

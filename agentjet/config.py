@@ -399,6 +399,10 @@ class NetConfig(_Section):
     max_message_bytes: Annotated[int, Meta(ge=1 << 16)] = 64 << 20
     # Policy weights travel in chunks of this size.
     weight_chunk_bytes: Annotated[int, Meta(ge=1 << 12)] = 8 << 20
+    # With keys, the trainer's sealed endpoint (policy chunks sealed once per version, no
+    # CURVE; node/publisher.py) binds this port on the trainer endpoint's host; 0: any
+    # free one (set it where a firewall must let it through).
+    sealed_port: Annotated[int, Meta(ge=0, le=65535)] = 0
     # Give up on a request after this long and reconnect (lazy-pirate pattern).
     request_timeout_s: PositiveFloat = 30.0
     # The swarm's key file (`agentjet keys init`; `--keys FILE`): every ZMQ socket is

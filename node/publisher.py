@@ -30,12 +30,13 @@ from node.weights import PolicySnapshot
 log = logging.getLogger(__name__)
 
 
-def sealed_bind_endpoint(trainer_endpoint: str) -> str:
-    """Where the sealed endpoint binds: beside the trainer's socket, any free port."""
+def sealed_bind_endpoint(trainer_endpoint: str, port: int = 0) -> str:
+    """Where the sealed endpoint binds: beside the trainer's socket, on `port` (0: any free
+    one; net.sealed_port)."""
     if trainer_endpoint.startswith("ipc://"):
         return trainer_endpoint + ".sealed"
     host = trainer_endpoint.rpartition(":")[0]
-    return f"{host}:*"
+    return f"{host}:{port or '*'}"
 
 
 def announced(bound: str, trainer_announced: str) -> str:

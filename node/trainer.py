@@ -239,7 +239,7 @@ class Trainer:
         sealed = None
         if keys is not None:  # versions are sealed: their chunks need no CURVE
             sealed = Server(
-                sealed_bind_endpoint(self.server.endpoint),
+                sealed_bind_endpoint(self.server.endpoint, cfg.net.sealed_port),
                 protocol.trainer_request_decoder,
                 cfg.net.max_message_bytes,
             )

@@ -1,0 +1,56 @@
+"""node/publisher.py: what a trainer announces of a version, and what its sealed endpoint
+gives to whom."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agentjet import protocol
+from node.publisher import Publisher, announced, sealed_bind_endpoint
+from node.weights import PolicySnapshot, chunked, to_safetensors
+
+pytestmark = pytest.mark.unit
+
+
+def version(number: int, seal: bool) -> PolicySnapshot:
+    return chunked(to_safetensors({"w": torch.ones(3000)}, {}), number, 4096, seal)
+
+
+def test_the_sealed_endpoint_binds_beside_the_trainer_and_is_announced_with_its_host():
+    assert sealed_bind_endpoint("tcp://0.0.0.0:5556") == "tcp://0.0.0.0:*"
+    assert sealed_bind_endpoint("tcp://0.0.0.0:5556", 7001) == "tcp://0.0.0.0:7001"
+    assert sealed_bind_endpoint("ipc:///tmp/t.ipc") == "ipc:///tmp/t.ipc.sealed"
+    assert announced("tcp://0.0.0.0:41234", "tcp://10.0.0.5:5556") == "tcp://10.0.0.5:41234"
+    assert announced("ipc:///tmp/t.ipc.sealed", "ipc:///tmp/t.ipc") == "ipc:///tmp/t.ipc.sealed"
+
+
+def test_only_a_sealed_versions_chunks_with_its_ticket_leave_by_the_sealed_endpoint():
+    publisher = Publisher(version(1, seal=True), "run")
+    publisher.publish(version(2, seal=True))
+    publisher.publish(version(3, seal=True))  # version 1 is gone now
+    info = publisher.info(protocol.Lineage())
+    assert info.version == 3 and info.key and len(info.chunk_hashes) == info.num_chunks == 3
+    ask = protocol.WeightChunkRequest(version=3, index=0, ticket=info.ticket)
+    assert isinstance(publisher.chunk(ask, sealed=True), protocol.WeightChunk)
+    previous_ticket = publisher.previous.ticket if publisher.previous else b""
+    for request, code in [
+        (protocol.WeightChunkRequest(version=3, index=0), "invalid"),  # no ticket
+        (protocol.WeightChunkRequest(version=3, index=0, ticket=previous_ticket), "invalid"),
+        (protocol.WeightChunkRequest(version=3, index=3, ticket=info.ticket), "invalid"),
+        (protocol.WeightChunkRequest(version=1, index=0, ticket=info.ticket), "gone"),
+    ]:
+        reply = publisher.chunk(request, sealed=True)
+        assert isinstance(reply, protocol.Error) and reply.code == code, request
+    # over CURVE (the trainer's own socket) no ticket is asked; the version before still serves
+    assert isinstance(
+        publisher.chunk(protocol.WeightChunkRequest(version=2, index=1)), protocol.WeightChunk
+    )
+
+
+def test_a_plain_version_is_never_served_on_the_sealed_endpoint():
+    publisher = Publisher(version(1, seal=False), "run")
+    info = publisher.info(protocol.Lineage())
+    assert not info.key and not info.sealed_endpoint
+    reply = publisher.chunk(protocol.WeightChunkRequest(version=1, index=0), sealed=True)
+    assert isinstance(reply, protocol.Error) and reply.code == "invalid"

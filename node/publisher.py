@@ -21,13 +21,10 @@ gave it away) they get ciphertext.
 from __future__ import annotations
 
 import hmac
-import logging
 
 from agentjet import protocol
 from agentjet.transport import Server
 from node.weights import PolicySnapshot
-
-log = logging.getLogger(__name__)
 
 
 def sealed_bind_endpoint(trainer_endpoint: str, port: int = 0) -> str:

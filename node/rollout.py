@@ -841,7 +841,7 @@ class Rollout:
             self.ready_weights = None  # (one fetched meanwhile is newer: the next batch's)
         del state, ready
         self.spare_weights.keep(buffer)  # for the next fetch, once no tensor of it lives
-        del buffer
+        del buffer  # (a name of it here would keep the next fetch from taking it)
         if lineage != self.lineage:
             log.info(
                 "policy lineage %s -> %s (version %d)",

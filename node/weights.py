@@ -4,7 +4,8 @@
              of each (the manifest; its sha256 is the version's checksum) ──▶ with keys,
              each sealed under the version's own AES-256-GCM key ──▶ PolicySnapshot ──▶ wire
     rollout: manifest (PolicyInfo, from the trainer over CURVE) ──▶ each chunk as it comes:
-             unseal, hash ok? ──WeightAssembly: joined in order──▶ state_dict ──▶ engine
+             WeightAssembly: unsealed into its place in one buffer, hash ok? ──▶ state_dict
+             (views of that buffer) ──▶ engine
 
 A sealed chunk can travel on a socket without CURVE (node/publisher.py): only nodes that
 were given the version's key over CURVE can read it, and its hash in the manifest, not the
@@ -16,7 +17,6 @@ Tied parameters (SmolLM2 ties lm_head to the embeddings) travel once: we ship
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import math
@@ -227,9 +227,9 @@ class WeightAssembly:
     """One policy version's chunks, arriving in any order, each written in its place in one
     buffer: unsealed straight into it (with the version's key) or copied, then checked
     against its hash in the manifest; a chunk that fails is not counted (the next copy of
-    it overwrites it). The buffer is an anonymous mapping (huge pages where the kernel
-    gives them): pages exist once written, so an announced size allocates nothing, and
-    the whole goes back to the system when the last tensor of it does."""
+    it overwrites it). The buffer is an anonymous mapping: pages exist once written, so an
+    announced size allocates nothing, and the whole goes back to the system when the last
+    tensor of it does."""
 
     def __init__(
         self,
@@ -244,7 +244,6 @@ class WeightAssembly:
         self.nbytes = nbytes
         self.chunk_bytes = chunk_bytes
         self.hashes = hashes
-        self.key = key
         self._aead = AESGCM(key) if key else None
         self.present: set[int] = set()
         reused = spare.take(nbytes) if spare is not None else None
@@ -257,8 +256,6 @@ class WeightAssembly:
             raise ValueError(
                 f"policy version {version}: no room for {nbytes} bytes ({e})"
             ) from None
-        with contextlib.suppress(AttributeError, OSError):  # no THP: normal pages
-            self.blob.madvise(mmap.MADV_HUGEPAGE)
 
     @classmethod
     def of(cls, info: protocol.PolicyInfo, spare: SpareBuffer | None = None) -> WeightAssembly:

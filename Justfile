@@ -109,6 +109,11 @@ bench-sched-sim *ARGS: ensure
 bench-swarm *ARGS: ensure
     {{bin}}/python bench/swarm.py {{ARGS}}
 
+# A new policy version to 1, 2, 4, 8 rollout nodes over tc-limited links (root), relays on and
+# off: time until all hold it, bytes the trainer sent (writes bench/results/relay.json)
+bench-relay *ARGS: ensure
+    {{bin}}/python bench/relay.py {{ARGS}}
+
 # Honest vs forged sampler logprobs: the learner's gap by policy lag (writes bench/results/logprob_gap.json)
 bench-logprob-gap *ARGS: ensure
     {{bin}}/python bench/logprob_gap.py {{ARGS}}

@@ -403,6 +403,11 @@ class NetConfig(_Section):
     # CURVE; node/publisher.py) binds this port on the trainer endpoint's host; 0: any
     # free one (set it where a firewall must let it through).
     sealed_port: Annotated[int, Meta(ge=0, le=65535)] = 0
+    # A rollout node in a swarm serves the chunks of the policy version it holds to the
+    # other rollout nodes (node/relay.py), so a trainer sends each chunk about once, not
+    # once per node. It binds `relay_port` (0: any free one) on the host its DHT announces.
+    relay: bool = True
+    relay_port: Annotated[int, Meta(ge=0, le=65535)] = 0
     # Give up on a request after this long and reconnect (lazy-pirate pattern).
     request_timeout_s: PositiveFloat = 30.0
     # The swarm's key file (`agentjet keys init`; `--keys FILE`): every ZMQ socket is

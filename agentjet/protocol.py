@@ -19,7 +19,7 @@ Schema evolution: add fields at the end, with defaults.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
 import msgspec
@@ -39,7 +39,9 @@ import numpy as np
 # 10: policy versions with a manifest (PolicyInfo.chunk_hashes; sha256 is the manifest's),
 #    sealed chunks and their endpoint without CURVE (PolicyInfo.key, .ticket,
 #    .sealed_endpoint; WeightChunkRequest.ticket).
-PROTOCOL_VERSION = 10
+# 11: relays (node/relay.py): a rollout node's NodeRecord.endpoint is its relay, which
+#    answers chunk requests, or Error code "absent"; PolicyQuery.manifest.
+PROTOCOL_VERSION = 11
 
 # Earlier lineages a Lineage remembers (one per trainer restart from a checkpoint).
 MAX_ANCESTORS = 16
@@ -115,8 +117,9 @@ class Error(_Msg, tag="error"):
     # busy: the trainer's queue is full, offer the group again later. gone: the trainer a
     # request named is not the one at that endpoint (SubmitGroup.trainer_id). denied: the
     # sender is no member of the swarm (agentjet/transport.py: its certificate was refused,
-    # it presented none, or the message names another node).
-    code: Literal["decode", "version", "invalid", "unknown", "busy", "gone", "denied"]
+    # it presented none, or the message names another node). absent: a relay (node/relay.py)
+    # holds the version, not that chunk yet (a relay says "gone" of a version it holds not).
+    code: Literal["decode", "version", "invalid", "unknown", "busy", "gone", "denied", "absent"]
     message: str
 
 
@@ -302,13 +305,21 @@ class Lineage(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=T
         this lineage (peers may be ahead), an ancestor's up to the fork."""
         return lineage_id == self.id or self.holds(lineage_id, version, newest=-1)
 
-    def supersedes(self, version: int, current: Lineage, current_version: int) -> bool:
+    def supersedes(
+        self, version: int, current: Lineage, current_version: int, live: Iterable[Lineage]
+    ) -> bool:
         """Whether a rollout node holding `current_version` of `current` should load this
         lineage's `version`: a newer version of the same lineage, or any version of
-        another lineage unless `current` grew from it (a node never goes back)."""
+        another lineage unless `current` grew from it (a node never goes back) while a
+        trainer in `live` (the live trainers' lineages) still trains `current` or a lineage
+        grown from it. A lineage none of them continues is abandoned (seen: a trainer
+        resumed from its checkpoint, served that fork for 2 s, then took the swarm's
+        weights of the lineage the fork grew from): the node follows the live ones."""
         if self.id == current.id:
             return version > current_version
-        return self.id not in current.ancestors
+        if self.id not in current.ancestors:
+            return True
+        return not any(t.id == current.id or current.id in t.ancestors for t in live)
 
     def fork(self, version: int, counter: int = 0) -> Lineage:
         """The lineage that starts from this one's weights `version` (`counter`: the how
@@ -386,7 +397,9 @@ class GroupStatus(_Msg, tag="group_status"):
 
 
 class PolicyQuery(_Msg, tag="policy_query"):
-    pass
+    # False: the answer leaves out the manifest, key and ticket (a rollout node's poll for a
+    # newer version: a manifest is 32 bytes per chunk, 2 KB for SmolLM2-135M in 8 MiB chunks).
+    manifest: bool = True
 
 
 class PolicyInfo(_Msg, tag="policy_info"):
@@ -448,9 +461,10 @@ class GpuStats(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 class NodeRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """What a node says about itself in the swarm's DHT, refreshed every heartbeat.
 
-    `endpoint` is the ZMQ endpoint others connect to (coordinator, trainer; "" for a
-    rollout node). `queue` is a trainer's queued groups or a rollout node's unacknowledged
-    ones; `capacity` the most it holds (trainer.max_queued_groups, rollout.max_unacked_groups).
+    `endpoint` is the ZMQ endpoint others connect to: a coordinator's or trainer's socket, a
+    rollout node's relay (node/relay.py; "" when it serves none). `queue` is a trainer's
+    queued groups or a rollout node's unacknowledged ones; `capacity` the most it holds
+    (trainer.max_queued_groups, rollout.max_unacked_groups).
     """
 
     node_id: str

@@ -351,7 +351,7 @@ async def answer_requests(server: Server, publisher: Publisher) -> None:
             case protocol.Hello():
                 reply = protocol.answer_hello(msg, "bench", publisher.published.version)
             case protocol.PolicyQuery():
-                reply = publisher.info(protocol.Lineage())
+                reply = publisher.info(protocol.Lineage(), msg.manifest)
             case protocol.WeightChunkRequest():
                 reply = publisher.chunk(msg)
             case _:
@@ -456,14 +456,15 @@ class Child:
 class Children:
     """Starts this script's child roles, reads their messages, and reaps them all by PID."""
 
-    def __init__(self, log_dir: Path) -> None:
+    def __init__(self, log_dir: Path, script: str = __file__) -> None:
         self.log_dir = log_dir
+        self.script = str(Path(script).resolve())  # run as `script --child ROLE --settings J`
         self.children: list[Child] = []
 
     def start(
         self, name: str, role: str, settings: dict[str, Any], netns: str | None = None
     ) -> Child:
-        argv = [sys.executable, str(Path(__file__).resolve()), "--child", role]
+        argv = [sys.executable, self.script, "--child", role]
         argv += ["--settings", json.dumps(settings)]
         child = Child(name, argv, self.log_dir / f"{name}.log", netns)
         self.children.append(child)

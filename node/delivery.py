@@ -114,6 +114,14 @@ class Ledger:
         least = min(backlog(t) for t in ready)
         return self.rng.choice([t for t in ready if backlog(t) == least])
 
+    def offering(self, pending: Pending, trainer: TrainerPeer) -> None:
+        """`pending` is about to be sent to `trainer`: its name goes on disk first. A node
+        killed before the answer (or after an offer that went unanswered) then offers the
+        group to that trainer alone after its restart, which may have queued it (seen in
+        the fault suite: offered anywhere again, two trainers trained it in one step)."""
+        if self.spool is not None:
+            self.spool.hold(pending.group.group_id, trainer.node_id)
+
     def offered(self, pending: Pending, trainer: TrainerPeer, reply: object, now: float) -> str:
         """Record a trainer's answer to SubmitGroup; returns what happened, for counting."""
         match reply:

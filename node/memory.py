@@ -13,7 +13,10 @@ while it forks: those pages are not mapped in the child at all, so it cannot hol
 and a child that touched one would fault at once instead of reading stale values. The
 marks are lifted when the fork is done, so later forks see the memory as usual. Only the
 page-aligned interior of each storage is marked: the allocator's bookkeeping around it
-stays mapped. Tensors in shared memory (what an averager works on) are left alone.
+stays mapped. Tensors in shared memory (what an averager works on) are left alone. The
+heap's free pages are handed back (`trim`) before the fork too: inherited, they became the
+child's own as the parent allocated there (each averager 450-610 MB of PSS after three
+minutes of `agentjet local`, 210-220 MB with the trim; bench/LOG.md).
 
 `trim()` hands free heap pages back (glibc's malloc_trim). glibc serves allocations below
 its mmap threshold, which rises to 32 MB as large blocks are freed, from its arenas, and
@@ -82,6 +85,9 @@ def left_behind(ranges: list[tuple[int, int]] | None = None) -> Iterator[None]:
     """Processes forked inside the block do not inherit `ranges` (default: `private_ranges()`)."""
     ranges = private_ranges() if ranges is None else ranges
     _advise(ranges, MADV_DONTFORK)
+    # Free heap pages handed back first: else the child inherits them, and as the parent
+    # allocates there it keeps their old contents as its own.
+    trim()
     try:
         yield
     finally:

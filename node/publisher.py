@@ -1,14 +1,17 @@
 """The policy versions a trainer serves, and its sealed endpoint: chunks without CURVE.
 
     trainer ──publish(snapshot), after each step──▶ Publisher: the newest and the one before
-    PolicyQuery         ──▶ info(): the manifest (node/weights.py); with the swarm's keys
-                            also the version's key, its ticket and the sealed endpoint
+    PolicyQuery         ──▶ info(): the newest version with its manifest (node/weights.py;
+                            with the swarm's keys also its key, its ticket and the sealed
+                            endpoint), or without (PolicyQuery.manifest false: a poll)
     WeightChunkRequest  ──▶ chunk(): as stored (sealed with keys)
     sealed endpoint     a ROUTER without CURVE (with keys only): Hello, and
                         WeightChunkRequest carrying its version's ticket; nothing else
 
 Two versions, so that a fetch one step overtook still finishes (one that two steps
-overtook is told "gone" and starts again on the newest).
+overtook is told "gone" and starts again on the newest). The older one is let go before
+the next is made (`retire`), not after, so a trainer holds two versions at most, not three
+(513 MB less for SmolLM2-135M at its peak); its fetches lose the ~1 s the next one takes.
 
 Why a socket without CURVE: CURVE encrypts every byte as it is sent (~230 MB/s on a
 2-core box, 2.3 s per SmolLM2-135M version per rollout node); a sealed version is
@@ -57,23 +60,30 @@ class Publisher:
         if self.sealed is not None:
             self.sealed_endpoint = announced(self.sealed.endpoint, trainer_announced)
 
+    def retire(self) -> None:
+        """Let the version before the newest go: call it before making the next."""
+        self.previous = None
+
     def publish(self, snap: PolicySnapshot) -> None:
         self.previous, self.published = self.published, snap
 
-    def info(self, lineage: protocol.Lineage) -> protocol.PolicyInfo:
+    def info(self, lineage: protocol.Lineage, manifest: bool = True) -> protocol.PolicyInfo:
+        """The newest version; without `manifest`, only what tells it from others (no chunk
+        hashes, key or ticket: what a poll for a newer version needs)."""
         snap = self.published
-        return protocol.PolicyInfo(
+        info = protocol.PolicyInfo(
             version=snap.version,
             nbytes=snap.nbytes,
             sha256=snap.sha256,
             num_chunks=snap.num_chunks,
             lineage=lineage,
             chunk_bytes=snap.chunk_bytes,
-            chunk_hashes=list(snap.hashes),
-            key=snap.key,
-            ticket=snap.ticket,
-            sealed_endpoint=self.sealed_endpoint if snap.key else "",
         )
+        if manifest:
+            info.chunk_hashes = list(snap.hashes)
+            info.key, info.ticket = snap.key, snap.ticket
+            info.sealed_endpoint = self.sealed_endpoint if snap.key else ""
+        return info
 
     def chunk(
         self, request: protocol.WeightChunkRequest, sealed: bool = False

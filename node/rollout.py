@@ -60,9 +60,10 @@ from node.gpu_monitor import metrics as gpu_metrics
 from node.held_out import HeldOut
 from node.lora import AdapterMerger
 from node.model import resolve_model
+from node.relay import RelayPeer, RelayServer, fetch_relayed, open_relay, relay_peers
 from node.spool import Spool, SpoolFull
 from node.swarm import Directory, start_dht, visible_maddrs
-from node.trainer_link import Superseded, answers, fetch_chunks, probe, trainer_client
+from node.trainer_link import Superseded, answers, probe, trainer_client
 from node.trajectory_log import TrajectoryLog
 from node.weights import SpareBuffer, WeightAssembly
 from sandboxes.envs import Environment, PromptEnv, make_env
@@ -225,12 +226,19 @@ class Rollout:
         self.hello = protocol.Hello(node_id=self.node_id, role="rollout")
         cleanup.callback(self._close_clients)
         self.directory: Directory | None = None
+        self.relay: RelayServer | None = None  # serves what this node holds to its peers
+        self.relays: list[RelayPeer] = []  # the other rollout nodes' relays
         if cfg.swarm.initial_peers:
             dht = start_dht(cfg.swarm, self.keys)
             cleanup.callback(dht.shutdown)
             self.directory = Directory(dht, cfg.swarm, self.keys)
             cleanup.callback(self.directory.withdraw, self.node_id)
             self.maddrs = visible_maddrs(dht)
+            # a peer asking for a newer version than this node holds: fetch it now
+            newer = self.newer_policy.set
+            self.relay = open_relay(cfg.net, self.maddrs, cfg.swarm.run_id, newer)
+            if self.relay is not None:
+                cleanup.callback(self.relay.close)
             self._discover_once()
         else:
             self._connect_coordinator(cfg.coordinator.endpoint)
@@ -327,6 +335,7 @@ class Rollout:
                     "rollout-weights": self._sync_weights(),
                     "rollout-heartbeat": self._heartbeat(),
                     **({"rollout-discover": self._discover()} if self.directory else {}),
+                    **({"rollout-relay": self.relay.serve()} if self.relay else {}),
                 },
             )
         finally:
@@ -529,6 +538,7 @@ class Rollout:
         # A trainer from the directory is asked by its node id (a trainer restarted on its
         # endpoint is another); the one trainer of a config without --join is unnamed.
         addressed = "" if trainer.node_id == STATIC_TRAINER else trainer.node_id
+        self.ledger.offering(pending, trainer)
         try:
             reply = await self.clients[trainer.node_id].request(
                 protocol.SubmitGroup(group=pending.group, trainer_id=addressed)
@@ -601,6 +611,7 @@ class Rollout:
             protocol.NodeRecord(
                 node_id=self.node_id,
                 role="rollout",
+                endpoint=self.relay.endpoint if self.relay else "",
                 maddrs=self.maddrs,
                 policy_version=self.engine.policy_version,
                 queue=len(self.ledger),
@@ -634,6 +645,7 @@ class Rollout:
     async def _apply_records(self, records: list[protocol.NodeRecord]) -> None:
         if not any(r.node_id == self.node_id for r in records):
             return  # our own record is missing: this read is not to be trusted
+        self.relays = relay_peers(records, self.node_id)
         for trainer_id in self._apply_trainers(records, now=time.monotonic()):
             trainer = self.trainers[trainer_id]
             if await answers(trainer.endpoint, trainer_id, self.hello, self.config, self.keys):
@@ -801,16 +813,22 @@ class Rollout:
         if client is None:  # gone while an earlier source was asked
             return False
         try:
-            info = await client.request(protocol.PolicyQuery())
-            if not isinstance(info, protocol.PolicyInfo):
-                return True
             lineage, version = self.lineage, self.engine.policy_version
             if self.ready_weights is not None:
                 lineage, version = self.ready_weights[0], self.ready_weights[1]
-            if not info.lineage.supersedes(info.version, lineage, version):
-                return True
+            for manifest in (False, True):  # a poll; the manifest only of a newer version
+                info = await client.request(protocol.PolicyQuery(manifest=manifest))
+                if not isinstance(info, protocol.PolicyInfo):
+                    return True
+                live = [t.lineage for t in self.trainers.values()]
+                if not info.lineage.supersedes(info.version, lineage, version, live):
+                    return True
+            if self.relay is not None:
+                self.relay.drop()  # before its buffer is reused for this version
             assembly = WeightAssembly.of(info, self.spare_weights)
-            await fetch_chunks(assembly, info, client)
+            if self.relay is not None:
+                self.relay.hold(assembly, info.ticket)
+            fetched = await fetch_relayed(assembly, info, client, self.node_id, self.relays)
             state = await blocking(assembly.finish)
             if self.merger is not None:  # LoRA: adapters arrive, this engine takes weights
                 state = await blocking(self.merger.merge, state, self.engine.state_dict())
@@ -824,7 +842,20 @@ class Rollout:
             return False
         self.ready_weights = (info.lineage, info.version, info.sha256, state, assembly.blob)
         self.metrics.write(
-            {"event": "weights_fetched", "policy_version": info.version, "lineage": info.lineage.id}
+            {
+                "event": "weights_fetched",
+                "policy_version": info.version,
+                "lineage": info.lineage.id,
+                "chunks_from_trainer": fetched.from_trainer,
+                "chunks_from_relays": fetched.from_relays,
+                "relays_given_up": len(fetched.relay_failures),
+                # what this node's relay did for the others, since it started
+                **(
+                    {"relay/served": self.relay.served, "relay/refused": self.relay.refused}
+                    if self.relay
+                    else {}
+                ),
+            }
         )
         return True
 

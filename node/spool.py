@@ -56,6 +56,7 @@ class Spool:
             ) from None
         self.sizes: dict[str, int] = {}  # file name -> bytes, for every spooled group
         self.nbytes = 0  # their sum (asked before every batch and every write)
+        self.holders: dict[str, str] = {}  # file name -> the trainer its .holder names
         self.corrupt = 0
 
     def full(self) -> bool:
@@ -82,7 +83,10 @@ class Spool:
                 continue
             self.nbytes += len(data) - self.sizes.get(path.name, 0)
             self.sizes[path.name] = len(data)
-            groups.append((group, self._holder(path)))
+            holder = self._holder(path)
+            if holder is not None:
+                self.holders[path.name] = holder
+            groups.append((group, holder))
         for stale_tmp in self.directory.glob("*.tmp"):  # a write cut short by a crash
             stale_tmp.unlink()
         for orphan in self.directory.glob("*.holder"):  # its group was removed first
@@ -120,8 +124,9 @@ class Spool:
         """Note that `trainer_id` accepted the group (atomic; no fsync: a crash that loses
         the note leaves a window as short as the write)."""
         name = _file_name(group_id)
-        if name not in self.sizes:
-            return
+        if name not in self.sizes or self.holders.get(name) == trainer_id:
+            return  # (offered, then accepted by that trainer: written once)
+        self.holders[name] = trainer_id
         path = (self.directory / name).with_suffix(".holder")
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(trainer_id[:MAX_HOLDER_BYTES])
@@ -130,6 +135,7 @@ class Spool:
     def remove(self, group_id: str) -> None:
         name = _file_name(group_id)
         size = self.sizes.pop(name, None)
+        self.holders.pop(name, None)
         if size is not None:
             self.nbytes -= size
             (self.directory / name).with_suffix(".holder").unlink(missing_ok=True)

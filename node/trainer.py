@@ -390,7 +390,7 @@ class Trainer:
                     node_id=self.node_id,
                 )
             case protocol.PolicyQuery():
-                return self.publisher.info(self.lineage)
+                return self.publisher.info(self.lineage, msg.manifest)
             case protocol.WeightChunkRequest():
                 return self.publisher.chunk(msg)
             case protocol.MetricsRequest():
@@ -667,6 +667,7 @@ class Trainer:
 
     async def _publish(self) -> None:
         """Serve the current weights as the current version."""
+        self.publisher.retire()  # (its memory is free for the next version)
         self.publisher.publish(await blocking(self._snapshot, self.publisher.sealed is not None))
 
     def _snapshot(self, seal: bool) -> PolicySnapshot:

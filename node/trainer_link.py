@@ -77,47 +77,84 @@ async def probe(
     return reply if isinstance(reply, protocol.GroupStatus) else None
 
 
+def plain_client(endpoint: str, like: Client) -> Client:
+    """A client of `endpoint` without CURVE, saying the same Hello as `like` (a trainer's
+    sealed endpoint, a relay: they serve sealed chunks, or plain ones without keys)."""
+    return Client(
+        endpoint,
+        protocol.trainer_reply_decoder,
+        like.hello,
+        like.max_message_bytes,
+        like.timeout_s,
+        context=like.context,
+    )
+
+
 async def fetch_chunks(assembly: WeightAssembly, info: protocol.PolicyInfo, client: Client) -> None:
     """Every chunk `assembly` misses, from the trainer `client` talks to. Raises Superseded,
     PeerUnavailable, ProtocolError, or ValueError for a chunk the trainer's own socket gave
     that does not check (nothing of it is kept)."""
-    if info.sealed_endpoint:
-        sealed = Client(
-            info.sealed_endpoint,
-            protocol.trainer_reply_decoder,
-            client.hello,
-            client.max_message_bytes,
-            client.timeout_s,
-            context=client.context,
-        )
-        try:
-            await sealed.handshake(SEALED_HANDSHAKE_TIMEOUT_S)
-            await _stream(assembly, info, sealed)
-        except (PeerUnavailable, ProtocolError, ValueError) as e:
-            log.info(
-                "sealed endpoint %s: %s; the rest of version %d over the trainer's socket",
-                info.sealed_endpoint,
-                e,
-                info.version,
-            )
-        finally:
-            sealed.close()
-    await _stream(assembly, info, client)
+    source = TrainerSource(info, client)
+    try:
+        await source.fetch(assembly, assembly.missing())
+    finally:
+        source.close()
 
 
-async def _stream(assembly: WeightAssembly, info: protocol.PolicyInfo, client: Client) -> None:
-    missing = assembly.missing()
-    if not missing:
-        return
-    requests = [
-        protocol.WeightChunkRequest(version=info.version, index=i, ticket=info.ticket)
-        for i in missing
-    ]
-    async for chunk in client.pipelined(requests, CHUNK_WINDOW):
-        match chunk:
-            case protocol.Error(code="gone"):
-                raise Superseded(f"policy version {info.version} is gone")
-            case protocol.WeightChunk(version=version, index=index) if version == info.version:
-                await blocking(assembly.add, index, chunk.data)
-            case _:
-                raise ValueError(f"asked for a chunk of version {info.version}, got {chunk}"[:300])
+class TrainerSource:
+    """The chunks of one version from its trainer, for one fetch: on the sealed endpoint
+    while it serves, else, and for what it did not give, on the trainer's own socket. Asked
+    once or several times (node/relay.py asks for what relays did not give)."""
+
+    def __init__(
+        self, info: protocol.PolicyInfo, client: Client, window: int = CHUNK_WINDOW
+    ) -> None:
+        self.info = info
+        self.client = client
+        self.window = window
+        self.sealed = plain_client(info.sealed_endpoint, client) if info.sealed_endpoint else None
+        self.received = 0  # chunks this trainer gave
+
+    async def fetch(self, assembly: WeightAssembly, indices: list[int]) -> None:
+        """Chunks `indices` of those `assembly` still misses."""
+        if self.sealed is not None:
+            try:
+                await self.sealed.handshake(SEALED_HANDSHAKE_TIMEOUT_S)
+                await self._stream(assembly, indices, self.sealed)
+            except (PeerUnavailable, ProtocolError, ValueError) as e:
+                log.info(
+                    "sealed endpoint %s: %s; the rest of version %d over the trainer's socket",
+                    self.info.sealed_endpoint,
+                    e,
+                    self.info.version,
+                )
+                self.sealed.close()
+                self.sealed = None
+        await self._stream(assembly, indices, self.client)
+
+    async def _stream(self, assembly: WeightAssembly, indices: list[int], client: Client) -> None:
+        info = self.info
+        missing = set(assembly.missing())
+        requests = [
+            protocol.WeightChunkRequest(version=info.version, index=i, ticket=info.ticket)
+            for i in indices
+            if i in missing
+        ]
+        if not requests:
+            return
+        async for chunk in client.pipelined(requests, self.window):
+            match chunk:
+                case protocol.Error(code="gone"):
+                    raise Superseded(f"policy version {info.version} is gone")
+                case protocol.WeightChunk(version=version, index=index) if (
+                    version == info.version and index in missing
+                ):
+                    self.received += await blocking(assembly.add, index, chunk.data)
+                case _:
+                    raise ValueError(
+                        f"asked for a chunk of version {info.version}, got {chunk}"[:300]
+                    )
+
+    def close(self) -> None:
+        if self.sealed is not None:
+            self.sealed.close()

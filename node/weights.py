@@ -26,6 +26,7 @@ import secrets
 import shutil
 import struct
 import sys
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -245,7 +246,9 @@ class WeightAssembly:
         self.chunk_bytes = chunk_bytes
         self.hashes = hashes
         self._aead = AESGCM(key) if key else None
-        self.present: set[int] = set()
+        self.present: set[int] = set()  # chunks written and checked
+        self._claimed: set[int] = set()  # chunks being written (by a bridge thread)
+        self._lock = threading.Lock()
         reused = spare.take(nbytes) if spare is not None else None
         if reused is not None:
             self.blob = reused
@@ -284,11 +287,25 @@ class WeightAssembly:
     def missing(self) -> list[int]:
         return [i for i in range(self.num_chunks) if i not in self.present]
 
-    def add(self, index: int, data: Buffer) -> None:
-        """Chunk `index` as served; ValueError (and it stays missing) when it is not one the
-        version still misses, or does not unseal, or does not match its hash."""
-        if not 0 <= index < self.num_chunks or index in self.present:
-            raise ValueError(f"chunk {index} is not one policy version {self.version} misses")
+    def add(self, index: int, data: Buffer) -> bool:
+        """Chunk `index` as served (sealed or plain); False, and nothing written, when it is
+        here already or being added from another source (relays and the trainer may both
+        send it; node/relay.py); ValueError, and it stays missing, when it is no chunk of
+        this version or does not unseal or does not match its hash."""
+        if not 0 <= index < self.num_chunks:
+            raise ValueError(f"policy version {self.version} has no chunk {index}")
+        with self._lock:
+            if index in self.present or index in self._claimed:
+                return False
+            self._claimed.add(index)
+        try:
+            self._write(index, data)
+        finally:
+            with self._lock:
+                self._claimed.discard(index)
+        return True
+
+    def _write(self, index: int, data: Buffer) -> None:
         begin = index * self.chunk_bytes
         size = min(self.chunk_bytes, self.nbytes - begin)
         sealed_size = size + (SEAL_TAG_BYTES if self._aead else 0)
@@ -304,7 +321,21 @@ class WeightAssembly:
                     raise ValueError(f"chunk {index} does not unseal with its key") from None
             if chunk_hash(place) != self.hashes[index]:
                 raise ValueError(f"chunk {index} does not match its hash in the manifest")
-        self.present.add(index)
+        with self._lock:
+            self.present.add(index)
+
+    def served(self, index: int) -> bytes | None:
+        """Chunk `index` as its trainer serves it, for a relay (node/relay.py): sealed again
+        under the version's key (AES-GCM under one key and nonce turns equal bytes into
+        equal bytes: the trainer's very chunk), or a copy of the plain one; None while this
+        node does not hold it."""
+        if index not in self.present:
+            return None
+        begin = index * self.chunk_bytes
+        with memoryview(self.blob)[begin : min(begin + self.chunk_bytes, self.nbytes)] as plain:
+            if self._aead is None:
+                return bytes(plain)
+            return self._aead.encrypt(seal_nonce(self.version, index), plain, None)
 
     def finish(self) -> dict[str, torch.Tensor]:
         """The state dict (tensors are views of the one buffer), or ValueError when chunks

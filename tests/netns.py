@@ -110,6 +110,7 @@ class Node:
     ip: str
     _hub_ns: str
     _hub_port: str
+    _port: str  # its end of the veth, in its namespace
     _processes: list[subprocess.Popen[Any]] = field(repr=False)
 
     def popen(self, argv: list[str], **kwargs: Any) -> subprocess.Popen[Any]:
@@ -127,6 +128,28 @@ class Node:
     def link_up(self) -> None:
         """Reconnect this node; its own addresses and routes were never touched."""
         _ip("-n", self._hub_ns, "link", "set", self._hub_port, "up")
+
+    def limit(self, rate_mbit: float) -> None:
+        """Limit this node's link to `rate_mbit` each way (a token bucket, `tc tbf`, on both
+        ends of its veth: what it sends, and what the bridge sends it)."""
+        for ns, port in ((self.ns, self._port), (self._hub_ns, self._hub_port)):
+            argv = ["ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", port, "root"]
+            argv += ["tbf", "rate", f"{rate_mbit}mbit", "burst", "128kb", "latency", "50ms"]
+            done = subprocess.run(argv, capture_output=True, text=True, check=False)
+            if done.returncode != 0:
+                raise NetnsError(f"`{' '.join(argv)}` failed: {done.stderr.strip()}")
+
+    def tx_bytes(self) -> int:
+        """Bytes this node has sent on its link (its veth's counter)."""
+        argv = [
+            "ip",
+            "netns",
+            "exec",
+            self.ns,
+            "cat",
+            f"/sys/class/net/{self._port}/statistics/tx_bytes",
+        ]
+        return int(subprocess.run(argv, capture_output=True, text=True, check=True).stdout)
 
 
 class Swarmnet:
@@ -208,7 +231,7 @@ class Swarmnet:
         _ip("-n", self.hub_ns, "link", "set", hub_port, "master", self._bridge, "up")
         _ip("-n", ns, "addr", "add", f"{ip}/24", "dev", node_port)
         _ip("-n", ns, "link", "set", node_port, "up")
-        node = Node(name, ns, ip, self.hub_ns, hub_port, self._processes)
+        node = Node(name, ns, ip, self.hub_ns, hub_port, node_port, self._processes)
         self.nodes.append(node)
         return node
 

@@ -368,10 +368,19 @@ def trained_groups(swarm: Swarm, trainers: list[str]) -> list[str]:
 
 
 def check_every_group_accounted_for(
-    swarm: Swarm, trainers: list[str], duplicates_allowed: bool = False
+    swarm: Swarm,
+    trainers: list[str],
+    duplicates_allowed: bool = False,
+    rollouts: tuple[str, ...] = ("rollout",),
 ) -> dict[str, int]:
-    rollout = swarm.metrics("rollout", "rollout")
-    created = [g for r in rollout if r.get("event") == "batch" for g in r["group_ids"]]
+    rows = {name: swarm.metrics(name, "rollout") for name in rollouts}
+    created = [
+        g
+        for rollout in rows.values()
+        for r in rollout
+        if r.get("event") == "batch"
+        for g in r["group_ids"]
+    ]
     trained = trained_groups(swarm, trainers)
     stale = [
         g
@@ -379,8 +388,10 @@ def check_every_group_accounted_for(
         for r in swarm.metrics(t, "trainer")
         for g in r.get("stale_group_ids", [])
     ]
-    [end] = [r for r in rollout if r.get("event") == "stopped"]
-    held = end["unacked_group_ids"]
+    held = []
+    for rollout in rows.values():
+        [end] = [r for r in rollout if r.get("event") == "stopped"]
+        held += end["unacked_group_ids"]
     if not duplicates_allowed:
         assert len(trained) == len(set(trained)), "a group was trained twice"
     assert len(created) == len(set(created))
@@ -572,6 +583,46 @@ def test_a_joining_trainer_catches_up_and_a_killed_one_loses_nothing(
     counts = check_every_group_accounted_for(swarm, ["trainer-a", "trainer-b"])
     assert counts["trained"] > 0
     assert "is gone" in (swarm.dir / "rollout.log").read_text()
+    assert leftovers(swarm) == {}
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("settings", [(), ("model.lora_rank=4",)], ids=["full", "lora"])
+def test_two_rollout_nodes_pass_policy_versions_on_to_each_other(
+    swarm_factory: Callable[..., Swarm], settings: tuple[str, ...]
+):
+    """A trainer and two rollout nodes: each takes its share of a version's chunks from the
+    trainer and the rest from the other's relay (node/relay.py), and both load exactly the
+    versions the trainer published (with LoRA: the adapters, merged by each node)."""
+    swarm = swarm_factory(*settings)
+    join = start_swarm(swarm, ["trainer-a"])
+    swarm.start("rollout-b", "node", "--role", "rollout", "--join", join)
+    names = ("rollout", "rollout-b")
+
+    def fetched(name: str) -> list[dict[str, Any]]:
+        return [r for r in swarm.metrics(name, "rollout") if r.get("event") == "weights_fetched"]
+
+    def loaded(name: str) -> list[dict[str, Any]]:
+        return [r for r in swarm.metrics(name, "rollout") if r.get("event") == "weights_loaded"]
+
+    def both_loaded_versions_with_chunks_from_the_other() -> bool:
+        return all(
+            len(loaded(name)) >= 2 and sum(r["chunks_from_relays"] for r in fetched(name)) > 0
+            for name in names
+        )
+
+    swarm.wait_for(
+        "each rollout node to load two versions, with chunks from the other",
+        both_loaded_versions_with_chunks_from_the_other,
+    )
+    codes = swarm.stop()
+    assert set(codes.values()) == {0}, swarm.logs()
+    published = {r["policy_version"]: r["policy_sha256"] for r in swarm.steps("trainer-a")}
+    for name in names:
+        assert all(published[r["policy_version"]] == r["policy_sha256"] for r in loaded(name))
+        # ... and took its own share from the trainer
+        assert sum(r["chunks_from_trainer"] for r in fetched(name)) > 0
+    check_every_group_accounted_for(swarm, ["trainer-a"], rollouts=names)
     assert leftovers(swarm) == {}
 
 

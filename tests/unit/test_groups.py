@@ -55,15 +55,26 @@ def test_a_lineage_holds_its_own_versions_up_to_its_newest_and_its_ancestors_up_
     assert Lineage().fork(3).holds("", 3, newest=3)  # the root's history up to the fork
 
 
-def test_a_rollout_node_moves_forward_within_a_lineage_and_never_back_to_an_ancestor():
+def test_a_rollout_node_moves_forward_within_a_lineage_and_never_back_to_a_live_ancestor():
     old = Lineage(id="L1")
     new = old.fork(4)
-    assert Lineage(id="L1").supersedes(8, old, 7)
-    assert not Lineage(id="L1").supersedes(7, old, 7)
-    assert new.supersedes(4, old, 7)  # older number, new lineage: the live weights
-    assert not old.supersedes(9, new, 5)  # back to the lineage it grew from: never
-    assert Lineage(id="L3").supersedes(0, new, 5)  # an unrelated one (a fresh start)
-    assert Lineage().supersedes(1, Lineage(), 0)  # the root, from the base weights
+    live = [new]  # a trainer trains the fork
+    assert Lineage(id="L1").supersedes(8, old, 7, [old])
+    assert not Lineage(id="L1").supersedes(7, old, 7, [old])
+    assert new.supersedes(4, old, 7, live)  # older number, new lineage: the live weights
+    assert not old.supersedes(9, new, 5, [old, new])  # back to the lineage it grew from: no
+    assert not old.supersedes(9, new, 5, [old, new.fork(6)])  # the fork grew on: no
+    assert Lineage(id="L3").supersedes(0, new, 5, live)  # an unrelated one (a fresh start)
+    assert Lineage().supersedes(1, Lineage(), 0, [])  # the root, from the base weights
+
+
+def test_a_rollout_node_leaves_a_lineage_no_live_trainer_continues():
+    # A trainer resumed from its checkpoint (fork F of the root) and served F for a moment,
+    # then took the swarm's weights, of the root: every live trainer is on the root again.
+    root = Lineage()
+    fork = root.fork(18)
+    assert root.supersedes(21, fork, 18, [root, root])
+    assert not root.supersedes(21, fork, 18, [root, fork])  # one still trains the fork
 
 
 def test_trainers_resuming_from_one_version_open_one_lineage_and_a_second_fork_another():
@@ -79,8 +90,8 @@ def test_the_runs_first_start_is_the_root_and_a_fresh_restart_forks_it():
     assert protocol.open_lineage(Lineage(), 0, lambda _: False) == Lineage()
     restarted = protocol.open_lineage(Lineage(), 0, {""}.__contains__)
     assert restarted.id and restarted.ancestors == {"": 0}
-    assert Lineage(id="").supersedes(5, Lineage(), 3)
-    assert restarted.supersedes(0, Lineage(), 7)  # a rollout node at root v7 moves to it
+    assert Lineage(id="").supersedes(5, Lineage(), 3, [Lineage()])
+    assert restarted.supersedes(0, Lineage(), 7, [restarted])  # a node at root v7 moves to it
 
 
 def test_ancestors_are_bounded():

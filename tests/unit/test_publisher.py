@@ -48,9 +48,35 @@ def test_only_a_sealed_versions_chunks_with_its_ticket_leave_by_the_sealed_endpo
     )
 
 
+def test_the_version_before_is_let_go_before_the_next_is_made():
+    publisher = Publisher(version(1, seal=False), "run")
+    publisher.publish(version(2, seal=False))
+    one = protocol.WeightChunkRequest(version=1, index=0)
+    assert isinstance(publisher.chunk(one), protocol.WeightChunk)
+    publisher.retire()
+    reply = publisher.chunk(one)
+    assert isinstance(reply, protocol.Error) and reply.code == "gone"
+    two = protocol.WeightChunkRequest(version=2, index=0)
+    assert isinstance(publisher.chunk(two), protocol.WeightChunk)  # the newest stays
+    publisher.publish(version(3, seal=False))
+    assert isinstance(publisher.chunk(two), protocol.WeightChunk)  # now the one before
+
+
 def test_a_plain_version_is_never_served_on_the_sealed_endpoint():
     publisher = Publisher(version(1, seal=False), "run")
     info = publisher.info(protocol.Lineage())
     assert not info.key and not info.sealed_endpoint
     reply = publisher.chunk(protocol.WeightChunkRequest(version=1, index=0), sealed=True)
     assert isinstance(reply, protocol.Error) and reply.code == "invalid"
+
+
+def test_a_poll_gets_the_newest_version_without_its_manifest_key_or_ticket():
+    snap = chunked(to_safetensors({"w": torch.ones(3000)}, {}), 1, 64, seal=True)
+    publisher = Publisher(snap, "run")
+    publisher.sealed_endpoint = "tcp://10.0.0.5:41234"
+    full, poll = publisher.info(protocol.Lineage()), publisher.info(protocol.Lineage(), False)
+    assert len(full.chunk_hashes) == snap.num_chunks > 100
+    assert full.key and full.ticket and full.sealed_endpoint
+    assert (poll.version, poll.sha256, poll.nbytes) == (full.version, full.sha256, full.nbytes)
+    assert not (poll.chunk_hashes or poll.key or poll.ticket or poll.sealed_endpoint)
+    assert len(protocol.encode(poll)) < 300 < 32 * snap.num_chunks < len(protocol.encode(full))

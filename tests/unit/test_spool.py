@@ -59,6 +59,21 @@ def test_a_restored_group_goes_back_only_to_the_trainer_that_held_it(tmp_path: P
     assert restored.pick(pending, {"b": trainers["b"]}, now=0.0) is trainers["b"]
 
 
+def test_a_group_offered_before_a_crash_goes_back_only_to_the_trainer_offered_to(
+    tmp_path: Path,
+) -> None:
+    spool = Spool(tmp_path, max_bytes=1 << 20)
+    ledger = Ledger(rng=random.Random(0), spool=spool)
+    ledger.add(make_group("g"))
+    [pending] = ledger.to_offer()
+    ledger.offering(pending, TrainerPeer("a", "tcp://h:1"))
+    spool.close()  # killed while the offer was on its way: a may have queued it
+
+    again = Spool(tmp_path, max_bytes=1 << 20)
+    [(group, holder)] = again.load()
+    assert group == make_group("g") and holder == "a"
+
+
 def test_a_full_spool_refuses_a_group_and_writes_nothing(tmp_path: Path) -> None:
     size = len(protocol.encode(make_group("a")))
     spool = Spool(tmp_path, max_bytes=2 * size)

@@ -104,8 +104,10 @@ def test_a_bad_chunk_is_refused_alone_and_the_good_one_is_taken_after_it(seal: b
     for index in range(1, len(chunks)):
         assembly.add(index, chunks[index])
     assert torch.equal(assembly.finish()["embed"], TENSORS["embed"])
-    for index in (0, len(chunks), -1):  # joined already, or no such chunk
-        with pytest.raises(ValueError, match="misses"):
+    assert assembly.add(0, bytes(len(chunks[0]))) is False  # here already: not written
+    assert torch.equal(assembly.finish()["embed"], TENSORS["embed"])
+    for index in (len(chunks), -1):  # no such chunk
+        with pytest.raises(ValueError, match="no chunk"):
             assembly.add(index, chunks[0])
 
 

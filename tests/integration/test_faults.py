@@ -370,7 +370,11 @@ def test_a_lone_trainer_killed_before_its_first_checkpoint_and_after_one_loses_n
 
     swarm.launch("coordinator", "coordinator", *identity("coordinator"))
     join = swarm.join_address()
-    swarm.launch("trainer", "node", "--role", "trainer", "--join", join, *identity("trainer"))
+    trainer = ("node", "--role", "trainer", "--join", join, *identity("trainer"))
+    # Its first life never checkpoints, whenever the kill lands (polling its steps cannot
+    # stop it short of v2); its later lives checkpoint every `every` versions.
+    swarm.launch("trainer", *trainer, "--set", "trainer.checkpoint_every=1000000")
+    swarm.argv["trainer"] = trainer
     swarm.launch("rollout", "node", "--role", "rollout", "--join", join)
 
     def trained_at(version: int) -> Callable[[], bool]:

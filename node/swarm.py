@@ -811,7 +811,11 @@ class _WholeStateAverager(_MembersOnly, TrainingStateAverager, _AveragerWatch): 
     would nearly always time out. Downloads wait `state_chunk_timeout_s` instead.
 
     While this trainer is itself downloading state it refuses to serve (two trainers
-    downloading from each other would each wait for the other's lock).
+    downloading from each other would each wait for the other's lock), and so it does
+    while its version is withheld (`own`: a parameter round failed and no peer sent the
+    version's state, so its weights are its own). Served, such weights would pass for the
+    swarm's version: a peer repairing from it would checkpoint them while another held
+    the version's average.
 
     A parameter round averages copies of the parameters (the optimizer is not offloaded:
     `SwarmOptimizer`), which hivemind copies back after the round, even when it stopped
@@ -831,11 +835,13 @@ class _WholeStateAverager(_MembersOnly, TrainingStateAverager, _AveragerWatch): 
         *args: Any,
         step_lock: threading.Lock,
         loading: threading.Event,
+        own: threading.Event,
         state_chunk_timeout_s: float,
         **kwargs: Any,
     ) -> None:
         self._step_lock = step_lock
         self._loading = loading
+        self._own = own
         self._state_chunk_timeout_s = state_chunk_timeout_s
         super().__init__(*args, **kwargs)
 
@@ -896,6 +902,8 @@ class _WholeStateAverager(_MembersOnly, TrainingStateAverager, _AveragerWatch): 
         if self._loading.is_set():
             raise RuntimeError("this trainer is loading the swarm's state itself")
         with self._step_lock:
+            if self._own.is_set():
+                raise RuntimeError("this trainer's version is withheld: its weights are its own")
             metadata, tensors, infos = super().get_current_state()
             return metadata, [t.clone() for t in tensors], infos
 
@@ -963,6 +971,9 @@ class _Optimizer(hivemind.Optimizer):  # type: ignore[misc]
         self.gate = gate  # read by _make_state_averager, which hivemind calls in __init__
         self.step_lock = threading.Lock()  # held by SwarmOptimizer for each whole step
         self.loading = threading.Event()  # set while this trainer downloads the swarm's state
+        # Set while this trainer's version is withheld (`StepOutcome.withheld`): the
+        # weights are its own, not the swarm's, and it serves them to no peer.
+        self.own = threading.Event()
         self._other_trainers = other_trainers
         # A batch id, and the stores of the intents naming that batch's groups.
         self.intents: tuple[str, list[Any]] = ("", [])
@@ -989,6 +1000,7 @@ class _Optimizer(hivemind.Optimizer):  # type: ignore[misc]
             gate=self.gate,
             step_lock=self.step_lock,
             loading=self.loading,
+            own=self.own,
             # A peer answers a state download between steps; a step takes up to a
             # matchmaking time and an averaging timeout for each of its two rounds.
             state_chunk_timeout_s=2 * (self.matchmaking_time + self.averaging_timeout),
@@ -1022,7 +1034,9 @@ class _Optimizer(hivemind.Optimizer):  # type: ignore[misc]
         finally:
             self.loading.clear()
         self.reloads += 1
-        if not self.state_averager.downloaded and self.local_epoch != epoch:
+        if self.state_averager.downloaded:
+            self.own.clear()  # the swarm's state, served by a peer whose own is not set
+        elif self.local_epoch != epoch:
             # hivemind moves a peer one epoch behind to the swarm's epoch even when no
             # peer sent its state: its old weights would be named the new version (seen:
             # 7e-4 apart from the other trainer's at that version). Stay behind instead;
@@ -1356,6 +1370,10 @@ class SwarmOptimizer:
                 # trainer's own. The caller withholds it (no checkpoint, not published)
                 # until a later step or download brings the swarm's.
                 withheld = not averager.downloaded
+            if withheld:
+                self.optimizer.own.set()
+            elif self.epoch > epoch:  # a new version, the swarm's
+                self.optimizer.own.clear()
         discarded = self.optimizer.discards > discards
         applied = not discarded and self.epoch > epoch
         return StepOutcome(

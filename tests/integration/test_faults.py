@@ -25,6 +25,7 @@ bench/results/faults.json.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import re
@@ -342,7 +343,8 @@ def test_training_survives_crashes_stalls_and_cuts_and_loses_nothing(
 
 def check(figures: dict[str, Any]) -> None:
     for zero in ("lost", "duplicated", "version_regressions", "cross_lineage_groups_trained"):
-        assert figures[zero] == 0, (zero, figures)
+        # a string (pytest shortens a dict): the groups and rows behind a failure in full
+        assert figures[zero] == 0, f"{zero}: {json.dumps(figures, sort_keys=True)}"
     assert figures["orphans"] == 0, figures
     assert figures["groups_trained"] > 0
 
@@ -453,6 +455,15 @@ def account(swarm: FaultySwarm, trainers: list[str]) -> dict[str, Any]:
     trained: list[str] = []
     lost_with_lineage: list[str] = []
     crossed = 0
+    trained_where: dict[
+        str, list[str]
+    ] = {}  # group -> the rows that trained it (a failure's story)
+    for t in trainers:
+        for r in rows[t]:
+            if r.get("event") in ("step", "trained_by_peer"):
+                for g in r["trained_group_ids"]:
+                    where = f"{t} {r['event']} {r['lineage'] or 'root'}@v{r['policy_version']}"
+                    trained_where.setdefault(g, []).append(where)
     for r in (r for t in trainers for r in rows[t]):
         if r.get("event") not in ("step", "trained_by_peer"):
             continue
@@ -495,6 +506,17 @@ def account(swarm: FaultySwarm, trainers: list[str]) -> dict[str, Any]:
         "groups_held_at_end": len(held - set(trained) - stale),  # untrained, on disk
         "lost": len(lost),
         "duplicated": len(trained) - len(set(trained)),
+        # which groups, and every row that trained them (only when there are any)
+        **(
+            {
+                "duplicated_where": {
+                    g: trained_where[g] for g in set(trained) if trained.count(g) > 1
+                }
+            }
+            if len(trained) != len(set(trained))
+            else {}
+        ),
+        **({"lost_ids": sorted(lost)} if lost else {}),
         "version_regressions": regressions,
         "cross_lineage_groups_trained": crossed,
         "orphans": len(swarm.orphans),

@@ -97,6 +97,50 @@ def test_a_trainer_behind_takes_the_state_of_one_that_keeps_stepping() -> None:
         assert torch.equal(got, want)
 
 
+@pytest.mark.timeout(180)
+def test_a_trainer_serves_no_withheld_version() -> None:
+    """A version is withheld when a parameter round failed and no peer sent the version's
+    state: its weights are the trainer's own (`StepOutcome.withheld`, which sets
+    `own`). Served, they would pass for the swarm's version; a peer asking gets nothing
+    until the trainer holds the swarm's weights again (here: its next step alone)."""
+    run = SwarmConfig(
+        run_id=f"test-own-{time.monotonic_ns()}", averaging_timeout_s=5.0, request_timeout_s=0.5
+    )
+    torch.manual_seed(0)
+    model_a, model_b = torch.nn.Linear(64, 32), torch.nn.Linear(64, 32)
+    a = SwarmOptimizer(
+        run, model_a.parameters(), lr=1e-2, weight_decay=0.0, target_batch_size=1,
+        other_trainers=lambda: 0,
+    )  # fmt: skip
+    b: SwarmOptimizer | None = None
+    try:
+        _fake_gradients(model_a, 1)
+        assert a.step_outcome(batch_size=1).applied and not a.optimizer.own.is_set()
+        a.optimizer.own.set()  # what a withheld step leaves
+        joined = msgspec.structs.replace(run, initial_peers=visible_maddrs(a.dht))
+        b = SwarmOptimizer(
+            joined, model_b.parameters(), lr=1e-2, weight_decay=0.0, target_batch_size=1,
+            other_trainers=lambda: 1,
+        )  # fmt: skip
+        before = _weights(model_b)
+        assert not b.load_state_from_peers()
+        assert b.epoch == 0
+        assert all(torch.equal(x, y) for x, y in zip(_weights(model_b), before, strict=True))
+
+        _fake_gradients(model_a, 2)  # a step that applies (alone, A is the swarm) clears it
+        outcome = a.step_outcome(batch_size=1)
+        assert outcome.applied and not outcome.withheld and not a.optimizer.own.is_set()
+        assert b.load_state_from_peers()
+        assert b.epoch == a.epoch == 2
+        assert all(
+            torch.equal(x, y) for x, y in zip(_weights(model_b), _weights(model_a), strict=True)
+        )
+    finally:
+        a.shutdown()
+        if b is not None:
+            b.shutdown()
+
+
 class _Leaky:
     """hivemind 1.1.12's fetcher pattern at shutdown: a read started, never finished nor
     cancelled, when the fetcher returns (`_fetch_progress_unless_shutdown_triggered`)."""

@@ -9,6 +9,9 @@ Run: `just bench-learn` (or `.venv/bin/python bench/learn.py --minutes 15`).
 classify as "even" or "odd" (word answers), scored by a user reward function
 (bench/parity.py), through the "prompt" environment; results in
 bench/results/learn_custom.json.
+`--memory-only` skips both evaluations: it trains for --minutes and writes the peak PSS
+per role with the run's speed (bench/results/learn_memory.json by default), for A/B runs
+of a memory change that need no learning figures.
 The reference point (TRL GRPOTrainer, same model, lr 1e-5, 8 prompts x 8 samples, 32 new
 tokens, 15 minutes on this 2-core box): 29% -> 44% overall, 1-digit 74% -> 96%,
 2-digit 11% -> 32%, peak RSS 6.7 GB (one process).
@@ -169,7 +172,10 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "learn.json")
     parser.add_argument("--set", action="append", default=[], help="config override")
     parser.add_argument("--task", choices=["arithmetic", "parity"], default="arithmetic")
+    parser.add_argument("--memory-only", action="store_true", help="no evaluation")
     args = parser.parse_args()
+    if args.memory_only and args.out == parser.get_default("out"):
+        args.out = ROOT / "bench" / "results" / "learn_memory.json"
     if args.task == "parity" and args.out == parser.get_default("out"):
         args.out = ROOT / "bench" / "results" / "learn_custom.json"
 
@@ -182,6 +188,8 @@ def main() -> int:
         env = "prompt"
     else:
         tasks = make_heldout(run_dir, args.heldout)
+    if args.memory_only:
+        return memory_only(args, run_dir)
     before = evaluate("base", tasks, args.config, env=env, overrides=args.set)
     print("before:", json.dumps(before), flush=True)
 
@@ -225,6 +233,33 @@ def main() -> int:
         "config": str(args.config.relative_to(ROOT)),
         "overrides": args.set,
         "heldout_seed": HELDOUT_SEED,
+        "machine": f"{os.cpu_count()} CPU cores",
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    write_result(args.out, result)
+    return 0
+
+
+def speed(run_dir: Path, wall_s: float) -> dict[str, float]:
+    """Versions made and samples trained per second of a finished `train` run."""
+    steps = [
+        r for r in read_metrics(run_dir / "metrics" / "trainer.jsonl") if r.get("event") == "step"
+    ]
+    return {
+        "policy_versions": len({r["policy_version"] for r in steps}),
+        "samples_per_s": round(sum(r["charts/samples"] for r in steps) / wall_s, 3),
+    }
+
+
+def memory_only(args: argparse.Namespace, run_dir: Path) -> int:
+    extra = [a for s in args.set for a in ("--set", s)]
+    wall_s, peak_pss = train(args.minutes, args.config, run_dir / "train", extra)
+    result = {
+        "minutes": round(wall_s / 60, 2),
+        **speed(run_dir / "train", wall_s),
+        "peak_pss_mb": {key: round(mb, 1) for key, mb in peak_pss.items()},
+        "config": str(args.config.relative_to(ROOT)),
+        "overrides": args.set,
         "machine": f"{os.cpu_count()} CPU cores",
         "date": time.strftime("%Y-%m-%d"),
     }

@@ -12,6 +12,10 @@ Two versions, so that a fetch one step overtook still finishes (one that two ste
 overtook is told "gone" and starts again on the newest). The older one is let go before
 the next is made (`retire`), not after, so a trainer holds two versions at most, not three
 (513 MB less for SmolLM2-135M at its peak); its fetches lose the ~1 s the next one takes.
+It goes earlier too, before a step, when nobody asked for a chunk of it for `idle_s`
+(`retire_idle`): rollout nodes fetch a version as soon as it is announced, so through most
+steps the trainer holds one version, not two. A fetch that is going on asks for chunks
+all the time (several in flight), and keeps it.
 
 Why a socket without CURVE: CURVE encrypts every byte as it is sent (~230 MB/s on a
 2-core box, 2.3 s per SmolLM2-135M version per rollout node); a sealed version is
@@ -24,10 +28,16 @@ gave it away) they get ciphertext.
 from __future__ import annotations
 
 import hmac
+import time
+from collections.abc import Callable
 
 from agentjet import protocol
 from agentjet.transport import Server
 from node.weights import PolicySnapshot
+
+# The version before the newest goes before a step once no chunk of it was asked for this
+# long: a fetch under way keeps several requests in flight (node/trainer_link.py).
+PREVIOUS_IDLE_S = 2.0
 
 
 def sealed_bind_endpoint(trainer_endpoint: str, port: int = 0) -> str:
@@ -47,9 +57,17 @@ def announced(bound: str, trainer_announced: str) -> str:
 
 
 class Publisher:
-    def __init__(self, first: PolicySnapshot, run_id: str, sealed: Server | None = None) -> None:
+    def __init__(
+        self,
+        first: PolicySnapshot,
+        run_id: str,
+        sealed: Server | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.published = first
         self.previous: PolicySnapshot | None = None
+        self.clock = clock
+        self.previous_asked = 0.0  # when a chunk of `previous` was last asked for
         self.run_id = run_id
         self.sealed = sealed  # with the swarm's keys
         self.sealed_endpoint = ""  # as announced (`announce`)
@@ -64,8 +82,17 @@ class Publisher:
         """Let the version before the newest go: call it before making the next."""
         self.previous = None
 
+    def retire_idle(self, idle_s: float = PREVIOUS_IDLE_S) -> bool:
+        """Let the version before the newest go if no chunk of it was asked for in the
+        last `idle_s` (counted from its successor's publication); True if it went."""
+        if self.previous is None or self.clock() - self.previous_asked < idle_s:
+            return False
+        self.previous = None
+        return True
+
     def publish(self, snap: PolicySnapshot) -> None:
         self.previous, self.published = self.published, snap
+        self.previous_asked = self.clock()  # a fetch of it may be under way
 
     def info(self, lineage: protocol.Lineage, manifest: bool = True) -> protocol.PolicyInfo:
         """The newest version; without `manifest`, only what tells it from others (no chunk
@@ -98,6 +125,8 @@ class Publisher:
             if not 0 <= request.index < snap.num_chunks:
                 return protocol.Error(code="invalid", message=f"no chunk {request.index}")
             data = snap.chunk(request.index)
+            if snap is self.previous:
+                self.previous_asked = self.clock()
             return protocol.WeightChunk(version=snap.version, index=request.index, data=data)
         return protocol.Error(code="gone", message=f"policy version {request.version} is gone")
 

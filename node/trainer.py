@@ -748,6 +748,7 @@ class Trainer:
             self.counts["steps_short"] += 1
         left_out = self.filling.left_out
         self.filling.restart()
+        self.publisher.retire_idle()  # (what the step allocates can take its memory)
         result: StepResult = await blocking(
             self.learner.train_step, batch, self.local_batch if short else 0
         )

@@ -80,3 +80,24 @@ def test_a_poll_gets_the_newest_version_without_its_manifest_key_or_ticket():
     assert (poll.version, poll.sha256, poll.nbytes) == (full.version, full.sha256, full.nbytes)
     assert not (poll.chunk_hashes or poll.key or poll.ticket or poll.sealed_endpoint)
     assert len(protocol.encode(poll)) < 300 < 32 * snap.num_chunks < len(protocol.encode(full))
+
+
+def test_the_version_before_goes_before_a_step_once_nobody_fetches_it():
+    now = [100.0]
+    publisher = Publisher(version(1, seal=False), "run", clock=lambda: now[0])
+    assert not publisher.retire_idle(2.0)  # nothing before the first version
+    publisher.publish(version(2, seal=False))
+    now[0] += 1.5
+    assert not publisher.retire_idle(2.0)  # a fetch of v1 may still be under way
+    one = protocol.WeightChunkRequest(version=1, index=0)
+    assert isinstance(publisher.chunk(one), protocol.WeightChunk)  # one is
+    now[0] += 1.5
+    assert not publisher.retire_idle(2.0)  # asked 1.5 s ago
+    two = protocol.WeightChunkRequest(version=2, index=0)
+    assert isinstance(publisher.chunk(two), protocol.WeightChunk)  # (the newest's don't count)
+    now[0] += 1.0
+    assert publisher.retire_idle(2.0)
+    reply = publisher.chunk(one)
+    assert isinstance(reply, protocol.Error) and reply.code == "gone"
+    assert isinstance(publisher.chunk(two), protocol.WeightChunk)  # the newest stays
+    assert not publisher.retire_idle(2.0)

@@ -397,8 +397,9 @@ class NetConfig(_Section):
     trainer_endpoint: str = "tcp://127.0.0.1:5556"
     # Larger messages are refused by the socket and counted.
     max_message_bytes: Annotated[int, Meta(ge=1 << 16)] = 64 << 20
-    # Policy weights travel in chunks of this size.
-    weight_chunk_bytes: Annotated[int, Meta(ge=1 << 12)] = 8 << 20
+    # Policy weights travel in chunks of this size (2 MiB: relays pass each on sooner
+    # than at 8 MiB, 1.4x against 2x one node's time for 8 nodes; bench/LOG.md).
+    weight_chunk_bytes: Annotated[int, Meta(ge=1 << 12)] = 2 << 20
     # With keys, the trainer's sealed endpoint (policy chunks sealed once per version, no
     # CURVE; node/publisher.py) binds this port on the trainer endpoint's host; 0: any
     # free one (set it where a firewall must let it through).

@@ -18,6 +18,10 @@ heap's free pages are handed back (`trim`) before the fork too: inherited, they 
 child's own as the parent allocated there (each averager 450-610 MB of PSS after three
 minutes of `agentjet local`, 210-220 MB with the trim; bench/LOG.md).
 
+`shared_zeros()` makes the shared buffers a parameter round copies the parameters into
+before it runs: untouched, they cost nothing until the first round (a trainer without
+peers has none), where hivemind's copies cost the parameters' size from the start.
+
 `trim()` hands free heap pages back (glibc's malloc_trim). glibc serves allocations below
 its mmap threshold, which rises to 32 MB as large blocks are freed, from its arenas, and
 keeps what a step freed there: a trainer's PSS grew by ~4 GB of free heap over a few
@@ -92,6 +96,14 @@ def left_behind(ranges: list[tuple[int, int]] | None = None) -> Iterator[None]:
         yield
     finally:
         _advise(ranges, MADV_DOFORK)
+
+
+def shared_zeros(like: torch.Tensor) -> torch.Tensor:
+    """A float32 CPU tensor shaped like `like`, zeros, in shared memory whose pages do not
+    exist until written (`share_memory_()` on a copy writes every page first)."""
+    count = like.numel()
+    storage: torch.UntypedStorage = torch.UntypedStorage._new_shared(count * 4)  # reads as zeros
+    return torch.empty(0, dtype=torch.float32).set_(storage).view(like.shape)
 
 
 def trim() -> None:

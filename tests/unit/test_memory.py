@@ -73,3 +73,23 @@ def test_ranges_are_whole_pages_inside_large_private_storages_only() -> None:
     for tensor in (small, shared):
         start = tensor.untyped_storage().data_ptr()
         assert not any(a <= start + 8192 < a + n for a, n in ranges)
+
+
+def pss_kb() -> int:
+    for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+        if line.startswith("Pss:"):
+            return int(line.split()[1])
+    raise AssertionError("no Pss line")
+
+
+def test_shared_zeros_cost_nothing_until_written_and_a_forked_child_sees_the_writes() -> None:
+    like = torch.ones(64, 1024, 1024)  # 256 MB
+    before = pss_kb()
+    zeros = memory.shared_zeros(like)
+    assert zeros.shape == like.shape and zeros.dtype == torch.float32 and zeros.is_shared()
+    assert pss_kb() - before < 16 * 1024  # not 256 MB
+    assert not zeros[::97].any()
+    zeros[:8].fill_(2.0)  # 32 MB written: those pages exist now
+    assert 24 * 1024 < pss_kb() - before < 64 * 1024
+    # shared, as an averager's buffers must be: a forked child reads the parent's writes
+    assert in_child(lambda: float(zeros[7, 5, 3])) == 2.0

@@ -397,8 +397,8 @@ class NetConfig(_Section):
     trainer_endpoint: str = "tcp://127.0.0.1:5556"
     # Larger messages are refused by the socket and counted.
     max_message_bytes: Annotated[int, Meta(ge=1 << 16)] = 64 << 20
-    # Policy weights travel in chunks of this size (2 MiB: relays pass each on sooner
-    # than at 8 MiB, 1.4x against 2x one node's time for 8 nodes; bench/LOG.md).
+    # Policy weights travel in chunks of this size (2 MiB: relays pass each on sooner;
+    # 8 nodes have a version in 1.3x one node's time, about 2x at 8 MiB; bench/LOG.md).
     weight_chunk_bytes: Annotated[int, Meta(ge=1 << 12)] = 2 << 20
     # With keys, the trainer's sealed endpoint (policy chunks sealed once per version, no
     # CURVE; node/publisher.py) binds this port on the trainer endpoint's host; 0: any

@@ -186,10 +186,10 @@ def main() -> int:
         tasks, overrides = make_parity_task(run_dir, args.heldout)
         args.set = overrides + args.set
         env = "prompt"
-    else:
-        tasks = make_heldout(run_dir, args.heldout)
     if args.memory_only:
         return memory_only(args, run_dir)
+    if args.task == "arithmetic":
+        tasks = make_heldout(run_dir, args.heldout)
     before = evaluate("base", tasks, args.config, env=env, overrides=args.set)
     print("before:", json.dumps(before), flush=True)
 
@@ -209,7 +209,6 @@ def main() -> int:
         for r in read_metrics(run_dir / "train" / "metrics" / "rollout.jsonl")
         if r.get("event") == "batch"
     ]
-    samples = sum(r["charts/samples"] for r in steps)
     gen_s = sum(r["perf/batch_s"] for r in batches)
     gen_tokens = sum(r["perf/gen_tokens_per_s"] * r["perf/batch_s"] for r in batches)
     zero_var = sum(r["charts/zero_variance_groups"] for r in steps)
@@ -220,8 +219,7 @@ def main() -> int:
         "before": {k: before[k] for k in kept},
         "after": {k: after[k] for k in kept},
         "minutes": round(wall_s / 60, 2),
-        "policy_versions": len({r["policy_version"] for r in steps}),
-        "samples_per_s": round(samples / wall_s, 3),
+        **speed(run_dir / "train", wall_s),
         "gen_tokens_per_s": round(gen_tokens / gen_s, 2) if gen_s else 0.0,
         "s_per_policy_version": round(
             wall_s / max(len({r["policy_version"] for r in steps}), 1), 2
@@ -230,14 +228,21 @@ def main() -> int:
         # Peak memory as proportional set size (see memory_mb), sampled every 2 s: of all
         # roles together, and each role's own peak (memory_by_role).
         "peak_pss_mb": {key: round(mb, 1) for key, mb in peak_pss.items()},
-        "config": str(args.config.relative_to(ROOT)),
-        "overrides": args.set,
         "heldout_seed": HELDOUT_SEED,
-        "machine": f"{os.cpu_count()} CPU cores",
-        "date": time.strftime("%Y-%m-%d"),
+        **run_facts(args),
     }
     write_result(args.out, result)
     return 0
+
+
+def run_facts(args: argparse.Namespace) -> dict[str, object]:
+    """What a result was run with, and where and when."""
+    return {
+        "config": str(args.config.relative_to(ROOT)),
+        "overrides": args.set,
+        "machine": f"{os.cpu_count()} CPU cores",
+        "date": time.strftime("%Y-%m-%d"),
+    }
 
 
 def speed(run_dir: Path, wall_s: float) -> dict[str, float]:
@@ -258,10 +263,7 @@ def memory_only(args: argparse.Namespace, run_dir: Path) -> int:
         "minutes": round(wall_s / 60, 2),
         **speed(run_dir / "train", wall_s),
         "peak_pss_mb": {key: round(mb, 1) for key, mb in peak_pss.items()},
-        "config": str(args.config.relative_to(ROOT)),
-        "overrides": args.set,
-        "machine": f"{os.cpu_count()} CPU cores",
-        "date": time.strftime("%Y-%m-%d"),
+        **run_facts(args),
     }
     write_result(args.out, result)
     return 0

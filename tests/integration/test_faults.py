@@ -34,6 +34,7 @@ import socket
 import subprocess
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -455,16 +456,8 @@ def account(swarm: FaultySwarm, trainers: list[str]) -> dict[str, Any]:
     trained: list[str] = []
     lost_with_lineage: list[str] = []
     crossed = 0
-    trained_where: dict[
-        str, list[str]
-    ] = {}  # group -> the rows that trained it (a failure's story)
-    for t in trainers:
-        for r in rows[t]:
-            if r.get("event") in ("step", "trained_by_peer"):
-                for g in r["trained_group_ids"]:
-                    where = f"{t} {r['event']} {r['lineage'] or 'root'}@v{r['policy_version']}"
-                    trained_where.setdefault(g, []).append(where)
-    for r in (r for t in trainers for r in rows[t]):
+    trained_where: dict[str, list[str]] = {}  # group -> the rows that trained it
+    for name, r in ((n, r) for n in trainers for r in rows[n]):
         if r.get("event") not in ("step", "trained_by_peer"):
             continue
         ids = r["trained_group_ids"]
@@ -474,6 +467,8 @@ def account(swarm: FaultySwarm, trainers: list[str]) -> dict[str, Any]:
             lineage, version = sampled.get(g, ("", 0))
             if not trainer_lineage.trains(lineage, version):
                 crossed += 1
+            where = f"{name} {r['event']} {r['lineage'] or 'root'}@v{r['policy_version']}"
+            trained_where.setdefault(g, []).append(where)
     stale = {g for t in trainers for r in rows[t] for g in r.get("stale_group_ids", [])}
     # left out by the trainer's logprob check (counted; none expected from honest nodes)
     rejected = {g for t in trainers for r in swarm.steps(t) for g in r["rejected_group_ids"]}
@@ -481,6 +476,7 @@ def account(swarm: FaultySwarm, trainers: list[str]) -> dict[str, Any]:
     held = set(ends[-1]["unacked_group_ids"])
     settled = settled_by_marks(swarm, list(trainers), set(trained) | set(lost_with_lineage))
     lost = created - set(trained) - settled - stale - held - rejected
+    twice = [g for g, n in Counter(trained).items() if n > 1]
     regressions = 0
     for steps in [swarm.steps(t) for t in trainers] + [
         [r for r in rollout if r.get("event") == "weights_loaded"]
@@ -507,15 +503,7 @@ def account(swarm: FaultySwarm, trainers: list[str]) -> dict[str, Any]:
         "lost": len(lost),
         "duplicated": len(trained) - len(set(trained)),
         # which groups, and every row that trained them (only when there are any)
-        **(
-            {
-                "duplicated_where": {
-                    g: trained_where[g] for g in set(trained) if trained.count(g) > 1
-                }
-            }
-            if len(trained) != len(set(trained))
-            else {}
-        ),
+        **({"duplicated_where": {g: trained_where[g] for g in twice}} if twice else {}),
         **({"lost_ids": sorted(lost)} if lost else {}),
         "version_regressions": regressions,
         "cross_lineage_groups_trained": crossed,

@@ -776,7 +776,8 @@ class _ExactGradientAverager(_MembersOnly, GradientAverager, ExactAverager):  # 
 class _AveragerWatch(ExactAverager):
     """Records what hivemind's TrainingStateAverager only logs: the controls of the
     averaging rounds it begins (`rounds`; a failed parameter round leaves this peer with
-    its own parameters) and whether its last state download got any state (`downloaded`).
+    its own parameters) and whether its last state download got a state to load
+    (`downloaded`), and a withheld one (`downloaded_own`).
 
     It sits between TrainingStateAverager and DecentralizedAverager in the bases of
     `_WholeStateAverager`, so TrainingStateAverager's calls to its base pass through here
@@ -785,6 +786,8 @@ class _AveragerWatch(ExactAverager):
 
     rounds: tuple[Any, ...] = ()
     downloaded = False
+    # The state downloaded was a withheld version: its server's own weights, not the swarm's.
+    downloaded_own = False
     # The round a parameter step waits on (hivemind passes one scheduled ahead to `_do`,
     # or begins one there).
     last_round: Any = None
@@ -798,7 +801,11 @@ class _AveragerWatch(ExactAverager):
 
     def load_state_from_peers(self, *args: Any, **kwargs: Any) -> Any:
         state = super().load_state_from_peers(*args, **kwargs)
-        self.downloaded = state is not None
+        metadata = state[0] if state is not None else {}
+        # TrainingStateAverager loads it next, unless the peer's epoch is behind this one's.
+        epoch = metadata.get("epoch")
+        self.downloaded = isinstance(epoch, int) and epoch >= self.local_epoch
+        self.downloaded_own = self.downloaded and metadata.get("withheld") is True
         return state
 
 
@@ -811,11 +818,17 @@ class _WholeStateAverager(_MembersOnly, TrainingStateAverager, _AveragerWatch): 
     would nearly always time out. Downloads wait `state_chunk_timeout_s` instead.
 
     While this trainer is itself downloading state it refuses to serve (two trainers
-    downloading from each other would each wait for the other's lock), and so it does
-    while its version is withheld (`own`: a parameter round failed and no peer sent the
-    version's state, so its weights are its own). Served, such weights would pass for the
-    swarm's version: a peer repairing from it would checkpoint them while another held
-    the version's average.
+    downloading from each other would each wait for the other's lock).
+
+    While its version is withheld (`own`: a parameter round failed and no peer sent the
+    version's state, so its weights are its own) it serves the state marked `withheld`,
+    and ranks it below any other at its epoch (`state_sharing_priority`). A peer takes
+    it only when nobody serves better, and then withholds it too: unmarked, such weights
+    would pass for the swarm's version, and a peer repairing from them would checkpoint
+    them while another held the version's average. Refused instead, they left a swarm
+    whose every trainer was withheld with nobody to download from (CI: three trainers
+    stuck at one version for minutes). Taken, the trainers hold one weight set, and
+    their next step together makes a version that is the swarm's.
 
     A parameter round averages copies of the parameters (the optimizer is not offloaded:
     `SwarmOptimizer`), which hivemind copies back after the round, even when it stopped
@@ -910,13 +923,22 @@ class _WholeStateAverager(_MembersOnly, TrainingStateAverager, _AveragerWatch): 
         finally:
             self.next_chunk_timeout = all_reduce_timeout
 
+    @property
+    def state_sharing_priority(self) -> float:
+        return float(DecentralizedAverager.state_sharing_priority.fget(self))
+
+    @state_sharing_priority.setter
+    def state_sharing_priority(self, value: float) -> None:
+        # Peers download from the highest first (hivemind sets the epoch after each step).
+        ranked = value - 0.5 if self._own.is_set() else value
+        DecentralizedAverager.state_sharing_priority.fset(self, ranked)
+
     def get_current_state(self) -> Any:
         if self._loading.is_set():
             raise RuntimeError("this trainer is loading the swarm's state itself")
         with self._step_lock:
-            if self._own.is_set():
-                raise RuntimeError("this trainer's version is withheld: its weights are its own")
             metadata, tensors, infos = super().get_current_state()
+            metadata["withheld"] = self._own.is_set()
             return metadata, [t.clone() for t in tensors], infos
 
 
@@ -984,7 +1006,7 @@ class _Optimizer(hivemind.Optimizer):  # type: ignore[misc]
         self.step_lock = threading.Lock()  # held by SwarmOptimizer for each whole step
         self.loading = threading.Event()  # set while this trainer downloads the swarm's state
         # Set while this trainer's version is withheld (`StepOutcome.withheld`): the
-        # weights are its own, not the swarm's, and it serves them to no peer.
+        # weights are its own, not the swarm's, and peers take them as such. (`hold_own`)
         self.own = threading.Event()
         self._other_trainers = other_trainers
         # A batch id, and the stores of the intents naming that batch's groups.
@@ -1047,7 +1069,8 @@ class _Optimizer(hivemind.Optimizer):  # type: ignore[misc]
             self.loading.clear()
         self.reloads += 1
         if self.state_averager.downloaded:
-            self.own.clear()  # the swarm's state, served by a peer whose own is not set
+            # The swarm's state, or a peer's withheld version: then withheld here too.
+            self.hold_own(self.state_averager.downloaded_own)
         elif self.local_epoch != epoch:
             # hivemind moves a peer one epoch behind to the swarm's epoch even when no
             # peer sent its state: its old weights would be named the new version (seen:
@@ -1055,6 +1078,15 @@ class _Optimizer(hivemind.Optimizer):  # type: ignore[misc]
             # the next step tries again.
             log.info("no peer sent its state; staying at version %d", epoch)
             self.set_epoch(epoch)
+
+    def hold_own(self, own: bool) -> None:
+        """Say whether this trainer's weights are its own (its version withheld) or the
+        swarm's, and rank its state for peers' downloads by it."""
+        if own:
+            self.own.set()
+        else:
+            self.own.clear()
+        self.state_averager.state_sharing_priority = self.local_epoch
 
     def set_epoch(self, epoch: int) -> None:
         """Name this trainer's current state `epoch`, to its averagers and the swarm."""
@@ -1346,7 +1378,9 @@ class SwarmOptimizer:
                 # (and reconcile later); take the swarm's state first instead.
                 self.optimizer.load_state_from_peers()
                 self.optimizer.zero_grad()
-                return StepOutcome(self.epoch, applied=False, discarded=True)
+                return StepOutcome(
+                    self.epoch, applied=False, discarded=True, withheld=self.withheld
+                )
             averager = self.optimizer.state_averager
             unapplied = averager.unapplied
             rounds = [self.optimizer.scheduled_state]
@@ -1362,7 +1396,6 @@ class SwarmOptimizer:
             self.optimizer.zero_grad()
             rounds += averager.rounds
             self.optimizer.incomplete_rounds += sum(_incomplete(r) for r in rounds)
-            withheld = False
             if self.epoch > epoch and (
                 any(_failed(r) for r in rounds)
                 or self._unaveraged(rounds, epoch)
@@ -1378,14 +1411,13 @@ class SwarmOptimizer:
                 )
                 self.repairs += 1
                 self.optimizer.take_swarm_state()
-                # No peer sent its state: this version may be a weight set of this
-                # trainer's own. The caller withholds it (no checkpoint, not published)
-                # until a later step or download brings the swarm's.
-                withheld = not averager.downloaded
-            if withheld:
-                self.optimizer.own.set()
+                if not averager.downloaded:
+                    # No peer sent its state: this version may be a weight set of this
+                    # trainer's own. The caller withholds it (no checkpoint, not published)
+                    # until a later step or download brings the swarm's.
+                    self.optimizer.hold_own(True)
             elif self.epoch > epoch:  # a new version, the swarm's
-                self.optimizer.own.clear()
+                self.optimizer.hold_own(False)
         discarded = self.optimizer.discards > discards
         applied = not discarded and self.epoch > epoch
         return StepOutcome(
@@ -1394,7 +1426,7 @@ class SwarmOptimizer:
             discarded=discarded,
             peer_batches=self.optimizer.peer_batches if applied else (),
             in_doubt=in_doubt,
-            withheld=withheld,
+            withheld=self.withheld,
         )
 
     def _unaveraged(self, rounds: list[Any], epoch: int) -> bool:
@@ -1422,9 +1454,15 @@ class SwarmOptimizer:
         """Non-members' averaging calls refused so far, per kind (none without a gate)."""
         return self.gate.refusals() if self.gate is not None else {}
 
+    @property
+    def withheld(self) -> bool:
+        """Whether the current version's weights may be this trainer's own, not the
+        swarm's: not to checkpoint or publish (`StepOutcome.withheld`)."""
+        return self.optimizer.own.is_set()
+
     def load_state_from_peers(self) -> bool:
         """Take the swarm's current weights, optimizer state and epoch (a joining trainer);
-        False if no peer sent its state."""
+        False if no peer sent its state. It can be a version a peer withholds (`withheld`)."""
         with self.optimizer.step_lock:
             self.optimizer.load_state_from_peers()
             return bool(self.optimizer.state_averager.downloaded)

@@ -125,9 +125,6 @@ class Trainer:
         self.counts: Counter[str] = Counter()
         self.lag_histogram: Counter[int] = Counter()
         self.version = 0
-        # The current version's weights may be this trainer's own, not the swarm's (a
-        # parameter round failed and no peer sent state): not checkpointed nor published.
-        self.withheld = False
         self.step_task: asyncio.Task[float] | None = None
 
     def setup(self, cleanup: ExitStack) -> None:
@@ -605,6 +602,12 @@ class Trainer:
             and not any(m.endswith(own) for m in r.maddrs)
         }
 
+    @property
+    def withheld(self) -> bool:
+        """The current version's weights may be this trainer's own, not the swarm's (a
+        parameter round failed and no peer sent state): not checkpointed nor published."""
+        return self.swarm.withheld
+
     def _other_versions(self) -> list[int]:
         return [r.policy_version for r in self.other_trainers.values()]
 
@@ -639,7 +642,6 @@ class Trainer:
             )
             self.counts["catch_ups"] += 1
         self.version = self.swarm.epoch
-        self.withheld = False
         lineage = self._swarm_lineage()
         if lineage.id != self.lineage.id:
             # This trainer's own steps since it forked are in no weights that go on: their
@@ -654,11 +656,15 @@ class Trainer:
             )
             self.lineage = lineage
             self._record_lineage()
-        await self._publish()
+        if self.withheld:
+            log.info("version %d is a peer's withheld one: withheld here too", self.version)
+        else:
+            await self._publish()
         self.metrics.write(
             {
                 "event": "caught_up",
                 "policy_version": self.version,
+                "version_withheld": self.withheld,
                 "lineage": self.lineage.id,
                 "lineage_ancestors": self.lineage.ancestors,
                 "policy_sha256": self.publisher.published.sha256,
@@ -766,7 +772,6 @@ class Trainer:
         changed = outcome.epoch != self.version
         self.version = outcome.epoch
         if changed:
-            self.withheld = outcome.withheld
             if self.withheld:
                 log.warning(
                     "version %d may differ from the swarm's: withheld until it takes theirs",

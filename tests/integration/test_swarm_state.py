@@ -98,11 +98,13 @@ def test_a_trainer_behind_takes_the_state_of_one_that_keeps_stepping() -> None:
 
 
 @pytest.mark.timeout(180)
-def test_a_trainer_serves_no_withheld_version() -> None:
+def test_a_withheld_version_passes_to_a_peer_as_withheld() -> None:
     """A version is withheld when a parameter round failed and no peer sent the version's
-    state: its weights are the trainer's own (`StepOutcome.withheld`, which sets
-    `own`). Served, they would pass for the swarm's version; a peer asking gets nothing
-    until the trainer holds the swarm's weights again (here: its next step alone)."""
+    state: its weights are the trainer's own (`StepOutcome.withheld`, which sets `own`).
+    A peer with nobody better to download from takes them, and withholds them too:
+    unmarked they would pass for the swarm's version; refused, a swarm whose trainers
+    were all withheld had nobody to download from (CI: stuck for minutes). A step that
+    applies makes the version the swarm's again, and so does downloading it."""
     run = SwarmConfig(
         run_id=f"test-own-{time.monotonic_ns()}", averaging_timeout_s=5.0, request_timeout_s=0.5
     )
@@ -115,23 +117,31 @@ def test_a_trainer_serves_no_withheld_version() -> None:
     b: SwarmOptimizer | None = None
     try:
         _fake_gradients(model_a, 1)
-        assert a.step_outcome(batch_size=1).applied and not a.optimizer.own.is_set()
-        a.optimizer.own.set()  # what a withheld step leaves
+        assert a.step_outcome(batch_size=1).applied and not a.withheld
+        assert a.optimizer.state_averager.state_sharing_priority == 1
+        a.optimizer.hold_own(True)  # what a withheld step leaves
+        # ranked below any peer that holds version 1 as the swarm's
+        assert a.optimizer.state_averager.state_sharing_priority == 0.5
         joined = msgspec.structs.replace(run, initial_peers=visible_maddrs(a.dht))
         b = SwarmOptimizer(
             joined, model_b.parameters(), lr=1e-2, weight_decay=0.0, target_batch_size=1,
             other_trainers=lambda: 1,
         )  # fmt: skip
-        before = _weights(model_b)
-        assert not b.load_state_from_peers()
-        assert b.epoch == 0
-        assert all(torch.equal(x, y) for x, y in zip(_weights(model_b), before, strict=True))
+        assert not b.withheld
+        assert b.load_state_from_peers()
+        assert b.epoch == 1 and b.withheld
+        assert b.optimizer.state_averager.state_sharing_priority == 0.5
+        assert all(
+            torch.equal(x, y) for x, y in zip(_weights(model_b), _weights(model_a), strict=True)
+        )
 
         _fake_gradients(model_a, 2)  # a step that applies (alone, A is the swarm) clears it
         outcome = a.step_outcome(batch_size=1)
-        assert outcome.applied and not outcome.withheld and not a.optimizer.own.is_set()
+        assert outcome.applied and not outcome.withheld and not a.withheld
+        assert a.optimizer.state_averager.state_sharing_priority == 2
         assert b.load_state_from_peers()
-        assert b.epoch == a.epoch == 2
+        assert b.epoch == a.epoch == 2 and not b.withheld
+        assert b.optimizer.state_averager.state_sharing_priority == 2
         assert all(
             torch.equal(x, y) for x, y in zip(_weights(model_b), _weights(model_a), strict=True)
         )

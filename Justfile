@@ -93,6 +93,10 @@ bench-learn *ARGS: ensure
 bench-sched *ARGS: ensure
     {{bin}}/python bench/sched_train.py {{ARGS}}
 
+# Replay benchmark: trainer.replay on vs off, paired seeds, same wall time (writes bench/results/replay.json)
+bench-replay *ARGS: ensure
+    {{bin}}/python bench/replay.py {{ARGS}}
+
 # Sandbox benchmark: exec latency warm/cold/process, pool throughput (writes bench/results/sandbox.json)
 bench-sandbox *ARGS: ensure
     {{bin}}/python bench/sandbox.py {{ARGS}}

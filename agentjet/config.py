@@ -225,6 +225,24 @@ class SandboxConfig(_Section):
     network: bool = False
 
 
+class ReplayConfig(_Section):
+    """Replay (node/replay.py): recently trained groups trained again while their policy
+    lag stays bounded, so each generated token teaches more when generation is the
+    bottleneck. Off unless `share` > 0."""
+
+    # Share of each step's groups that may be replays (rounded down; 0 = no replay). A
+    # step takes fresh groups first and waits only for the fresh rest of its batch.
+    share: Annotated[float, Meta(ge=0, lt=1)] = 0.0
+    # Times a group is trained at most, its first included (2: one replay).
+    max_uses: Annotated[int, Meta(ge=2)] = 2
+    # A group is replayed only while sampled at most this many versions before the step's
+    # (at most trainer.max_policy_lag: a replay is a lagged sample, held to its bound).
+    max_lag: NonNegInt = 2
+    # The buffer's bounds; beyond either, the groups sampled longest ago go first.
+    max_groups: PositiveInt = 64
+    max_mb: PositiveFloat = 256.0
+
+
 class TrainerConfig(_Section):
     lr: PositiveFloat = 1e-5
     weight_decay: NonNegFloat = 0.0
@@ -287,6 +305,7 @@ class TrainerConfig(_Section):
     # A node whose groups failed a check this many times is quarantined: its submissions are
     # refused for as long as this trainer runs, and `agentjet status` lists it.
     quarantine_after: PositiveInt = 3
+    replay: ReplayConfig = msgspec.field(default_factory=ReplayConfig)
 
 
 class SwarmConfig(_Section):
@@ -580,6 +599,13 @@ def _fields_at(path: str) -> list[str]:
 
 def _check(config: Config) -> None:
     """Cross-field rules that types alone cannot state."""
+    trainer = config.trainer
+    if trainer.replay.max_lag > trainer.max_policy_lag:
+        raise ConfigError(
+            f"config error at trainer.replay.max_lag: {trainer.replay.max_lag} is more than "
+            f"trainer.max_policy_lag ({trainer.max_policy_lag}); a replayed group is a "
+            "lagged sample, held to the same bound"
+        )
     if not config.envs:
         raise ConfigError("config error at envs: at least one environment is required")
     names = [env.name for env in config.envs]

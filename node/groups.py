@@ -216,15 +216,17 @@ class GroupBook:
         max_policy_lag: int,
         lineage: protocol.Lineage,
         short: bool = False,
+        least: int | None = None,
     ) -> tuple[list[protocol.TrajectoryGroup], list[protocol.TrajectoryGroup]]:
-        """A batch of `size` fresh groups from the queue front, and the stale ones dropped
-        on the way (`take_batch`); a batch short of `size` stays in the queue (returned
-        empty) unless `short` (a step whose time to fill has passed takes what there is).
+        """A batch of up to `size` fresh groups from the queue front, and the stale ones
+        dropped on the way (`take_batch`); a batch short of `least` (default `size`; less
+        when replays fill the rest, node/replay.py) stays in the queue (returned empty)
+        unless `short` (a step whose time to fill has passed takes what there is).
         Lineage is checked here, not on arrival: a trainer that has yet to catch up with
         the swarm takes its lineage first."""
         batch, stale = take_batch(self.queue, size, version, max_policy_lag, lineage)
         self.drop(g.group_id for g in stale)
-        if len(batch) < size and not short:
+        if len(batch) < (size if least is None else least) and not short:
             self.queue.extendleft(reversed(batch))
             batch = []
         return batch, stale

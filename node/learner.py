@@ -21,7 +21,7 @@ the weights.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -65,6 +65,8 @@ class StepResult:
     rejected: set[str]
     logprob_gaps: dict[str, float]
     metrics: dict[str, float]
+    # Replays left out for their logprob gap (no mark against their node: node/replay.py).
+    replays_dropped: set[str] = field(default_factory=set)
 
     def row(self) -> dict[str, Any]:
         """The step's metrics row (metrics/trainer.jsonl)."""
@@ -102,32 +104,46 @@ class Learner:
         self.temperature = temperature
         self.pad_token_id = pad_token_id
 
-    def train_step(self, groups: list[TrajectoryGroup], count_at_least: int = 0) -> StepResult:
-        """Accumulate gradients over `groups`, less those that fail the logprob check, and
-        step the swarm optimizer. `count_at_least`: the samples the batch counts for toward
-        the swarm's target at least (a short step under dynamic sampling counts as full)."""
+    def train_step(
+        self,
+        groups: list[TrajectoryGroup],
+        count_at_least: int = 0,
+        replays: list[TrajectoryGroup] | None = None,
+    ) -> StepResult:
+        """Accumulate gradients over `groups` and `replays` (groups trained before, again:
+        node/replay.py), less those that fail the logprob check, and step the swarm
+        optimizer. `count_at_least`: the samples the batch counts for toward the swarm's
+        target at least (a short step under dynamic sampling counts as full)."""
         start = time.perf_counter()
-        rows = self._rows(groups)
+        replays = replays or []
+        replay_ids = {g.group_id for g in replays}
+        rows = self._rows(groups + replays)
         done = self._accumulate_or_explain(rows)
         gap_of = self._group_gaps(rows, done.gaps)
-        rejected = over_gap(gap_of, self.config.max_logprob_gap)
-        if rejected:
+        over = over_gap(gap_of, self.config.max_logprob_gap)
+        if over:
             # Their gradients are in `.grad` with the others': start again without them
             # (same weights, so the rest passes again).
             self.model.zero_grad(set_to_none=True)
-            rows = [r for r in rows if r.group_id not in rejected]
+            rows = [r for r in rows if r.group_id not in over]
             done = self._accumulate_or_explain(rows)
-            groups = [g for g in groups if g.group_id not in rejected]
+            groups = [g for g in groups if g.group_id not in over]
+            replays = [g for g in replays if g.group_id not in over]
+        rejected = over - replay_ids
         num_samples = sum(len(g.samples) for g in groups)
+        replay_samples = sum(len(g.samples) for g in replays)
         grad_norm = 0.0
         if rows:
             params = [p for p in self.model.parameters() if p.grad is not None]
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm))
         # Counted in samples with gradient (informative_samples_per_step) or in all samples.
-        counted = len(rows) if self.config.informative_samples_per_step else num_samples
+        counted = (
+            len(rows) if self.config.informative_samples_per_step else num_samples + replay_samples
+        )
         if counted:
             counted = max(counted, count_at_least)
         # Named even when they add no gradient: they are trained with the batch they join.
+        # (Replays are not: their groups were trained, and named, once.)
         self.swarm.name_groups(g.group_id for g in groups)
         if counted == 0:
             # No sample with gradient, or every group rejected: the batch adds nothing.
@@ -135,16 +151,21 @@ class Learner:
         else:
             outcome = self.swarm.step_outcome(batch_size=counted)
         rewards = [s.reward for g in groups for s in g.samples]
-        passed = [gap for g, gap in gap_of.items() if g not in rejected]
+        passed = {g: gap for g, gap in gap_of.items() if g not in over}
+        fresh_gaps = [gap for g, gap in passed.items() if g not in replay_ids]
+        replay_gaps = [gap for g, gap in passed.items() if g in replay_ids]
         return StepResult(
             outcome=outcome,
             rejected=rejected,
+            replays_dropped=over & replay_ids,
             logprob_gaps=gap_of,
             metrics={
                 "losses/policy": done.loss,
                 "losses/grad_norm": grad_norm,
                 **{f"losses/{k}": v for k, v in done.stats.items()},
-                "charts/logprob_gap_max": max(passed, default=0.0),
+                # Of fresh groups (replays' gaps are larger: the policy moved since).
+                "charts/logprob_gap_max": max(fresh_gaps, default=0.0),
+                "charts/replay_logprob_gap_max": max(replay_gaps, default=0.0),
                 "charts/reward_mean": sum(rewards) / max(len(rewards), 1),
                 "charts/samples": num_samples,
                 "charts/trained_samples": len(rows),

@@ -73,6 +73,7 @@ from node.lora import add_adapters, merged_weights
 from node.members import MemberGate
 from node.model import DTYPES, load_causal_lm, resolve_model
 from node.publisher import Publisher, sealed_bind_endpoint
+from node.replay import Replay
 from node.swarm import Directory, Mark, SwarmOptimizer, start_dht, visible_maddrs
 from node.verify import (
     Quarantine,
@@ -109,6 +110,7 @@ class Trainer:
         self.run_dir = Path(config.run.dir)
         self.node_id = f"trainer-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.book = GroupBook()
+        self.replay = Replay(config.trainer)
         self.lineage = protocol.Lineage()
         self.quarantine = Quarantine(config.trainer.quarantine_after)
         self.reward_check_secret = os.urandom(16)
@@ -442,7 +444,7 @@ class Trainer:
             self._record_dropped([group.group_id], "zero_variance")
             return ack("zero_variance")
         self.book.accept(group)
-        if len(self.book.queue) >= self.config.trainer.groups_per_step:
+        if len(self.book.queue) >= self.replay.fresh_needed(self.version, self.lineage):
             self.batch_ready.set()
         return ack("accepted")
 
@@ -515,6 +517,7 @@ class Trainer:
             why = self.quarantine.reason(node_id)
             log.warning("node %s is quarantined for this trainer's life (%s)", node_id, why)
             self.counts["nodes_quarantined"] += 1
+            self.counts["replays_dropped_quarantine"] += self.replay.forget_node(node_id)
             self.metrics.write({"event": "quarantined", "node_id": node_id, "reason": why})
 
     # ── learning ─────────────────────────────────────────────────────────────────
@@ -564,6 +567,7 @@ class Trainer:
                 cfg.trainer.max_policy_lag,
                 self.lineage,
                 short=not full,
+                least=self.replay.fresh_needed(self.version, self.lineage),
             )
             if stale:
                 # Too old, or sampled by weights these do not descend from (a lineage that
@@ -577,14 +581,17 @@ class Trainer:
             if not batch:
                 self.batch_ready.clear()
                 continue
+            replays = self.replay.take(len(batch), self.version, self.lineage)
             # A stop must not cut a step in two (weights stepped, version or row not
             # recorded): the step runs shielded and `run` waits for it before cleanup.
-            short = len(batch) < cfg.trainer.groups_per_step
+            short = len(batch) + len(replays) < cfg.trainer.groups_per_step
             self.step_task = asyncio.create_task(
-                self._step(batch, last, short), name="trainer-step"
+                self._step(batch, last, short, replays), name="trainer-step"
             )
             last = await asyncio.shield(self.step_task)
-            if len(self.book.queue) < cfg.trainer.groups_per_step:
+            if len(self.book.queue) >= self.replay.fresh_needed(self.version, self.lineage):
+                self.batch_ready.set()  # (the step's groups can fill the next one's rest)
+            else:
                 self.batch_ready.clear()
 
     def _other_trainers_in(
@@ -656,6 +663,7 @@ class Trainer:
             )
             self.lineage = lineage
             self._record_lineage()
+            self.replay.clear()  # no importance ratio across lineages
         if self.withheld:
             log.info("version %d is a peer's withheld one: withheld here too", self.version)
         else:
@@ -732,9 +740,14 @@ class Trainer:
         )
 
     async def _step(
-        self, batch: list[protocol.TrajectoryGroup], last: float, short: bool = False
+        self,
+        batch: list[protocol.TrajectoryGroup],
+        last: float,
+        short: bool = False,
+        replays: list[protocol.TrajectoryGroup] | None = None,
     ) -> float:
-        """Train on `batch`, publish and record the new version; returns the step's end time.
+        """Train on `batch` (and `replays`: trained groups again, node/replay.py), publish
+        and record the new version; returns the step's end time.
 
         The batch's gradients join those already accumulated. When the swarm steps, every
         accumulated group is trained; when hivemind discards them (this trainer was out of
@@ -755,11 +768,19 @@ class Trainer:
         left_out = self.filling.left_out
         self.filling.restart()
         self.publisher.retire_idle()  # (what the step allocates can take its memory)
+        replays = replays or []
         result: StepResult = await blocking(
-            self.learner.train_step, batch, self.local_batch if short else 0
+            self.learner.train_step, batch, self.local_batch if short else 0, replays
         )
         self._reject_for_logprobs(batch, result)
         outcome = result.outcome
+        self.replay.drop(result.replays_dropped)
+        self.counts["replays_dropped_logprobs"] += len(result.replays_dropped)
+        replayed = [g.group_id for g in replays if g.group_id not in result.replays_dropped]
+        if outcome.discarded:  # their gradients went nowhere: no use
+            replayed = []
+        replay_stats = self.replay.used(replayed, self.version)
+        self.counts["groups_replayed"] += replay_stats.groups
         groups = self.book.stepped(
             [g for g in batch if g.group_id not in result.rejected],
             applied=outcome.applied,
@@ -790,6 +811,10 @@ class Trainer:
                 "lineage": self.lineage.id,
                 "trained_group_ids": [g.group_id for g in groups.trained],
                 "trained_group_versions": [oldest_version(g) for g in groups.trained],
+                # trained again (node/replay.py): already trained, never acknowledged again
+                "replayed_group_ids": replayed,
+                **replay_stats.row(),
+                "replay_buffer_groups": len(self.replay),
                 "policy_sha256": self.publisher.published.sha256,
                 "charts/staleness_mean": sum(lags) / len(lags),
                 "charts/staleness_max": max(lags),
@@ -824,6 +849,7 @@ class Trainer:
             self.counts["groups_requeued"] += len(groups.requeued)
             log.info("step not taken: %d groups go back to the queue", len(groups.requeued))
         if groups.trained:
+            self.replay.add(groups.trained)
             self.book.trained(groups.trained, version, self.lineage.id)
             self.counts["groups_trained"] += len(groups.trained)
             ids = [g.group_id for g in groups.trained]

@@ -224,6 +224,54 @@ def test_dynamic_sampling_trains_full_steps_of_varied_groups_and_accounts_for_ev
 
 
 @pytest.mark.integration
+def test_replay_trains_groups_again_within_its_bounds_and_each_group_once_as_fresh(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """trainer.replay: steps hold replays of groups an earlier step trained, at most the
+    step's share, within the lag bound and each group at most max_uses times in all.
+    What "trained" means is untouched: every group made is trained once (replays are not
+    in trained_group_ids, so not marked or acknowledged again), stale, or still held."""
+    run_dir = tmp_path / "run"
+    settings = (
+        "trainer.replay.share=0.5",  # groups_per_step=2: one replay slot per step
+        "trainer.replay.max_uses=2",
+        "trainer.replay.max_lag=1",
+        # rewards the random tiny model earns half the time: groups with a gradient
+        'envs.0.name="agent"',
+        'envs.0.agent="tests.agents:even_length"',
+        "rollout.group_size=2",
+        "trainer.max_logprob_gap=0",  # lr 1e-3 moves the tiny model far per version
+    )
+    code, output, spawned = run_local(tiny_model_dir, run_dir, max_steps=6, settings=settings)
+    logs = "\n".join(p.read_text() for p in (run_dir / "logs").glob("*.log"))
+    assert code == 0, output + logs
+    trainer = read_metrics(run_dir / "metrics" / "trainer.jsonl")
+    rollout = read_metrics(run_dir / "metrics" / "rollout.jsonl")
+    steps = [r for r in trainer if r.get("event") == "step"]
+    replayed = [g for r in steps for g in r["replayed_group_ids"]]
+    assert replayed, "no step replayed a group"
+    earlier: set[str] = set()
+    for row in steps:
+        assert len(row["replayed_group_ids"]) <= 1  # the share: one of two
+        assert set(row["replayed_group_ids"]) <= earlier  # trained by an earlier step
+        if row["replayed_group_ids"]:
+            assert row["charts/replay_lag_max"] <= 1
+            assert row["charts/replay_uses_mean"] == 2
+        earlier |= set(row["trained_group_ids"])
+    assert len(replayed) == len(set(replayed))  # max_uses=2: one replay each
+    created = [g for r in rollout if r.get("event") == "batch" for g in r["group_ids"]]
+    trained = [g for r in steps for g in r["trained_group_ids"]]
+    stale = [g for r in trainer for g in r.get("stale_group_ids", [])]
+    [trainer_end] = [r for r in trainer if r.get("event") == "stopped"]
+    [rollout_end] = [r for r in rollout if r.get("event") == "stopped"]
+    pending = trainer_end["queued_group_ids"] + rollout_end["unacked_group_ids"]
+    assert len(trained) == len(set(trained))
+    assert set(created) == set(trained) | set(stale) | set(pending)
+    assert trainer_end["counts/groups_replayed"] == len(replayed)
+    assert [pid for pid in spawned if running(pid)] == []
+
+
+@pytest.mark.integration
 def test_ctrl_c_stops_every_process_and_keeps_a_checkpoint(tiny_model_dir: Path, tmp_path: Path):
     run_dir = tmp_path / "run"
     trainer_metrics = run_dir / "metrics" / "trainer.jsonl"

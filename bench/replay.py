@@ -107,7 +107,8 @@ def main() -> int:
     parser.add_argument("--set", action="append", default=[], help="for both arms")
     args = parser.parse_args()
     seeds = [int(seed) for seed in args.seeds.split(",")]
-    settings = [*SHARED_SETTINGS, *args.set]
+    # checkpoints every 2 versions: the on arm's curve has points to read the samples off
+    settings = [*SHARED_SETTINGS, "trainer.checkpoint_every=2", *args.set]
 
     root = ROOT / "runs" / f"bench-replay-{time.strftime('%Y%m%d-%H%M%S')}"
     root.mkdir(parents=True)

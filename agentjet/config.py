@@ -600,7 +600,7 @@ def _fields_at(path: str) -> list[str]:
 def _check(config: Config) -> None:
     """Cross-field rules that types alone cannot state."""
     trainer = config.trainer
-    if trainer.replay.max_lag > trainer.max_policy_lag:
+    if trainer.replay.share > 0 and trainer.replay.max_lag > trainer.max_policy_lag:
         raise ConfigError(
             f"config error at trainer.replay.max_lag: {trainer.replay.max_lag} is more than "
             f"trainer.max_policy_lag ({trainer.max_policy_lag}); a replayed group is a "

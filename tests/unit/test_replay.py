@@ -117,6 +117,9 @@ def test_replay_settings_are_checked(tmp_path: Path):
     path.write_text("[trainer]\nmax_policy_lag = 2\n[trainer.replay]\nshare = 0.5\nmax_lag = 3\n")
     with pytest.raises(ConfigError, match="trainer.replay.max_lag: 3 is more than"):
         load_config(path)
+    # replay off: its lag bound is not checked (the default 2 with a lag bound of 1)
+    path.write_text("[trainer]\nmax_policy_lag = 1\n")
+    assert load_config(path).trainer.replay.share == 0
     for bad in ("share = 1.0", "max_uses = 1", "max_groups = 0"):
         path.write_text(f"[trainer.replay]\n{bad}\n")
         with pytest.raises(ConfigError, match="replay"):

@@ -99,6 +99,29 @@ def run_local(
     return proc.returncode, output_path.read_text(), spawned
 
 
+# Rewards the random tiny model earns half the time: with 2 samples, about half the groups
+# agree, and the others carry a gradient.
+VARIED_REWARDS = (
+    'envs.0.name="agent"',
+    'envs.0.agent="tests.agents:even_length"',
+    "rollout.group_size=2",
+    "trainer.max_logprob_gap=0",  # lr 1e-3 moves the tiny model far per version
+)
+
+
+def run_to_the_end(
+    tiny_model_dir: Path, run_dir: Path, max_steps: int, settings: tuple[str, ...]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], set[int]]:
+    """`run_local` to a clean exit; the trainer's and rollout node's metrics rows, and the
+    PIDs it spawned."""
+    code, output, spawned = run_local(tiny_model_dir, run_dir, max_steps, settings=settings)
+    logs = "\n".join(p.read_text() for p in (run_dir / "logs").glob("*.log"))
+    assert code == 0, output + logs
+    trainer = read_metrics(run_dir / "metrics" / "trainer.jsonl")
+    rollout = read_metrics(run_dir / "metrics" / "rollout.jsonl")
+    return trainer, rollout, spawned
+
+
 def power_cut(proc: subprocess.Popen[bytes]) -> set[int]:
     """SIGKILL the launcher's roles and their daemons (each role's process group), then the
     launcher: no process gets to shut down cleanly. Returns the PIDs killed."""
@@ -192,18 +215,9 @@ def test_dynamic_sampling_trains_full_steps_of_varied_groups_and_accounts_for_ev
     settings = (
         f'coordinator.scheduler="{scheduler}"',
         "trainer.dynamic_sampling=true",
-        # rewards the random tiny model earns half the time: with 2 samples, about half
-        # the groups agree
-        'envs.0.name="agent"',
-        'envs.0.agent="tests.agents:even_length"',
-        "rollout.group_size=2",
-        "trainer.max_logprob_gap=0",  # lr 1e-3 moves the tiny model far per version
+        *VARIED_REWARDS,
     )
-    code, output, spawned = run_local(tiny_model_dir, run_dir, max_steps=3, settings=settings)
-    logs = "\n".join(p.read_text() for p in (run_dir / "logs").glob("*.log"))
-    assert code == 0, output + logs
-    trainer = read_metrics(run_dir / "metrics" / "trainer.jsonl")
-    rollout = read_metrics(run_dir / "metrics" / "rollout.jsonl")
+    trainer, rollout, spawned = run_to_the_end(tiny_model_dir, run_dir, 3, settings)
     steps = [r for r in trainer if r.get("event") == "step"]
     assert {r["policy_version"] for r in steps} >= {1, 2, 3}
     # full steps (groups_per_step=2) of groups whose rewards vary
@@ -237,17 +251,9 @@ def test_replay_trains_groups_again_within_its_bounds_and_each_group_once_as_fre
         "trainer.replay.max_uses=2",
         "trainer.max_policy_lag=2",  # (the tests' 1 would leave few groups to replay)
         "trainer.replay.max_lag=2",
-        # rewards the random tiny model earns half the time: groups with a gradient
-        'envs.0.name="agent"',
-        'envs.0.agent="tests.agents:even_length"',
-        "rollout.group_size=2",
-        "trainer.max_logprob_gap=0",  # lr 1e-3 moves the tiny model far per version
+        *VARIED_REWARDS,
     )
-    code, output, spawned = run_local(tiny_model_dir, run_dir, max_steps=6, settings=settings)
-    logs = "\n".join(p.read_text() for p in (run_dir / "logs").glob("*.log"))
-    assert code == 0, output + logs
-    trainer = read_metrics(run_dir / "metrics" / "trainer.jsonl")
-    rollout = read_metrics(run_dir / "metrics" / "rollout.jsonl")
+    trainer, rollout, spawned = run_to_the_end(tiny_model_dir, run_dir, 6, settings)
     steps = [r for r in trainer if r.get("event") == "step"]
     replayed = [g for r in steps for g in r["replayed_group_ids"]]
     assert replayed, "no step replayed a group"

@@ -167,7 +167,10 @@ def test_the_dashboard_follows_a_local_run_live_and_shows_it_down_to_the_token(
 
     # ── live: the dashboard `agentjet local` starts, while the run trains ──────────────
     settings = ("rollout.trajectory_share=1.0", 'coordinator.scheduler="envsched"')
-    with started(local_argv(tiny_model_dir, run_dir, MAX_STEPS, settings), output) as (
+    # No step bound: the tiny run can finish in seconds, before the page has looked at the
+    # live coordinator. It runs until the test has seen it live and it made MAX_STEPS steps,
+    # then stops as on Ctrl-C.
+    with started(local_argv(tiny_model_dir, run_dir, 0, settings), output) as (
         local,
         spawned,
     ):
@@ -203,6 +206,13 @@ def test_the_dashboard_follows_a_local_run_live_and_shows_it_down_to_the_token(
         live.screenshot("scheduler", tmp_path)
         assert live.errors == []
         live.page.close()  # before the run ends: a poll of a stopped server is an error
+        trainer_rows = run_dir / "metrics" / "trainer.jsonl"
+        wait_until(
+            f"{MAX_STEPS} steps",
+            lambda: sum(r.get("event") == "step" for r in json_rows(trainer_rows)) >= MAX_STEPS,
+            RUN_TIMEOUT_S,
+        )
+        local.send_signal(signal.SIGINT)
         deadline = time.monotonic() + RUN_TIMEOUT_S
         while local.poll() is None and time.monotonic() < deadline:
             spawned |= descendants(local.pid)

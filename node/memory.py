@@ -18,9 +18,12 @@ heap's free pages are handed back (`trim`) before the fork too: inherited, they 
 child's own as the parent allocated there (each averager 450-610 MB of PSS after three
 minutes of `agentjet local`, 210-220 MB with the trim; bench/LOG.md).
 
-`shared_zeros()` makes the shared buffers a parameter round copies the parameters into
-before it runs: untouched, they cost nothing until the first round (a trainer without
-peers has none), where hivemind's copies cost the parameters' size from the start.
+`shared_zeros()` and `untouched_zeros()` make buffers whose pages exist only once written:
+in shared memory, those a parameter round copies the parameters into before it runs and
+a gradient round's averaged gradients; private, the gradient accumulators (node/swarm.py
+`_ExactGradientAverager`). A trainer without peers has no rounds, and one whose every
+step is a whole epoch accumulates nothing: hivemind's own buffers cost the parameters'
+size each from the start.
 
 `trim()` hands free heap pages back (glibc's malloc_trim). glibc serves allocations below
 its mmap threshold, which rises to 32 MB as large blocks are freed, from its arenas, and
@@ -99,11 +102,29 @@ def left_behind(ranges: list[tuple[int, int]] | None = None) -> Iterator[None]:
 
 
 def shared_zeros(like: torch.Tensor) -> torch.Tensor:
-    """A float32 CPU tensor shaped like `like`, zeros, in shared memory whose pages do not
-    exist until written (`share_memory_()` on a copy writes every page first)."""
-    count = like.numel()
-    storage: torch.UntypedStorage = torch.UntypedStorage._new_shared(count * 4)  # reads as zeros
-    return torch.empty(0, dtype=torch.float32).set_(storage).view(like.shape)
+    """A CPU tensor shaped like `like`, of its dtype, zeros, in shared memory whose pages do
+    not exist until written (`share_memory_()` on a copy writes every page first)."""
+    nbytes = like.numel() * like.element_size()
+    storage: torch.UntypedStorage = torch.UntypedStorage._new_shared(nbytes)  # reads as zeros
+    return torch.empty(0, dtype=like.dtype).set_(storage).view(like.shape)
+
+
+def untouched_zeros(likes: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """CPU tensors shaped like each of `likes`, of their dtypes, zeros, views of one private
+    anonymous mapping whose pages do not exist until written (and no file descriptor each,
+    as shared memory takes)."""
+    align = 64
+    offsets, total = [], 0
+    for like in likes:
+        offsets.append(total)
+        total += -(-like.numel() * like.element_size() // align) * align
+    if total == 0:
+        return tuple(torch.zeros_like(like, device="cpu") for like in likes)
+    whole = torch.frombuffer(mmap.mmap(-1, total), dtype=torch.uint8)  # reads as zeros
+    return tuple(
+        whole[at : at + like.numel() * like.element_size()].view(like.dtype).view(like.shape)
+        for at, like in zip(offsets, likes, strict=True)
+    )
 
 
 def trim() -> None:

@@ -43,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
 import copy
 import logging
 import os
@@ -751,21 +752,97 @@ class _ExactGradientAverager(_MembersOnly, GradientAverager, ExactAverager):  # 
     must not reuse one a peer may have marked). Each gradient round carries it, and the
     trainer's epoch, as its all-gather data (`round_data`). A round is scheduled while the
     gradients accumulate, and every reset comes with the scheduled round triggered,
-    cancelled or joined with weight zero."""
+    cancelled or joined with weight zero.
+
+    Its buffers cost memory only when used (`memory.shared_zeros`, `untouched_zeros`):
+    2 x the parameters' size that hivemind writes from the start. The first batch after a
+    reset stays in `.grad` (`in_grad`): hivemind would add it to zeroed accumulators, so
+    they would hold exactly `.grad`. It is copied into them only if a second batch comes
+    before the reset (an epoch of several `step` calls) or `.grad` is cleared meanwhile
+    (`materialize`, called by `_Optimizer.zero_grad`), and into the averaged gradients only
+    for a round. A trainer whose every step is an epoch never writes the accumulators; a
+    lone one never writes the averaged gradients either. For an optimizer not offloaded
+    (SwarmOptimizer's). Checked against hivemind 1.1.12's GradientAverager
+    (accumulate_grads_, load_accumulators_into_averager_, reset_accumulated_grads_, step)
+    and Optimizer (_update_global_epoch, _load_local_gradients_into_optimizer)."""
+
+    # The batch's gradients are still in `.grad`, not copied into the accumulators: one
+    # batch since the last reset, so the accumulators would hold them exactly (`in_grad`).
+    in_grad = False
+    _accumulated = False  # the accumulators were written since they were last zeroed
+    _in_round = False  # inside `step`: hivemind loads the gradients into a round
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.process_tag = uuid.uuid4().hex[:12]
         self.batches = 0
         self.epoch: Callable[[], int] = lambda: 0  # the optimizer's, set by _Optimizer
+        params = kwargs["parameters"] = tuple(kwargs["parameters"])
+        kwargs.setdefault("averaged_grads", tuple(memory.shared_zeros(p) for p in params))
         super().__init__(*args, **kwargs)
+        accumulators: tuple[torch.Tensor, ...] | None = self._local_accumulators  # type: ignore[has-type]
+        if accumulators is not None and all(a.device.type == "cpu" for a in accumulators):
+            self._local_accumulators = memory.untouched_zeros(accumulators)
 
     @property
     def batch_id(self) -> str:
         return f"{self.process_tag}/{self.batches}"
 
+    def accumulate_grads_(self, batch_size: int) -> None:
+        if self.local_times_accumulated == 0 and not self.reuse_grad_buffers:  # type: ignore[has-type]
+            # hivemind's bookkeeping, the add into zeroed accumulators left out
+            self._anchor_batch_size = batch_size
+            self.local_samples_accumulated = batch_size
+            self.local_times_accumulated = 1
+            self.in_grad = True
+            return
+        self.materialize()
+        self._accumulated = True
+        super().accumulate_grads_(batch_size)
+
+    def materialize(self) -> None:
+        """Copy gradients left in `.grad` into the accumulators, before `.grad` changes."""
+        if self.in_grad:
+            for grad, accumulator in zip(
+                self._grads_from_parameters(), self._grad_accumulators(), strict=True
+            ):
+                accumulator.copy_(grad)
+            self.in_grad, self._accumulated = False, True
+
+    @torch.no_grad()
+    def load_accumulators_into_averager_(self) -> None:
+        """For a round, the batch's gradients into the averaged ones. Without one, into
+        `.grad`, where the optimizer (not offloaded) steps: hivemind loads them into the
+        averaged gradients then too, and reads those nowhere after (1.1.12: a lone epoch of
+        several `step` calls stepped on the last call's gradients alone)."""
+        if self._in_round and not self.in_grad:
+            super().load_accumulators_into_averager_()
+        elif self._in_round:
+            with self.get_tensors() as averaged:
+                for grad, out in zip(self._grads_from_parameters(), averaged, strict=True):
+                    out.copy_(grad)
+        elif not self.in_grad:
+            scale = 1.0 / self.local_times_accumulated if self.local_times_accumulated else 0.0
+            for grad, accumulator in zip(
+                self._grads_from_parameters(), self._grad_accumulators(), strict=True
+            ):
+                grad.copy_(accumulator).mul_(scale)
+
     def reset_accumulated_grads_(self) -> None:
-        super().reset_accumulated_grads_()
+        self._accumulators_used_in_step = False
+        self.local_samples_accumulated = self.local_times_accumulated = 0
+        self._anchor_batch_size = None  # type: ignore[assignment]
+        if self._accumulated:  # (zeroing untouched pages would make them exist)
+            for accumulator in self._grad_accumulators():
+                accumulator.zero_()
+        self.in_grad = self._accumulated = False
         self.batches += 1
+
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        self._in_round = True
+        try:
+            return super().step(*args, **kwargs)
+        finally:
+            self._in_round = False
 
     def schedule_step(self, scheduled_time: float | None = None, **kwargs: Any) -> Any:
         if kwargs.get("gather") is None:
@@ -1097,6 +1174,19 @@ class _Optimizer(hivemind.Optimizer):  # type: ignore[misc]
         # Else the tracker keeps its old view for seconds, and steps wait for it.
         self._refresh_progress(timeout=self.matchmaking_time)
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """hivemind's, after gradients it counts as accumulated but left in `.grad` are
+        copied out (an epoch not ended by this step: `_ExactGradientAverager.in_grad`)."""
+        self.grad_averager.materialize()
+        super().zero_grad(set_to_none=set_to_none)
+
+    def _load_local_gradients_into_optimizer(self) -> None:
+        """A round that did not happen: step on this trainer's own gradients, which
+        `_ExactGradientAverager` loads into `.grad` (the optimizer is not offloaded)."""
+        assert not self.offload_optimizer
+        self.grad_averager.load_accumulators_into_averager_()
+        self.grad_averager.notify_used_averaged_gradients()
+
     def _maybe_schedule_gradient_averaging(self) -> None:
         """hivemind starts matchmaking for the next gradient round ahead of the step, and
         cancels it at the step when its tracker sees no other peer. A round cancelled in
@@ -1200,8 +1290,29 @@ class _Optimizer(hivemind.Optimizer):  # type: ignore[misc]
             setattr(self, name, None)
         self.grad_averager.reset_accumulated_grads_()
         self.tracker.report_local_progress(self.local_epoch, samples_accumulated=0)
+        self._publish_progress()
         self.discards += 1
         self._refresh_progress(timeout=self.matchmaking_time)
+
+    def _publish_progress(self) -> None:
+        """Store this trainer's progress in the DHT now, as hivemind's reporter would.
+
+        That reporter (1.1.12 `ProgressTracker._progress_reporter`, on the tracker's thread)
+        publishes a peer's progress only once it has read it with samples > 0. A round
+        that fails at once (no peer seen yet) reports 0 samples again before that thread
+        runs, and then it never publishes: no tracker counts this trainer, so no round ever
+        forms (seen: two trainers in lock step failing a round every 60 ms for minutes).
+        The store is waited for (bounded), so the refresh that follows counts this trainer."""
+        tracker = self.tracker
+        stored = self.dht.store(
+            key=tracker.training_progress_key,
+            subkey=tracker._local_public_key,
+            value=tracker.local_progress.dict(),
+            expiration_time=get_dht_time() + tracker.metadata_expiration,
+            return_future=True,
+        )
+        with contextlib.suppress(Exception):  # a timeout or a DHT error: the reporter's turn
+            stored.result(timeout=self.matchmaking_time)
 
     def _refresh_progress(self, timeout: float) -> None:
         """Have hivemind's tracker read the swarm's progress now and wait for it. It reads

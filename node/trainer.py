@@ -687,8 +687,10 @@ class Trainer:
     def _snapshot(self, seal: bool) -> PolicySnapshot:
         """The current version as rollout nodes load it: in the compute dtype (the engine's),
         sealed with the swarm's keys. Made after each step: the free memory the step left
-        is handed back then."""
+        is handed back first (else it and the new version would peak together), and what
+        making it freed after."""
         chunk_bytes = self.config.net.weight_chunk_bytes
+        memory.trim()
         made = snapshot(self.model, self.version, chunk_bytes, self.compute_dtype, seal)
         memory.trim()
         return made

@@ -93,3 +93,22 @@ def test_shared_zeros_cost_nothing_until_written_and_a_forked_child_sees_the_wri
     assert 24 * 1024 < pss_kb() - before < 64 * 1024
     # shared, as an averager's buffers must be: a forked child reads the parent's writes
     assert in_child(lambda: float(zeros[7, 5, 3])) == 2.0
+
+
+def test_untouched_zeros_cost_nothing_until_written_and_are_each_their_own_tensor() -> None:
+    likes = (torch.ones(32, 1024, 1024), torch.ones(3, 5, dtype=torch.bfloat16))  # 128 MB
+    before = pss_kb()
+    big, small = memory.untouched_zeros(likes)
+    assert (big.shape, big.dtype, small.shape, small.dtype) == (
+        likes[0].shape,
+        torch.float32,
+        likes[1].shape,
+        torch.bfloat16,
+    )
+    assert pss_kb() - before < 16 * 1024  # not 128 MB
+    assert not big[::97].any() and not small.any()
+    big[:8].fill_(1.0)  # 32 MB written
+    small.fill_(3.0)  # its own place: the big one's first bytes are untouched by it
+    assert 24 * 1024 < pss_kb() - before < 64 * 1024
+    assert float(big[0, 0, 0]) == 1.0 and float(big[8:].abs().sum()) == 0.0
+    assert float(small.sum()) == 45.0

@@ -6,23 +6,22 @@ from __future__ import annotations
 
 import asyncio
 import math
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from agentjet import protocol, rl
-from agentjet.config import ReplayConfig, SwarmConfig, TrainerConfig, load_config
+from agentjet.config import ReplayConfig, TrainerConfig, load_config
 from agentjet.episode import Episode, SamplingParams
 from agentjet.errors import ConfigError
 from node.learner import Learner
 from node.model import load_causal_lm
 from node.replay import Replay, group_bytes
 from node.rollout import build_group
-from node.swarm import SwarmOptimizer
 from node.torch_engine import TorchEngine
 from tests.factories import make_group
+from tests.unit.test_trainer_logic import lone_swarm
 
 pytestmark = pytest.mark.unit
 
@@ -148,14 +147,8 @@ def test_a_replayed_groups_ratios_are_against_its_sampler(
     group = build_group(grant, episodes, "n", 0.0)
 
     model, _ = load_causal_lm(tiny_model_dir)
-    # (a smaller step than lone_swarm's: the moved policy stays within the gap bound)
-    swarm = SwarmOptimizer(
-        SwarmConfig(run_id=f"test-replay-{time.monotonic_ns()}"),
-        model.parameters(),
-        lr=1e-4,
-        weight_decay=0.0,
-        target_batch_size=3,
-    )
+    # (a smaller step than lone_swarm's default: the moved policy stays within the gap bound)
+    swarm = lone_swarm(model, target_batch_size=3, lr=1e-4)
     try:
         # one micro-batch: the statistics are means over all trained tokens
         config = TrainerConfig(micro_batch_samples=8, max_logprob_gap=0.5)

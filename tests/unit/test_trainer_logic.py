@@ -117,12 +117,85 @@ def test_with_a_sample_budget_a_version_waits_for_enough_gradient(tiny_model_dir
     assert versions == [0, 0, 1]
 
 
-def lone_swarm(model: torch.nn.Module, target_batch_size: int) -> SwarmOptimizer:
+def lone_swarm(model: torch.nn.Module, target_batch_size: int, lr: float = 1e-3) -> SwarmOptimizer:
     """A one-peer hivemind optimizer of its own run (the same path as a swarm)."""
     return SwarmOptimizer(
         SwarmConfig(run_id=f"test-{time.monotonic_ns()}"),
         model.parameters(),
-        lr=1e-3,
+        lr=lr,
         weight_decay=0.0,
         target_batch_size=target_batch_size,
     )
+
+
+PAGE_KB = 4
+
+
+def resident_kb(tensor: torch.Tensor) -> int:
+    """The resident size of the mapping that holds `tensor`'s storage."""
+    address = tensor.untyped_storage().data_ptr()
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "Rss:":
+            return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_a_lone_trainer_steps_as_adamw_does_and_writes_no_gradient_buffer_of_hivemind():
+    """Steps of a whole epoch each leave hivemind's accumulators and averaged gradients
+    unwritten (their pages never exist); an epoch over two steps accumulates both."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.Linear(1024, 4))
+    twin = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.Linear(1024, 4))
+    twin.load_state_dict(model.state_dict())
+    plain = torch.optim.AdamW(twin.parameters(), lr=1e-3, weight_decay=0.0)
+    for p in twin.parameters():  # hivemind makes Adam's state with a step on zeros
+        p.grad = torch.zeros_like(p)
+    plain.step()
+    plain.zero_grad()
+
+    def backward(batch: torch.Tensor) -> None:
+        for m in (model, twin):
+            m(batch).square().mean().backward()
+
+    swarm = lone_swarm(model, target_batch_size=4)
+    try:
+        averager = swarm.optimizer.grad_averager
+        for _ in range(3):
+            backward(torch.randn(4, 256))
+            plain.step()
+            plain.zero_grad()
+            assert swarm.step(batch_size=4) == swarm.epoch
+        assert swarm.epoch == 3
+        assert all(
+            torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True)
+        )
+        buffers = [*averager._local_accumulators, *averager._averaged_tensors]
+        # none of their data written: at most one page each (the shared ones' refcount
+        # header, where torch shares memory by file name, as hivemind sets it when imported
+        # first); the largest is 1 MB
+        assert all(resident_kb(t) <= PAGE_KB for t in buffers), [resident_kb(t) for t in buffers]
+
+        # An epoch of 8 samples in two steps of 4: the first batch's gradients go into
+        # the accumulators before `.grad` is cleared, and the step is on their mean.
+        swarm.optimizer.tracker.target_batch_size = 8
+        first, second = torch.randn(4, 256), torch.randn(4, 256)
+        backward(first)
+        assert swarm.step(batch_size=4) == 3
+        twin_grads = [p.grad.clone() for p in twin.parameters()]
+        twin.zero_grad()
+        backward(second)
+        for p, g in zip(twin.parameters(), twin_grads, strict=True):
+            p.grad = (g + p.grad) * 0.5
+        plain.step()
+        assert swarm.step(batch_size=4) == 4
+        assert all(
+            torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True)
+        )
+        assert resident_kb(averager._local_accumulators[0]) > 0
+    finally:
+        swarm.shutdown()

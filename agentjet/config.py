@@ -428,6 +428,10 @@ class NetConfig(_Section):
     # once per node. It binds `relay_port` (0: any free one) on the host its DHT announces.
     relay: bool = True
     relay_port: Annotated[int, Meta(ge=0, le=65535)] = 0
+    # A rollout node on its trainer's host maps the trainer's copy of each version (every
+    # chunk checked against the manifest) instead of fetching one of its own: the version
+    # is in memory once for both (node/weights.py). False: fetch as from another host.
+    map_local: bool = True
     # Give up on a request after this long and reconnect (lazy-pirate pattern).
     request_timeout_s: PositiveFloat = 30.0
     # The swarm's key file (`agentjet keys init`; `--keys FILE`): every ZMQ socket is

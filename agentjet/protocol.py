@@ -402,11 +402,23 @@ class PolicyQuery(_Msg, tag="policy_query"):
     manifest: bool = True
 
 
+class LocalCopy(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """Where a policy version lies in its trainer's memory, for a node on the same host
+    (the same `host`: the kernel's boot id) to map instead of fetching: the trainer's
+    process and the file descriptor of its frozen memory file (node/weights.py)."""
+
+    host: str
+    pid: int
+    fd: int
+
+
 class PolicyInfo(_Msg, tag="policy_info"):
     """The newest complete policy version a trainer serves (version 0 = base weights), with
     its manifest: the blake3 hash of each chunk (node/weights.py). With the swarm's keys its
     chunks are sealed under `key` (AES-256-GCM), which travels only over CURVE, and
-    `sealed_endpoint` serves them without CURVE to requests carrying `ticket`."""
+    `sealed_endpoint` serves them without CURVE to requests carrying `ticket`. `local`:
+    where a node on the trainer's host can map it (whatever it maps is checked against the
+    manifest as fetched chunks are)."""
 
     version: int
     nbytes: int
@@ -418,6 +430,7 @@ class PolicyInfo(_Msg, tag="policy_info"):
     key: bytes = b""
     ticket: bytes = b""
     sealed_endpoint: str = ""
+    local: LocalCopy | None = None
 
 
 class WeightChunkRequest(_Msg, tag="weight_chunk_request"):

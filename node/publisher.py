@@ -3,8 +3,9 @@
     trainer ──publish(snapshot), after each step──▶ Publisher: the newest and the one before
     PolicyQuery         ──▶ info(): the newest version with its manifest (node/weights.py;
                             with the swarm's keys also its key, its ticket and the sealed
-                            endpoint), or without (PolicyQuery.manifest false: a poll)
-    WeightChunkRequest  ──▶ chunk(): as stored (sealed with keys)
+                            endpoint; where a node on this host maps it), or without
+                            (PolicyQuery.manifest false: a poll)
+    WeightChunkRequest  ──▶ chunk(): plain, or sealed with keys
     sealed endpoint     a ROUTER without CURVE (with keys only): Hello, and
                         WeightChunkRequest carrying its version's ticket; nothing else
 
@@ -18,22 +19,24 @@ steps the trainer holds one version, not two. A fetch that is going on asks for 
 all the time (several in flight), and keeps it.
 
 Why a socket without CURVE: CURVE encrypts every byte as it is sent (~230 MB/s on a
-2-core box, 2.3 s per SmolLM2-135M version per rollout node); a sealed version is
-encrypted once, when it is made, and sent as it is. What CURVE still carries is what makes
-the chunks readable and trusted: the key, and the hashes each chunk is checked against.
-Someone who reaches the sealed endpoint without a ticket gets nothing; with one (a member
-gave it away) they get ciphertext.
+2-core box, 2.3 s per SmolLM2-135M version per rollout node); a sealed chunk is
+encrypted once for all who ask for it at about the same time (the last few are kept), and
+relays (node/relay.py) pass chunks on, so the trainer seals each about once per version.
+What CURVE still carries is what makes the chunks readable and trusted: the key, and the
+hashes each chunk is checked against. Someone who reaches the sealed endpoint without a
+ticket gets nothing; with one (a member gave it away) they get ciphertext.
 """
 
 from __future__ import annotations
 
 import hmac
+import os
 import time
 from collections.abc import Callable
 
 from agentjet import protocol
 from agentjet.transport import Server
-from node.weights import PolicySnapshot
+from node.weights import PolicySnapshot, this_host
 
 # The version before the newest goes before a step once no chunk of it was asked for this
 # long: a fetch under way keeps several requests in flight (node/trainer_link.py).
@@ -110,6 +113,8 @@ class Publisher:
             info.chunk_hashes = list(snap.hashes)
             info.key, info.ticket = snap.key, snap.ticket
             info.sealed_endpoint = self.sealed_endpoint if snap.key else ""
+            if snap.fd >= 0 and this_host():
+                info.local = protocol.LocalCopy(host=this_host(), pid=os.getpid(), fd=snap.fd)
         return info
 
     def chunk(

@@ -41,7 +41,7 @@ from agentjet.errors import ProtocolError
 from agentjet.roles import wait_for
 from agentjet.transport import Client, PeerUnavailable, Server
 from node.trainer_link import SEALED_HANDSHAKE_TIMEOUT_S, TrainerSource, plain_client
-from node.weights import WeightAssembly
+from node.weights import RecentChunks, WeightAssembly
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ class RelayServer:
         self.absent = 0  # requests for chunks not held (yet)
         self.refused = 0  # requests with a wrong ticket, or no request of this endpoint
         self._replying: set[asyncio.Task[None]] = set()
-        self._recent: dict[tuple[int, int], bytes] = {}  # (assembly, index) -> as served
+        self._recent = RecentChunks(RELAY_RECENT_CHUNKS)  # by (assembly, index)
         self._waiting = 0  # requests waiting for their chunk
         self._arrived = asyncio.Event()  # set (and replaced) when the held chunks change
         self._watcher: asyncio.Task[None] | None = None
@@ -166,9 +166,7 @@ class RelayServer:
         if data is None:
             data = await blocking(assembly.served, index)
             if data is not None:
-                self._recent[key] = data
-                while len(self._recent) > RELAY_RECENT_CHUNKS:
-                    del self._recent[next(iter(self._recent))]
+                self._recent.put(key, data)
         return data
 
     async def _until_present(self, assembly: WeightAssembly, index: int) -> bool:

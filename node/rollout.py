@@ -60,7 +60,14 @@ from node.gpu_monitor import metrics as gpu_metrics
 from node.held_out import HeldOut
 from node.lora import AdapterMerger
 from node.model import resolve_model
-from node.relay import RelayPeer, RelayServer, fetch_relayed, open_relay, relay_peers
+from node.relay import (
+    FetchStats,
+    RelayPeer,
+    RelayServer,
+    fetch_relayed,
+    open_relay,
+    relay_peers,
+)
 from node.spool import Spool, SpoolFull
 from node.swarm import Directory, start_dht, visible_maddrs
 from node.trainer_link import Superseded, answers, probe, trainer_client
@@ -74,8 +81,8 @@ from sandboxes.process import ProcessSandbox
 log = logging.getLogger(__name__)
 
 # A fetched version waiting for the batch in progress to end: lineage, version, checksum,
-# its tensors and the buffer they are views of.
-ReadyWeights = tuple[protocol.Lineage, int, str, dict[str, torch.Tensor], mmap.mmap]
+# its tensors and the buffer they are views of (None: the trainer's memory, mapped).
+ReadyWeights = tuple[protocol.Lineage, int, str, dict[str, torch.Tensor], mmap.mmap | None]
 
 # How often the node asks the trainer for a newer policy version (acks also announce one).
 POLICY_POLL_S = 1.0
@@ -825,10 +832,18 @@ class Rollout:
                     return True
             if self.relay is not None:
                 self.relay.drop()  # before its buffer is reused for this version
-            assembly = WeightAssembly.of(info, self.spare_weights)
+            # On the trainer's host its memory is mapped (checked as fetched chunks are).
+            assembly = None
+            if self.config.net.map_local:
+                assembly = await blocking(WeightAssembly.mapped, info)
+            if assembly is None:
+                assembly = WeightAssembly.of(info, self.spare_weights)
             if self.relay is not None:
                 self.relay.hold(assembly, info.ticket)
-            fetched = await fetch_relayed(assembly, info, client, self.node_id, self.relays)
+            if assembly.local:
+                fetched = FetchStats()
+            else:
+                fetched = await fetch_relayed(assembly, info, client, self.node_id, self.relays)
             state = await blocking(assembly.finish)
             if self.merger is not None:  # LoRA: adapters arrive, this engine takes weights
                 state = await blocking(self.merger.merge, state, self.engine.state_dict())
@@ -840,12 +855,15 @@ class Rollout:
         except (PeerUnavailable, ValueError) as e:
             log.info("policy fetch from %s interrupted (%s); will retry", source.node_id, e)
             return False
-        self.ready_weights = (info.lineage, info.version, info.sha256, state, assembly.blob)
+        # (a mapping of the trainer's memory is no buffer for a later fetch to write into)
+        buffer = None if assembly.local else assembly.blob
+        self.ready_weights = (info.lineage, info.version, info.sha256, state, buffer)
         self.metrics.write(
             {
                 "event": "weights_fetched",
                 "policy_version": info.version,
                 "lineage": info.lineage.id,
+                "mapped": assembly.local,
                 "chunks_from_trainer": fetched.from_trainer,
                 "chunks_from_relays": fetched.from_relays,
                 "relays_given_up": len(fetched.relay_failures),
@@ -871,7 +889,8 @@ class Rollout:
         if self.ready_weights is ready:
             self.ready_weights = None  # (one fetched meanwhile is newer: the next batch's)
         del state, ready
-        self.spare_weights.keep(buffer)  # for the next fetch, once no tensor of it lives
+        if buffer is not None:
+            self.spare_weights.keep(buffer)  # for a next fetch, once no tensor of it lives
         del buffer  # (a name of it here would keep the next fetch from taking it)
         if lineage != self.lineage:
             log.info(

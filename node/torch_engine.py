@@ -226,27 +226,31 @@ class TorchEngine:
         return input_ids.to(self.device), attention_mask.to(self.device)
 
     async def load_state_dict(self, state: Mapping[str, torch.Tensor], version: int) -> None:
-        """Copy a new policy version's weights in place and start tagging samples with `version`.
+        """Take a new policy version's weights and start tagging samples with `version`.
 
-        Everything is checked before anything is copied, so a wrong state dict (other
+        Everything is checked before anything is taken, so a wrong state dict (other
         architecture, truncated transfer) raises ValueError naming the key and leaves the
-        current weights untouched. Tensors are cast to the engine's dtype and copied onto
-        its device tensor by tensor, into the weights already there (no second copy). Keys
-        are those of `named_parameters()`: tied weights (SmolLM2's lm_head) appear once.
-        The copy waits for a decode in progress and runs across the bridge.
+        current weights untouched. A tensor of the engine's dtype on its device becomes the
+        weight itself (no copy: the caller's buffer, node/weights.py, is then the engine's,
+        and the weights before it are let go); others are cast and copied into the weights
+        already there. Keys are those of `named_parameters()`: tied weights (SmolLM2's
+        lm_head) appear once. It waits for a decode in progress and runs across the bridge.
         """
-        own = self.state_dict()
-        check_state_dict(own, state)
+        check_state_dict(self.state_dict(), state)
         async with self._busy.hold():
-            await blocking(self._copy_weights, own, state)
+            await blocking(self._take_weights, state)
             self.policy_version = version  # on the loop, before any waiting decode starts
 
-    @staticmethod
-    def _copy_weights(own: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor]) -> None:
+    def _take_weights(self, state: Mapping[str, torch.Tensor]) -> None:
         """`load_state_dict`'s blocking body (a bridge thread; a checked state dict)."""
+        params = dict(self.model.named_parameters())
         with torch.no_grad():
             for key, tensor in state.items():
-                own[key].copy_(tensor)
+                param = params[key]
+                if tensor.dtype == param.dtype and tensor.device == param.device:
+                    param.data = tensor
+                else:
+                    param.data.copy_(tensor)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The live parameters by HF name, tied ones once (no copy: clone before changing)."""

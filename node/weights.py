@@ -1,22 +1,31 @@
 """Policy versions as bytes: serialize, chunk, hash, seal, verify, reassemble, checkpoint.
 
-    trainer: parameters (CPU or GPU) ──to_safetensors: one host buffer──▶ chunks ──▶ blake3
-             of each (the manifest; its sha256 is the version's checksum) ──▶ with keys,
-             each sealed under the version's own AES-256-GCM key ──▶ PolicySnapshot ──▶ wire
+    trainer: parameters (CPU or GPU) ──frozen_safetensors: one host buffer, a frozen
+             memory file──▶ chunks ──▶ blake3 of each (the manifest; its sha256 is the
+             version's checksum) ──▶ PolicySnapshot ──▶ wire: each chunk as asked, with keys
+             sealed under the version's own AES-256-GCM key
     rollout: manifest (PolicyInfo, from the trainer over CURVE) ──▶ each chunk as it comes:
              WeightAssembly: unsealed into its place in one buffer, hash ok? ──▶ state_dict
              (views of that buffer) ──▶ engine
+             on the trainer's host: WeightAssembly.mapped, the trainer's memory file mapped,
+             every chunk's hash ok? ──▶ state_dict (views of the trainer's pages) ──▶ engine
 
 A sealed chunk can travel on a socket without CURVE (node/publisher.py): only nodes that
 were given the version's key over CURVE can read it, and its hash in the manifest, not the
 socket it came on, decides whether it is the trainer's. A rollout node loads a version only
-when every chunk arrived and matched.
+when every chunk arrived and matched. A node on the trainer's host maps the version
+instead (`PolicyInfo.local`): the same check of every chunk, no bytes on a socket, and the
+pages are the trainer's, so the version is in memory once for both (`agentjet local`).
+The trainer freezes the file before announcing it (no writes, no size change, by anyone),
+so what a node checked stays what it runs.
 Tied parameters (SmolLM2 ties lm_head to the embeddings) travel once: we ship
 `named_parameters()`, which lists a shared tensor under one name only.
 """
 
 from __future__ import annotations
 
+import fcntl
+import functools
 import hashlib
 import json
 import math
@@ -24,11 +33,13 @@ import mmap
 import os
 import secrets
 import shutil
+import stat
 import struct
 import sys
 import threading
-from collections.abc import Sequence
-from dataclasses import dataclass
+import weakref
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, cast
 
@@ -47,6 +58,8 @@ SEAL_TAG_BYTES = 16
 SEAL_KEY_BYTES = 32
 CHUNK_HASH_BYTES = 32  # blake3
 TICKET_BYTES = 16
+SEALED_KEPT = 8  # chunks a trainer keeps sealed: those relays and nodes are asking for now
+FROZEN_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 
 Buffer = bytes | bytearray | memoryview
 # The safetensors format's names of the dtypes policy versions travel in.
@@ -65,27 +78,63 @@ RESUME_STATE = "trainer_state.pt"
 
 @dataclass(frozen=True)
 class PolicySnapshot:
-    """One version as a trainer serves it: its chunks one after another in `stored`, each
-    sealed (AES-256-GCM under the version's own `key`, tag appended) when the swarm has
-    keys, else plain; and its manifest, the blake3 hash of each plain chunk."""
+    """One version as a trainer serves it: its plain chunks one after another in `stored`
+    (never changed once made), and its manifest, the blake3 hash of each. With the swarm's
+    keys each chunk goes out sealed (AES-256-GCM under the version's own `key`, tag
+    appended), sealed when asked for; the last few sealed are kept. `fd`: the frozen memory
+    file `stored` maps (-1: none), which a node on this host maps instead of fetching."""
 
     version: int
     nbytes: int  # of the safetensors bytes
     chunk_bytes: int
     hashes: tuple[bytes, ...]
     sha256: str  # manifest_digest(hashes): equal weights, equal digest, whoever made them
-    stored: mmap.mmap | bytearray  # never changed once made
-    key: bytes = b""  # b"": the chunks are stored plain
+    stored: mmap.mmap | bytearray
+    key: bytes = b""  # b"": the chunks go out plain
     ticket: bytes = b""  # asked of every request for a sealed chunk on the open socket
+    fd: int = -1
+    _sealed: RecentChunks = field(
+        default_factory=lambda: RecentChunks(SEALED_KEPT), compare=False, repr=False
+    )
 
     @property
     def num_chunks(self) -> int:
         return len(self.hashes)
 
     def chunk(self, index: int) -> memoryview:
-        """Chunk `index` as stored (sealed or plain): a view, not a copy."""
-        stride = self.chunk_bytes + (SEAL_TAG_BYTES if self.key else 0)
-        return memoryview(self.stored)[index * stride : (index + 1) * stride]
+        """Chunk `index` as it is served: sealed with a key, else a view of the plain one."""
+        begin = index * self.chunk_bytes
+        plain = memoryview(self.stored)[begin : begin + self.chunk_bytes]
+        if not self.key:
+            return plain
+        sealed = self._sealed.get(index)
+        if sealed is None:
+            sealed = seal_chunk(AESGCM(self.key), self.version, index, plain)
+            self._sealed.put(index, sealed)
+        return memoryview(sealed)
+
+
+class RecentChunks:
+    """The last few chunks as served (sealed), by key: the nodes fetching a version ask for
+    the same chunk at about the same time, and it is sealed once for them, not once each."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._kept: dict[Hashable, bytes] = {}
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def get(self, key: Hashable) -> bytes | None:
+        return self._kept.get(key)
+
+    def put(self, key: Hashable, data: bytes) -> None:
+        self._kept[key] = data
+        while len(self._kept) > self.size:
+            del self._kept[next(iter(self._kept))]
+
+    def clear(self) -> None:
+        self._kept.clear()
 
 
 def snapshot(
@@ -96,61 +145,77 @@ def snapshot(
     seal: bool = False,
 ) -> PolicySnapshot:
     """The parameters that train (with LoRA: the adapters only) as one version in chunks,
-    cast to `dtype` on the way (None: as they are), sealed under a fresh key if `seal`."""
+    cast to `dtype` on the way (None: as they are), in a frozen memory file that nodes on
+    this host can map (`frozen_safetensors`), sealed under a fresh key if `seal`."""
     tensors = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
-    blob = to_safetensors(tensors, {"policy_version": str(version)}, dtype)
-    return chunked(blob, version, chunk_bytes, seal)
+    blob, fd = frozen_safetensors(tensors, {"policy_version": str(version)}, dtype)
+    try:
+        made = chunked(blob, version, chunk_bytes, seal, fd)
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        raise
+    if fd >= 0:
+        weakref.finalize(made, os.close, fd)  # the file lives on in what others mapped
+    return made
 
 
 def chunked(
-    blob: mmap.mmap | bytearray, version: int, chunk_bytes: int, seal: bool
+    blob: mmap.mmap | bytearray, version: int, chunk_bytes: int, seal: bool, fd: int = -1
 ) -> PolicySnapshot:
-    """`blob` cut into chunks of `chunk_bytes` (the last one shorter), hashed, and sealed
-    into a buffer of their own if `seal`. Sealing consumes `blob`: a mapping's pages are
-    handed back as each chunk is sealed, so a version is in memory about once, not twice."""
-    view = memoryview(blob)
-    pieces = [view[i : i + chunk_bytes] for i in range(0, len(blob), chunk_bytes)] or [view]
-    hashes = tuple(chunk_hash(piece) for piece in pieces)
-    if not seal:
-        return PolicySnapshot(
-            version, len(blob), chunk_bytes, hashes, manifest_digest(hashes), blob
-        )
-    key = AESGCM.generate_key(bit_length=256)
-    aead = AESGCM(key)
-    stored = anonymous(len(blob) + SEAL_TAG_BYTES * len(pieces))
-    out = memoryview(stored)
-    offset = 0
-    for index, piece in enumerate(pieces):
-        end = offset + len(piece) + SEAL_TAG_BYTES
-        aead.encrypt_into(seal_nonce(version, index), piece, None, out[offset:end])
-        offset = end
-        if isinstance(blob, mmap.mmap):
-            release_pages(blob, index * chunk_bytes, index * chunk_bytes + len(piece))
-    out.release()
-    return PolicySnapshot(
-        version,
-        len(blob),
-        chunk_bytes,
-        hashes,
-        manifest_digest(hashes),
-        stored,
-        key,
-        secrets.token_bytes(TICKET_BYTES),
-    )
+    """`blob` cut into chunks of `chunk_bytes` (the last one shorter) and hashed; with
+    `seal`, a fresh key and ticket for serving them sealed."""
+    hashes = _hashes(blob, chunk_bytes)
+    key = AESGCM.generate_key(bit_length=256) if seal else b""
+    ticket = secrets.token_bytes(TICKET_BYTES) if seal else b""
+    digest = manifest_digest(hashes)
+    return PolicySnapshot(version, len(blob), chunk_bytes, hashes, digest, blob, key, ticket, fd)
+
+
+def _hashes(blob: mmap.mmap | bytearray, chunk_bytes: int) -> tuple[bytes, ...]:
+    """The blake3 hash of each chunk of `blob` (one chunk, empty, when it is empty)."""
+    hashes = []
+    with memoryview(blob) as view:
+        for begin in range(0, max(len(blob), 1), chunk_bytes):
+            with view[begin : begin + chunk_bytes] as piece:
+                hashes.append(chunk_hash(piece))
+    return tuple(hashes)
 
 
 def anonymous(nbytes: int) -> mmap.mmap:
-    """A private anonymous mapping (pages exist once written; MADV_DONTNEED frees them,
-    which it would not in a shared one)."""
+    """A private anonymous mapping (pages exist once written)."""
     return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
 
-def release_pages(mapping: mmap.mmap, begin: int, end: int) -> None:
-    """Hand the whole pages of mapping[begin:end] back to the system (they read as zeros)."""
-    page = mmap.PAGESIZE
-    low, high = -(-begin // page) * page, end // page * page
-    if high > low:
-        mapping.madvise(mmap.MADV_DONTNEED, low, high - low)
+@functools.cache
+def this_host() -> str:
+    """This kernel's boot id: equal for processes that can share memory files ("" unknown)."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def map_frozen(pid: int, fd: int, nbytes: int) -> mmap.mmap | None:
+    """Process `pid`'s frozen memory file `fd` (`frozen_safetensors`) mapped copy-on-write,
+    its pages shared with that process; None when it is not one of `nbytes` bytes that
+    nobody can change any more (gone, another file, another process, not reachable)."""
+    try:
+        opened = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        info = os.fstat(opened)
+        if not stat.S_ISREG(info.st_mode) or info.st_size != nbytes or nbytes == 0:
+            return None
+        if fcntl.fcntl(opened, fcntl.F_GET_SEALS) & FROZEN_SEALS != FROZEN_SEALS:
+            return None
+        # Private: a write (nothing here writes weights) would copy that page, not fail.
+        return mmap.mmap(opened, nbytes, flags=mmap.MAP_PRIVATE)
+    except OSError:  # F_GET_SEALS of a file that is no memory file
+        return None
+    finally:
+        os.close(opened)
 
 
 def chunk_hash(data: Buffer) -> bytes:
@@ -162,18 +227,21 @@ def manifest_digest(hashes: Sequence[bytes]) -> str:
     return hashlib.sha256(b"".join(hashes)).hexdigest()
 
 
+def seal_chunk(aead: AESGCM, version: int, index: int, plain: Buffer) -> bytes:
+    """Chunk `index` of `version` sealed: the same bytes whoever seals it with the key."""
+    return aead.encrypt(seal_nonce(version, index), plain, None)
+
+
 def seal_nonce(version: int, index: int) -> bytes:
     """Unique per chunk under a version's key (each version has a key of its own)."""
     return struct.pack(">QI", version, index)
 
 
-def to_safetensors(
-    tensors: dict[str, torch.Tensor], metadata: dict[str, str], dtype: torch.dtype | None = None
-) -> mmap.mmap:
-    """`tensors` (on any device) in the safetensors format, each copied straight into its
-    place in one host buffer: the only host copy, and no whole-model copy on a GPU (a
-    cast or a non-contiguous tensor makes a temporary of that one tensor). The buffer is an
-    anonymous mapping: its memory goes back to the system when it is dropped."""
+def _layout(
+    tensors: dict[str, torch.Tensor], metadata: dict[str, str], dtype: torch.dtype | None
+) -> tuple[bytes, dict[str, Any], int]:
+    """The safetensors header of `tensors` (cast to `dtype`), its parsed form, and the
+    whole file's size."""
     header: dict[str, Any] = {"__metadata__": metadata}
     offset = 0
     for name, tensor in tensors.items():
@@ -187,7 +255,16 @@ def to_safetensors(
         offset += nbytes
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # the format pads the header to 8 bytes with spaces
-    blob = anonymous(8 + len(head) + offset)
+    return head, header, 8 + len(head) + offset
+
+
+def _write(
+    blob: mmap.mmap,
+    tensors: dict[str, torch.Tensor],
+    head: bytes,
+    header: dict[str, Any],
+    dtype: torch.dtype | None,
+) -> None:
     blob[:8] = struct.pack("<Q", len(head))
     blob[8 : 8 + len(head)] = head
     start = 8 + len(head)
@@ -200,28 +277,70 @@ def to_safetensors(
                 blob, dtype=dtype or tensor.dtype, count=tensor.numel(), offset=start + begin
             )
             place.copy_(tensor.reshape(-1))
+
+
+def to_safetensors(
+    tensors: dict[str, torch.Tensor], metadata: dict[str, str], dtype: torch.dtype | None = None
+) -> mmap.mmap:
+    """`tensors` (on any device) in the safetensors format, each copied straight into its
+    place in one host buffer: the only host copy, and no whole-model copy on a GPU (a
+    cast or a non-contiguous tensor makes a temporary of that one tensor). The buffer is an
+    anonymous mapping: its memory goes back to the system when it is dropped."""
+    head, header, nbytes = _layout(tensors, metadata, dtype)
+    blob = anonymous(nbytes)
+    _write(blob, tensors, head, header, dtype)
     return blob
 
 
+def frozen_safetensors(
+    tensors: dict[str, torch.Tensor], metadata: dict[str, str], dtype: torch.dtype | None = None
+) -> tuple[mmap.mmap, int]:
+    """`to_safetensors` written into a memory file (memfd) that is then frozen (sealed
+    against writes and size changes) and mapped read-only: its descriptor, second, lets a
+    process on this host map the same pages (`map_frozen`), and no one can change them
+    after that process checked them. Not inherited by processes forked later. Without
+    memory files: `to_safetensors`, descriptor -1."""
+    head, header, nbytes = _layout(tensors, metadata, dtype)
+    try:
+        fd = os.memfd_create("agentjet-policy", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    except (AttributeError, OSError):
+        return to_safetensors(tensors, metadata, dtype), -1
+    try:
+        os.ftruncate(fd, nbytes)
+        writable = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
+        _write(writable, tensors, head, header, dtype)
+        writable.close()  # a writable shared mapping left would refuse the seal
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, FROZEN_SEALS | fcntl.F_SEAL_SEAL)
+        blob = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        blob.madvise(mmap.MADV_DONTFORK)
+    except BaseException:
+        os.close(fd)
+        raise
+    return blob, fd
+
+
 class SpareBuffer:
-    """The buffer of the version a node loaded last, offered to its next fetch of the same
-    size: its pages exist already (writing fresh pages was a third of a SmolLM2-135M fetch
-    on a 2-core box, bench/LOG.md). Taken only once no tensor of it lives: torch holds a
-    reference to a buffer while any tensor on it does, and an engine may keep the tensors
-    it was given (the vLLM engine's CPU copy is them)."""
+    """The buffers of the last versions a node loaded, offered to its next fetch of the
+    same size: their pages exist already (writing fresh pages was a third of a
+    SmolLM2-135M fetch on a 2-core box, bench/LOG.md). One is taken only once no tensor of
+    it lives: torch holds a reference to a buffer while any tensor on it does, and an
+    engine may keep the tensors it was given (the torch engine's weights become them; the
+    vLLM engine's CPU copy is them). Two are kept: the one loaded last is still the
+    engine's, the one before is free."""
 
     def __init__(self) -> None:
-        self._buffer: mmap.mmap | None = None
+        self._buffers: list[mmap.mmap] = []
 
     def keep(self, buffer: mmap.mmap) -> None:
-        self._buffer = buffer
+        self._buffers = [*self._buffers[-1:], buffer]
 
     def take(self, nbytes: int) -> mmap.mmap | None:
-        buffer, self._buffer = self._buffer, None
-        if buffer is None or len(buffer) != nbytes:
-            return None
-        # `buffer` here and getrefcount's argument: any other reference is a live tensor's
-        return buffer if sys.getrefcount(buffer) == 2 else None
+        for buffer in self._buffers:
+            # `buffer` here, in the list and getrefcount's argument: any other is a tensor's
+            if len(buffer) == nbytes and sys.getrefcount(buffer) == 3:
+                self._buffers.remove(buffer)
+                return buffer
+        return None
 
 
 class WeightAssembly:
@@ -240,6 +359,7 @@ class WeightAssembly:
         hashes: tuple[bytes, ...],
         key: bytes,
         spare: SpareBuffer | None = None,
+        blob: mmap.mmap | None = None,
     ) -> None:
         self.version = version
         self.nbytes = nbytes
@@ -249,7 +369,8 @@ class WeightAssembly:
         self.present: set[int] = set()  # chunks written and checked
         self._claimed: set[int] = set()  # chunks being written (by a bridge thread)
         self._lock = threading.Lock()
-        reused = spare.take(nbytes) if spare is not None else None
+        self.local = blob is not None  # mapped from a trainer on this host (`mapped`)
+        reused = blob if blob is not None else spare.take(nbytes) if spare is not None else None
         if reused is not None:
             self.blob = reused
             return
@@ -264,6 +385,33 @@ class WeightAssembly:
     def of(cls, info: protocol.PolicyInfo, spare: SpareBuffer | None = None) -> WeightAssembly:
         """For the version `info` announces; ValueError when its manifest does not hold
         together (hashes, digest, sizes, key)."""
+        return cls(
+            info.version, info.nbytes, info.chunk_bytes, cls._manifest(info), info.key, spare
+        )
+
+    @classmethod
+    def mapped(cls, info: protocol.PolicyInfo) -> WeightAssembly | None:
+        """The version `info` announces, whole, mapped from the memory of its trainer when
+        that runs on this host (`PolicyInfo.local`): no copy, the pages shared with the
+        trainer's. None when it cannot be mapped or a chunk does not match its hash in the
+        manifest (then fetch it); ValueError as `of`."""
+        local = info.local
+        hashes = cls._manifest(info)
+        if local is None or not local.host or local.host != this_host():
+            return None
+        blob = map_frozen(local.pid, local.fd, info.nbytes)
+        if blob is None:
+            return None
+        if _hashes(blob, info.chunk_bytes) != hashes:
+            blob.close()
+            return None
+        assembly = cls(info.version, info.nbytes, info.chunk_bytes, hashes, info.key, blob=blob)
+        assembly.present = set(range(len(hashes)))
+        return assembly
+
+    @staticmethod
+    def _manifest(info: protocol.PolicyInfo) -> tuple[bytes, ...]:
+        """`info`'s chunk hashes; ValueError when its manifest does not hold together."""
         hashes = tuple(info.chunk_hashes)
         count = len(hashes)
         if not hashes or any(len(h) != CHUNK_HASH_BYTES for h in hashes):
@@ -278,7 +426,7 @@ class WeightAssembly:
             )
         if len(info.key) not in (0, SEAL_KEY_BYTES):
             raise ValueError(f"policy version {info.version}: a key of {len(info.key)} bytes")
-        return cls(info.version, info.nbytes, info.chunk_bytes, hashes, info.key, spare)
+        return hashes
 
     @property
     def num_chunks(self) -> int:
@@ -335,7 +483,7 @@ class WeightAssembly:
         with memoryview(self.blob)[begin : min(begin + self.chunk_bytes, self.nbytes)] as plain:
             if self._aead is None:
                 return bytes(plain)
-            return self._aead.encrypt(seal_nonce(self.version, index), plain, None)
+            return seal_chunk(self._aead, self.version, index, plain)
 
     def finish(self) -> dict[str, torch.Tensor]:
         """The state dict (tensors are views of the one buffer), or ValueError when chunks

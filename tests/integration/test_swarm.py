@@ -593,8 +593,9 @@ def test_two_rollout_nodes_pass_policy_versions_on_to_each_other(
 ):
     """A trainer and two rollout nodes: each takes its share of a version's chunks from the
     trainer and the rest from the other's relay (node/relay.py), and both load exactly the
-    versions the trainer published (with LoRA: the adapters, merged by each node)."""
-    swarm = swarm_factory(*settings)
+    versions the trainer published (with LoRA: the adapters, merged by each node). (On one
+    host they would map the trainer's memory instead: told to fetch as across hosts.)"""
+    swarm = swarm_factory("net.map_local=false", *settings)
     join = start_swarm(swarm, ["trainer-a"])
     swarm.start("rollout-b", "node", "--role", "rollout", "--join", join)
     names = ("rollout", "rollout-b")
@@ -632,7 +633,7 @@ def test_a_swarm_across_hosts_survives_a_cut_link(swarm_factory: Callable[..., S
     with its own address, form a swarm through --join. One trainer's link is cut: the
     others go on; restored, it rejoins and trains again; every group is trained once."""
     require_netns()
-    swarm = swarm_factory()
+    swarm = swarm_factory("net.map_local=false")  # hosts of their own: no shared memory
     with Swarmnet() as net:
         hosts = {name: net.add_node(name) for name in ("coord", "ta", "tb", "roll")}
         swarm.start(

@@ -13,6 +13,7 @@ from agentjet.episode import SamplingParams
 from node.model import load_causal_lm
 from node.torch_engine import TorchEngine, sample_next
 from tests.engine_contract import (
+    GREEDY,
     assert_logprobs_match_teacher_forcing,
     chat_prompts,
     check_completion,
@@ -122,3 +123,27 @@ def test_invalid_requests_are_refused(
 def test_empty_prompt_is_refused(engine: TorchEngine) -> None:
     with pytest.raises(ValueError, match="at least one token"):
         asyncio.run(engine.generate([[]], 1, SamplingParams()))
+
+
+def test_weights_of_its_dtype_become_the_engines_own_and_others_are_copied(
+    tiny_model_dir: Path,
+) -> None:
+    """A fetched version's tensors (views of its buffer, node/weights.py) are taken as the
+    weights, not copied next to them; a version in another dtype is cast into them."""
+    threads = torch.get_num_threads()
+    engine = TorchEngine(tiny_model_dir, seed=3, threads=1)
+    torch.set_num_threads(threads)
+    prompts = [[5, 6, 7]]
+    before = asyncio.run(engine.generate(prompts, 1, GREEDY))
+    state = {k: v.clone() for k, v in engine.state_dict().items()}
+    asyncio.run(engine.load_state_dict(state, version=1))
+    assert all(engine.state_dict()[k].data_ptr() == t.data_ptr() for k, t in state.items())
+    halves = {k: v.to(torch.bfloat16) for k, v in state.items()}
+    asyncio.run(engine.load_state_dict(halves, version=2))
+    own = engine.state_dict()
+    assert all(own[k].dtype == torch.float32 for k in halves)
+    assert all(own[k].data_ptr() == t.data_ptr() for k, t in state.items())  # copied in
+    assert all(torch.equal(own[k], t.float()) for k, t in halves.items())
+    asyncio.run(engine.load_state_dict(state, version=3))
+    after = asyncio.run(engine.generate(prompts, 1, GREEDY))
+    assert [c.token_ids for c in after[0]] == [c.token_ids for c in before[0]]

@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
+import os
 import struct
+import subprocess
+import sys
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -16,11 +21,15 @@ from safetensors.torch import load as load_safetensors
 from agentjet import protocol
 from node.publisher import Publisher
 from node.weights import (
+    SEALED_KEPT,
+    PolicySnapshot,
     SpareBuffer,
     WeightAssembly,
     chunked,
     from_safetensors,
     seal_nonce,
+    snapshot,
+    this_host,
     to_safetensors,
 )
 
@@ -181,13 +190,119 @@ def test_the_last_versions_buffer_is_reused_only_once_no_tensor_of_it_lives() ->
     assert spare.take(len(third.blob) + 1) is None  # another size: a fresh buffer
 
 
-def test_sealing_hands_back_the_plain_versions_pages_as_it_goes() -> None:
-    """A version is in memory about once while it is sealed, not twice."""
+def test_a_sealed_version_is_sealed_as_asked_the_same_bytes_each_time() -> None:
     blob = to_safetensors({"w": torch.randn(64, 1024)}, {})  # 256 KiB and a header
     plain = bytes(blob)
     snap = chunked(blob, 1, 64 << 10, seal=True)
-    assert bytes(blob[: 4 * (64 << 10)]) == bytes(4 * (64 << 10))  # released: zeros
+    assert bytes(snap.stored) == plain  # kept plain: each chunk is sealed when asked for
+    first = [bytes(snap.chunk(i)) for i in range(snap.num_chunks)]
+    assert len(snap._sealed) == min(snap.num_chunks, SEALED_KEPT)
+    snap._sealed.clear()
+    assert [bytes(snap.chunk(i)) for i in range(snap.num_chunks)] == first
     assembly = WeightAssembly.of(Publisher(snap, "run").info(protocol.Lineage()))
-    for index in range(snap.num_chunks):
-        assembly.add(index, snap.chunk(index))
+    for index, data in enumerate(first):
+        assembly.add(index, data)
     assert bytes(assembly.blob) == plain
+
+
+def frozen_version(tensors: dict[str, torch.Tensor], seal: bool = True) -> PolicySnapshot:
+    model = torch.nn.Module()
+    for name, tensor in tensors.items():
+        model.register_parameter(name, torch.nn.Parameter(tensor.clone()))
+    return snapshot(model, 7, 4096, seal=seal)
+
+
+def test_a_node_on_the_trainers_host_maps_its_version_and_checks_every_chunk() -> None:
+    tensors = {"a": torch.randn(40, 100), "b": torch.randn(3, 7)}
+    snap = frozen_version(tensors)
+    info = Publisher(snap, "run").info(protocol.Lineage())
+    assert info.local == protocol.LocalCopy(host=this_host(), pid=os.getpid(), fd=snap.fd)
+    assembly = WeightAssembly.mapped(info)
+    assert assembly is not None and assembly.local and not assembly.missing()
+    state = assembly.finish()
+    assert all(torch.equal(state[k], t) for k, t in tensors.items())
+    # A relay on that node serves the trainer's very chunks (sealed again under its key).
+    assert all(assembly.served(i) == bytes(snap.chunk(i)) for i in range(snap.num_chunks))
+    # Frozen: nobody can write the file, or map it writable and shared.
+    with pytest.raises(PermissionError):
+        os.pwrite(snap.fd, b"x", 0)
+    with pytest.raises(PermissionError):
+        mmap.mmap(snap.fd, snap.nbytes, flags=mmap.MAP_SHARED)
+
+    # Not mapped, so fetched: another host, no such file, a file of other bytes, no memfd.
+    other = frozen_version({"a": torch.randn(40, 100), "b": torch.randn(3, 7)})
+    for local in (
+        protocol.LocalCopy(host="another-boot-id", pid=os.getpid(), fd=snap.fd),
+        protocol.LocalCopy(host=this_host(), pid=os.getpid(), fd=1 << 20),
+        protocol.LocalCopy(host=this_host(), pid=os.getpid(), fd=other.fd),  # hash fails
+    ):
+        assert WeightAssembly.mapped(msgspec.structs.replace(info, local=local)) is None
+    unsealed = os.memfd_create("not-frozen")
+    os.ftruncate(unsealed, snap.nbytes)
+    try:
+        local = protocol.LocalCopy(host=this_host(), pid=os.getpid(), fd=unsealed)
+        assert WeightAssembly.mapped(msgspec.structs.replace(info, local=local)) is None
+    finally:
+        os.close(unsealed)
+
+
+MAP_AND_MEASURE = """
+import ctypes, sys
+import msgspec
+from agentjet import protocol
+from node.weights import WeightAssembly
+info = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=protocol.PolicyInfo)
+assembly = WeightAssembly.mapped(info)
+total = float(assembly.finish()["w"].sum())
+address = ctypes.addressof(ctypes.c_char.from_buffer(assembly.blob))
+inside, seen = False, {}
+for row in open("/proc/self/smaps").read().splitlines():
+    head = row.split()[0]
+    if "-" in head and not head.endswith(":"):
+        low, high = (int(x, 16) for x in head.split("-"))
+        inside = low <= address < high
+    elif inside and head in ("Rss:", "Pss:", "Private_Dirty:"):
+        seen[head] = int(row.split()[1])
+print(total, seen["Rss:"], seen["Pss:"], seen["Private_Dirty:"])
+"""
+
+
+def test_a_mapped_version_is_in_memory_once_for_the_trainer_and_the_node() -> None:
+    """Another process maps the version and reads all of it: the pages it reads are the
+    trainer's (its share of them is half: two processes map them), none its own copy."""
+    snap = frozen_version({"w": torch.randn(16, 1024, 1024)}, seal=False)  # 64 MB
+    info = Publisher(snap, "run").info(protocol.Lineage())
+    out = subprocess.run(
+        [sys.executable, "-c", MAP_AND_MEASURE],
+        input=msgspec.msgpack.encode(info),
+        capture_output=True,
+        check=True,
+        cwd=Path(__file__).resolve().parents[2],
+    ).stdout.split()
+    total, rss, pss, private = float(out[0]), int(out[1]), int(out[2]), int(out[3])
+    assert total == pytest.approx(
+        float(from_safetensors(bytearray(snap.stored))["w"].sum()), rel=1e-5
+    )
+    assert rss >= 64 * 1024  # all of it read
+    assert pss <= rss * 0.55 and private == 0  # shared with this process, not copied
+
+
+def test_an_engine_that_keeps_the_tensors_leaves_the_buffer_before_for_the_next_fetch() -> None:
+    """The torch engine's weights become the loaded version's tensors: that buffer is in
+    use, and the one loaded before it, let go by the engine, is the next fetch's."""
+    info, chunks = version(to_safetensors(TENSORS, {}), 100, True)
+    spare = SpareBuffer()
+
+    def fetched() -> tuple[int, dict[str, torch.Tensor]]:
+        assembly = WeightAssembly.of(info, spare)
+        for index, data in enumerate(chunks):
+            assembly.add(index, data)
+        spare.keep(assembly.blob)  # as the rollout node does once the engine loaded it
+        return id(assembly.blob), assembly.finish()
+
+    first, engine = fetched()
+    second, engine = fetched()  # the engine takes the second version, lets the first go
+    assert second != first
+    third, engine = fetched()
+    assert third == first  # the free one, not the engine's
+    assert torch.equal(engine["embed"], TENSORS["embed"])

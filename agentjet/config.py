@@ -191,6 +191,14 @@ class EnvConfig(_Section):
     # no request for idle_timeout_s, or it has not finished after episode_timeout_s.
     idle_timeout_s: PositiveFloat = 60.0
     episode_timeout_s: PositiveFloat = 300.0
+    # On-policy distillation: a teacher model (a model folder, a checkpoint folder of this
+    # project, an HF id or "embedded:smollm2-135m-instruct"; "" = none) scores every sample
+    # of this environment (prefill only: node/teacher.py), and each trained token's
+    # advantage gains teacher_coef x (teacher logprob - sampler logprob): the reverse KL
+    # to the teacher, pushed down (agentjet/rl.py). The teacher must share the model's
+    # tokenizer. Environments may name different teachers (multi-teacher distillation).
+    teacher: str = ""
+    teacher_coef: PositiveFloat = 1.0
 
     def sandboxed(self) -> bool:
         """Whether its episodes (or its reward) run programs in sandboxes."""
@@ -642,6 +650,10 @@ def _check(config: Config) -> None:
                     f"config error at envs.{i}.{key}: {spec!r} is not module:function"
                 )
         _check_rewards(env, i)
+        if env.teacher.startswith(("/", ".", "~")) and not Path(env.teacher).expanduser().is_dir():
+            raise ConfigError(
+                f"config error at envs.{i}.teacher: {env.teacher} is not a model folder"
+            )
         for key in ("task_file", "eval_file"):
             path = getattr(env, key)
             if path and not Path(path).expanduser().exists():

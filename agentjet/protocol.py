@@ -41,7 +41,9 @@ import numpy as np
 #    .sealed_endpoint; WeightChunkRequest.ticket).
 # 11: relays (node/relay.py): a rollout node's NodeRecord.endpoint is its relay, which
 #    answers chunk requests, or Error code "absent"; PolicyQuery.manifest.
-PROTOCOL_VERSION = 11
+# 12: PolicyInfo.local (a node on its trainer's host maps the trainer's copy);
+#    Sample.teacher_logprobs (on-policy distillation, node/teacher.py).
+PROTOCOL_VERSION = 12
 
 # Earlier lineages a Lineage remembers (one per trainer restart from a checkpoint).
 MAX_ANCESTORS = 16
@@ -240,7 +242,9 @@ class Sample(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     `completion_ids`, `logprobs` and `loss_mask` have one entry per completion token.
     In multi-turn episodes the completion holds the model's turns *and* the tool output
     fed back between them; `loss_mask` is 1 on the model's own tokens only, and
-    `logprobs` is the sampler's logprob there (0 elsewhere).
+    `logprobs` is the sampler's logprob there (0 elsewhere). `teacher_logprobs`, in
+    environments with a teacher (on-policy distillation), the teacher's logprob of the same
+    tokens (0 where the mask is 0); empty otherwise.
     """
 
     prompt_ids: bytes  # int32
@@ -259,6 +263,7 @@ class Sample(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # calls forked into several sequences (agentjet.timeline); -1: the sample is a whole
     # episode. Advantages are per episode.
     episode: int = -1
+    teacher_logprobs: bytes = b""  # float32
 
 
 class TrajectoryGroup(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -571,6 +576,12 @@ def check_group(group: TrajectoryGroup, vocab_size: int, max_tokens: int) -> str
         lp = unpack_floats(s.logprobs)
         if not np.isfinite(lp).all() or (lp > 1e-3).any():
             return f"sample {i}: logprobs must be finite and <= 0"
+        if s.teacher_logprobs:
+            if len(s.teacher_logprobs) != 4 * n:
+                return f"sample {i}: teacher logprobs length differs from completion length {n}"
+            tl = unpack_floats(s.teacher_logprobs)
+            if not np.isfinite(tl).all() or (tl > 1e-3).any():
+                return f"sample {i}: teacher logprobs must be finite and <= 0"
         if not (np.isfinite(s.reward) and np.isfinite(s.advantage)):
             return f"sample {i}: reward and advantage must be finite"
         if s.policy_version < 0:

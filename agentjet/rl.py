@@ -13,6 +13,17 @@ sampler's (possibly stale or engine-mismatched) policy that produced the token:
 
 Because the ratio is taken against the sampler's own logprobs (decoupled PPO), samples
 from an older policy version stay correctly weighted up to the staleness bound.
+
+On-policy distillation (an environment with a teacher, `envs[].teacher`): the teacher
+scores the student's own sampled tokens (prefill, no generation), and the per-token reverse
+KL estimate log mu(y_t) - log pi_teacher(y_t) becomes a per-token advantage term,
+
+    A_{i,t} = A_i + coef * (log pi_teacher(y_t) - log mu(y_t))   (no discounting)
+
+so a token the teacher finds likelier than the student did is pushed up, one it finds
+less likely is pushed down; coef (`envs[].teacher_coef`) weighs the teacher against the
+reward. The same clipped loss trains it: `advantages` may be per sample [B] or per token
+[B, T].
 """
 
 from __future__ import annotations
@@ -58,6 +69,28 @@ def sample_advantages(rewards: Sequence[float], episodes: Sequence[int]) -> list
     return [advantage_of[k] for k in keys]
 
 
+def distill_advantages(
+    advantages: torch.Tensor,
+    sampler_logprobs: torch.Tensor,
+    teacher_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    coef: torch.Tensor,
+) -> torch.Tensor:
+    """Per-token advantages [B, T]: each sample's reward advantage `advantages` [B] plus
+    `coef` [B] times the teacher's logprob less the sampler's, on trained tokens (`mask`);
+    a sample without a teacher has coef 0 (its teacher logprobs are not read)."""
+    term = (teacher_logprobs - sampler_logprobs) * mask.to(sampler_logprobs.dtype)
+    return advantages.unsqueeze(1) + coef.unsqueeze(1) * term
+
+
+def teacher_kl(
+    sampler_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, mask: torch.Tensor
+) -> float:
+    """Mean per-token reverse KL estimate, log mu - log pi_teacher, over the trained tokens."""
+    mask = mask.to(sampler_logprobs.dtype)
+    return float(((sampler_logprobs - teacher_logprobs) * mask).sum() / mask.sum().clamp(min=1))
+
+
 def policy_loss(
     logprobs: torch.Tensor,
     sampler_logprobs: torch.Tensor,
@@ -68,12 +101,13 @@ def policy_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped importance-weighted policy-gradient loss.
 
-    Shapes: `logprobs`, `sampler_logprobs`, `mask`: [B, T]; `advantages`: [B].
+    Shapes: `logprobs`, `sampler_logprobs`, `mask`: [B, T]; `advantages`: [B] (one per
+    sample) or [B, T] (per token: `distill_advantages`).
     `num_tokens` is the number of trained tokens in the whole optimizer step, so that
     micro-batches add up to one token-level mean.
     """
     ratio = torch.exp(logprobs - sampler_logprobs)
-    adv = advantages.unsqueeze(1)
+    adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
     unclipped = -adv * ratio
     clipped = -adv * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps)
     per_token = torch.maximum(unclipped, clipped)

@@ -28,7 +28,7 @@ import torch
 from transformers import DynamicCache
 
 from agentjet import rl
-from agentjet.config import TrainerConfig
+from agentjet.config import EnvConfig, TrainerConfig
 from agentjet.devices import out_of_memory
 from agentjet.protocol import TrajectoryGroup, unpack_floats, unpack_ids, unpack_mask
 from node.swarm import StepOutcome, SwarmOptimizer
@@ -43,6 +43,9 @@ class _Row:
     sampler_logprobs: torch.Tensor
     mask: torch.Tensor
     advantage: float
+    # On-policy distillation: the teacher's logprobs and their weight (0: no teacher).
+    teacher_logprobs: torch.Tensor | None = None
+    teacher_coef: float = 0.0
 
 
 @dataclass
@@ -92,9 +95,11 @@ class Learner:
         temperature: float,
         pad_token_id: int,
         compute_dtype: torch.dtype = torch.float32,
+        teacher_coefs: dict[str, float] | None = None,
     ) -> None:
         """`model` holds float32 weights on the learner's device; forward passes run in
-        `compute_dtype` there (autocast when it is not float32)."""
+        `compute_dtype` there (autocast when it is not float32). `teacher_coefs`: the
+        environments with a teacher, each with its `teacher_coef` (`teacher_coefs`)."""
         self.model = model
         self.device: torch.device = next(model.parameters()).device
         self.compute_dtype = compute_dtype
@@ -103,6 +108,7 @@ class Learner:
         # The sampler's logprobs are of softmax(logits / T); ours must be the same quantity.
         self.temperature = temperature
         self.pad_token_id = pad_token_id
+        self.teacher_coefs = teacher_coefs or {}
 
     def train_step(
         self,
@@ -151,6 +157,7 @@ class Learner:
         else:
             outcome = self.swarm.step_outcome(batch_size=counted)
         rewards = [s.reward for g in groups for s in g.samples]
+        taught = [r for r in rows if r.teacher_logprobs is not None]
         passed = {g: gap for g, gap in gap_of.items() if g not in over}
         fresh_gaps = [gap for g, gap in passed.items() if g not in replay_ids]
         replay_gaps = [gap for g, gap in passed.items() if g in replay_ids]
@@ -170,6 +177,14 @@ class Learner:
                 "charts/samples": num_samples,
                 "charts/trained_samples": len(rows),
                 "charts/trained_tokens": done.num_tokens,
+                **(
+                    {
+                        "charts/teacher_samples": len(taught),
+                        "charts/teacher_kl": _teacher_kl(taught),
+                    }
+                    if taught
+                    else {}
+                ),
                 "charts/zero_variance_groups": sum(
                     1 for g in groups if rl.zero_variance([s.reward for s in g.samples])
                 ),
@@ -234,9 +249,13 @@ class Learner:
             advantages = rl.sample_advantages(
                 [s.reward for s in group.samples], [s.episode for s in group.samples]
             )
+            coef = self.teacher_coefs.get(group.env, 0.0)
             for sample, advantage in zip(group.samples, advantages, strict=True):
                 mask = torch.from_numpy(unpack_mask(sample.loss_mask).astype("int64"))
-                if advantage == 0.0 or int(mask.sum()) == 0:
+                teacher = None
+                if coef and sample.teacher_logprobs:  # a teacher's signal: every token has one
+                    teacher = torch.from_numpy(unpack_floats(sample.teacher_logprobs).copy())
+                if (advantage == 0.0 and teacher is None) or int(mask.sum()) == 0:
                     continue
                 rows.append(
                     _Row(
@@ -248,6 +267,8 @@ class Learner:
                         sampler_logprobs=torch.from_numpy(unpack_floats(sample.logprobs).copy()),
                         mask=mask,
                         advantage=advantage,
+                        teacher_logprobs=teacher,
+                        teacher_coef=coef if teacher is not None else 0.0,
                     )
                 )
         return rows
@@ -256,7 +277,8 @@ class Learner:
         self, rows: list[_Row]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """A micro-batch's logprobs under the current weights, the sampler's, the loss mask
-        (all [B, T]) and the advantages [B], with each distinct prompt prefilled once.
+        (all [B, T]) and the advantages ([B], or [B, T] when a row has a teacher), with each
+        distinct prompt prefilled once.
 
         The n samples of a group share their prompt (44 tokens for SmolLM2's chat template,
         more than the completion), so the prompt runs once with gradient and its KV cache is
@@ -312,6 +334,10 @@ class Learner:
         )
         old_logprobs = torch.stack([_right(r.sampler_logprobs, width) for r in rows]).to(device)
         advantages = torch.tensor([r.advantage for r in rows], device=device)
+        if any(r.teacher_logprobs is not None for r in rows):
+            teacher = torch.stack([_right(_teacher_or_zeros(r), width) for r in rows]).to(device)
+            coef = torch.tensor([r.teacher_coef for r in rows], device=device)
+            advantages = rl.distill_advantages(advantages, old_logprobs, teacher, mask, coef)
         return logprobs, old_logprobs, mask, advantages
 
 
@@ -327,6 +353,25 @@ def _pad(
         ids[i, span] = torch.tensor(seq, dtype=torch.long)
         mask[i, span] = 1
     return ids.to(device), mask.to(device)
+
+
+def _teacher_or_zeros(row: _Row) -> torch.Tensor:
+    """A row's teacher logprobs, or zeros of its width (no teacher: coef 0 reads none)."""
+    if row.teacher_logprobs is not None:
+        return row.teacher_logprobs
+    return torch.zeros_like(row.sampler_logprobs)
+
+
+def _teacher_kl(rows: list[_Row]) -> float:
+    """Mean per-token reverse KL to the teacher (sampler's view) over rows with a teacher."""
+    sampler = torch.cat([r.sampler_logprobs for r in rows])
+    teacher = torch.cat([_teacher_or_zeros(r) for r in rows])
+    return rl.teacher_kl(sampler, teacher, torch.cat([r.mask for r in rows]))
+
+
+def teacher_coefs(envs: list[EnvConfig]) -> dict[str, float]:
+    """The environments that name a teacher, with the weight of its signal."""
+    return {env.name: env.teacher_coef for env in envs if env.teacher}
 
 
 def _right(values: torch.Tensor, width: int) -> torch.Tensor:

@@ -70,6 +70,7 @@ from node.relay import (
 )
 from node.spool import Spool, SpoolFull
 from node.swarm import Directory, start_dht, visible_maddrs
+from node.teacher import Teachers
 from node.trainer_link import Superseded, answers, probe, trainer_client
 from node.trajectory_log import TrajectoryLog
 from node.weights import SpareBuffer, WeightAssembly
@@ -191,8 +192,12 @@ class Rollout:
         if self.keys is not None:  # a node's own key file names it
             self.node_id = self.keys.name
         torch.set_num_threads(cfg.rollout.torch_threads)
+        s = cfg.rollout.sampling
         path = resolve_model(cfg.model.name, cfg.model.cache_dir)
         self.engine = open_engine(cfg.model, cfg.rollout, path, cfg.run.seed)
+        self.teachers = Teachers(
+            cfg.envs, cfg.model, self.engine.tokenizer, self.engine.device, s.temperature
+        )
         self.gpu = GpuMonitor.for_devices([self.engine.device])  # NVML; nothing on CPUs
         cleanup.callback(self.gpu.close)
         self.gpus: list[protocol.GpuStats] = []  # the last sample
@@ -226,7 +231,6 @@ class Rollout:
         )
         self.rng = random.Random(cfg.run.seed)
         self.coordinator_away = False
-        s = cfg.rollout.sampling
         self.params = SamplingParams(
             temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_new_tokens
         )
@@ -377,6 +381,7 @@ class Rollout:
                 wall_s = time.perf_counter() - start
                 tokens = sum(_model_tokens(e) for eps in episodes for e in eps)
                 created: list[str] = []
+                teacher_kls: list[float] = []
                 for grant, eps in zip(env_grants, episodes, strict=True):
                     if not eps:  # the environment could not finish this task's episodes
                         self._queue_report(grant, [], wall_s / len(env_grants), "no episodes")
@@ -384,6 +389,9 @@ class Rollout:
                     group = build_group(
                         grant, eps, self.node_id, wall_s / len(env_grants), self.lineage.id
                     )
+                    if env_name in self.teachers.by_env:  # on-policy distillation
+                        group, kl = await blocking(self.teachers.score, group)
+                        teacher_kls.append(kl)
                     try:
                         self.ledger.add(group)
                     except SpoolFull as e:  # the batch ran past the cap: keep it in memory
@@ -421,6 +429,11 @@ class Rollout:
                         **peak_memory(self.engine.device),
                         **rewards_metrics([e for eps in episodes for e in eps]),
                         **(env.metrics() if isinstance(env, PromptEnv | AgentEnv) else {}),
+                        **(
+                            {"distill/kl_to_teacher": sum(teacher_kls) / len(teacher_kls)}
+                            if teacher_kls
+                            else {}
+                        ),
                         **self.counts,
                     }
                 )

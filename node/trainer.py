@@ -68,7 +68,7 @@ from node import memory
 from node.gpu_monitor import GpuMonitor
 from node.gpu_monitor import metrics as gpu_metrics
 from node.groups import Filling, GroupBook, StepGroups, doubt_wait_s, oldest_version
-from node.learner import Learner, StepResult
+from node.learner import Learner, StepResult, teacher_coefs
 from node.lora import add_adapters, merged_weights
 from node.members import MemberGate
 from node.model import DTYPES, load_causal_lm, resolve_model
@@ -227,6 +227,7 @@ class Trainer:
             temperature=cfg.rollout.sampling.temperature,
             pad_token_id=int(self.tokenizer.pad_token_id or 0),
             compute_dtype=self.compute_dtype,
+            teacher_coefs=teacher_coefs(cfg.envs),
         )
         self.server = Server(
             cfg.net.trainer_endpoint,
@@ -414,9 +415,12 @@ class Trainer:
         if quarantined is not None:
             self.counts["groups_refused_quarantined"] += 1
             return ack("rejected", quarantined)
-        # Dynamic sampling: a group whose rewards all agree needs no room in the queue.
-        left_out = self.config.trainer.dynamic_sampling and rl.zero_variance(
-            [s.reward for s in group.samples]
+        # Dynamic sampling: a group whose rewards all agree needs no room in the queue
+        # (unless a teacher scored it: its tokens teach still).
+        left_out = (
+            self.config.trainer.dynamic_sampling
+            and rl.zero_variance([s.reward for s in group.samples])
+            and not (group.env in self.learner.teacher_coefs and group.samples[0].teacher_logprobs)
         )
         queued = len(self.book.queue)
         if queued >= self.config.trainer.max_queued_groups and not left_out:

@@ -23,6 +23,7 @@ import torch
 
 from agentjet.lifeline import descendants, running
 from agentjet.metrics import read_metrics
+from node.model import build_tiny_model
 
 RUN_TIMEOUT_S = 600
 MAX_STEPS = 5
@@ -120,6 +121,23 @@ def run_to_the_end(
     trainer = read_metrics(run_dir / "metrics" / "trainer.jsonl")
     rollout = read_metrics(run_dir / "metrics" / "rollout.jsonl")
     return trainer, rollout, spawned
+
+
+def group_fates(
+    trainer: list[dict[str, Any]], rollout: list[dict[str, Any]]
+) -> dict[str, list[str]]:
+    """Every group a run made, and where each went by its end: trained (by a step row,
+    once per time), left out (zero variance), stale, or pending (queued at the trainer or
+    unacknowledged at the rollout node)."""
+    [trainer_end] = [r for r in trainer if r.get("event") == "stopped"]
+    [rollout_end] = [r for r in rollout if r.get("event") == "stopped"]
+    return {
+        "created": [g for r in rollout if r.get("event") == "batch" for g in r["group_ids"]],
+        "trained": [g for r in trainer if r.get("event") == "step" for g in r["trained_group_ids"]],
+        "left_out": [g for r in trainer for g in r.get("zero_variance_group_ids", [])],
+        "stale": [g for r in trainer for g in r.get("stale_group_ids", [])],
+        "pending": trainer_end["queued_group_ids"] + rollout_end["unacked_group_ids"],
+    }
 
 
 def power_cut(proc: subprocess.Popen[bytes]) -> set[int]:
@@ -223,13 +241,9 @@ def test_dynamic_sampling_trains_full_steps_of_varied_groups_and_accounts_for_ev
     # full steps (groups_per_step=2) of groups whose rewards vary
     assert all(len(r["trained_group_ids"]) == 2 and not r["short_step"] for r in steps)
     assert all(r["charts/zero_variance_groups"] == 0 for r in steps)
-    created = [g for r in rollout if r.get("event") == "batch" for g in r["group_ids"]]
-    trained = [g for r in steps for g in r["trained_group_ids"]]
-    left_out = [g for r in trainer for g in r.get("zero_variance_group_ids", [])]
-    stale = [g for r in trainer for g in r.get("stale_group_ids", [])]
-    [trainer_end] = [r for r in trainer if r.get("event") == "stopped"]
-    [rollout_end] = [r for r in rollout if r.get("event") == "stopped"]
-    pending = trainer_end["queued_group_ids"] + rollout_end["unacked_group_ids"]
+    fates = group_fates(trainer, rollout)
+    created, trained, left_out = fates["created"], fates["trained"], fates["left_out"]
+    stale, pending = fates["stale"], fates["pending"]
     assert left_out, "no group's rewards agreed: the left-out path was not exercised"
     assert len(trained) == len(set(trained)) and not set(trained) & set(left_out)
     assert set(created) == set(trained) | set(left_out) | set(stale) | set(pending)
@@ -266,15 +280,41 @@ def test_replay_trains_groups_again_within_its_bounds_and_each_group_once_as_fre
             assert row["charts/replay_uses_mean"] == 2
         earlier |= set(row["trained_group_ids"])
     assert len(replayed) == len(set(replayed))  # max_uses=2: one replay each
-    created = [g for r in rollout if r.get("event") == "batch" for g in r["group_ids"]]
-    trained = [g for r in steps for g in r["trained_group_ids"]]
-    stale = [g for r in trainer for g in r.get("stale_group_ids", [])]
+    fates = group_fates(trainer, rollout)
+    assert len(fates["trained"]) == len(set(fates["trained"]))
+    assert set(fates["created"]) == {g for k in ("trained", "stale", "pending") for g in fates[k]}
     [trainer_end] = [r for r in trainer if r.get("event") == "stopped"]
-    [rollout_end] = [r for r in rollout if r.get("event") == "stopped"]
-    pending = trainer_end["queued_group_ids"] + rollout_end["unacked_group_ids"]
-    assert len(trained) == len(set(trained))
-    assert set(created) == set(trained) | set(stale) | set(pending)
     assert trainer_end["counts/groups_replayed"] == len(replayed)
+    assert [pid for pid in spawned if running(pid)] == []
+
+
+@pytest.mark.integration
+def test_an_environment_with_a_teacher_trains_on_its_scores_where_rewards_teach_nothing(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """On-policy distillation: arithmetic, where the random tiny model earns no reward, so
+    dynamic sampling alone would leave every group out. With a teacher (another tiny model)
+    the rollout node scores each sample with it, no group is left out, every step trains on
+    the teacher's signal, and every group made is trained once, stale or still held."""
+    teacher = build_tiny_model(tmp_path / "teacher", seed=1)
+    run_dir = tmp_path / "run"
+    settings = (
+        f"envs.0.teacher={json.dumps(str(teacher))}",
+        "envs.0.teacher_coef=0.5",
+        "trainer.dynamic_sampling=true",
+        "trainer.max_logprob_gap=0",  # lr 1e-3 moves the tiny model far per version
+    )
+    trainer, rollout, spawned = run_to_the_end(tiny_model_dir, run_dir, 3, settings)
+    steps = [r for r in trainer if r.get("event") == "step"]
+    assert {r["policy_version"] for r in steps} >= {1, 2, 3}
+    assert all(r["charts/teacher_samples"] == r["charts/trained_samples"] > 0 for r in steps)
+    assert all(r["charts/teacher_kl"] > 0 for r in steps)  # two random models disagree
+    batches = [r for r in rollout if r.get("event") == "batch"]
+    assert batches and all(r["distill/kl_to_teacher"] > 0 for r in batches)
+    fates = group_fates(trainer, rollout)
+    assert fates["left_out"] == []
+    assert len(fates["trained"]) == len(set(fates["trained"]))
+    assert set(fates["created"]) == {g for k in ("trained", "stale", "pending") for g in fates[k]}
     assert [pid for pid in spawned if running(pid)] == []
 
 

@@ -51,6 +51,11 @@ def test_overrides_parse_toml_values_and_bare_strings():
         ),
         ({"sandbox": {"pids": 2}}, "config error at sandbox.pids: expected `int` >= 8"),
         (
+            {"envs": [{"teacher": "/nowhere/teacher"}]},
+            "config error at envs.0.teacher: /nowhere/teacher is not a model folder",
+        ),
+        ({"envs": [{"teacher_coef": 0}]}, "config error at envs.0.teacher_coef: expected"),
+        (
             {"sandbox": {"pool": 2}},
             "config error at sandbox.pool: unknown key (allowed here: backend",
         ),

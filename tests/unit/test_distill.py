@@ -1,0 +1,215 @@
+"""On-policy distillation: the reverse-KL advantage against hand-computed values, the
+teacher's scores of the student's own tokens, and a student that moves toward its teacher
+with no reward signal at all (agentjet/rl.py, node/teacher.py, node/learner.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from agentjet import protocol
+from agentjet.config import EnvConfig, ModelConfig, TrainerConfig
+from agentjet.episode import Episode, SamplingParams
+from agentjet.errors import ModelError
+from agentjet.rl import distill_advantages, policy_loss, teacher_kl
+from node.learner import Learner
+from node.model import build_tiny_model, load_causal_lm, load_tokenizer
+from node.rollout import build_group
+from node.teacher import Teachers
+from node.torch_engine import TorchEngine
+from tests.unit.test_trainer_logic import lone_swarm
+
+pytestmark = pytest.mark.unit
+
+TEMPERATURE = 0.7
+
+
+def test_the_teacher_term_is_the_teachers_logprob_less_the_samplers_per_trained_token():
+    sampler = torch.tensor([[-1.0, -2.0, -0.5], [-0.1, -3.0, -1.0]])
+    teacher = torch.tensor([[-0.5, -2.5, -4.0], [-0.1, -1.0, -9.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    rewards_adv = torch.tensor([1.0, 0.0])
+    coef = torch.tensor([2.0, 0.5])
+    got = distill_advantages(rewards_adv, sampler, teacher, mask, coef)
+    # sample 0: 1 + 2 x (0.5, -0.5, masked) ; sample 1: 0 + 0.5 x (0, 2, -8)
+    torch.testing.assert_close(got, torch.tensor([[2.0, 0.0, 1.0], [0.0, 1.0, -4.0]]))
+    # a sample without a teacher (coef 0) keeps its reward advantage on every token
+    alone = distill_advantages(rewards_adv, sampler, teacher, mask, torch.zeros(2))
+    assert alone.tolist() == [[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]
+    # reverse KL, mu's view: mean of (sampler - teacher) over the 5 trained tokens
+    expected = ((-0.5) + 0.5 + 0.0 + (-2.0) + 8.0) / 5
+    assert teacher_kl(sampler, teacher, mask) == pytest.approx(expected)
+
+
+def test_per_token_advantages_enter_the_clipped_loss_token_by_token():
+    lp = torch.log(torch.tensor([[0.5, 0.25, 0.1], [0.2, 0.3, 0.9]]))
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    adv = torch.tensor([[2.0, -1.0, 7.0], [0.5, 0.5, -3.0]])
+    # ratio 1: loss = -sum(mask * A_t) / N = -(2 - 1 + 0.5 + 0.5 - 3) / 5
+    loss, _ = policy_loss(lp, lp.clone(), adv, mask, clip_eps=0.2, num_tokens=5)
+    assert float(loss) == pytest.approx(1.0 / 5)
+    # a per-sample advantage is the same as that value on each of its tokens
+    per_sample, _ = policy_loss(lp, lp.clone(), torch.tensor([2.0, -1.0]), mask, 0.2, 5)
+    per_token, _ = policy_loss(lp, lp.clone(), torch.tensor([[2.0] * 3, [-1.0] * 3]), mask, 0.2, 5)
+    assert float(per_sample) == pytest.approx(float(per_token))
+
+
+def _with_teacher(group: protocol.TrajectoryGroup, values: list[float]) -> protocol.TrajectoryGroup:
+    sample = protocol.msgspec.structs.replace(
+        group.samples[0], teacher_logprobs=protocol.pack_floats(values)
+    )
+    return protocol.msgspec.structs.replace(group, samples=[sample, *group.samples[1:]])
+
+
+def test_a_group_with_malformed_teacher_logprobs_is_refused_with_its_reason():
+    sample = protocol.Sample(
+        prompt_ids=protocol.pack_ids([1, 2]),
+        completion_ids=protocol.pack_ids([3, 4, 5]),
+        logprobs=protocol.pack_floats([-0.1, -0.2, -0.3]),
+        loss_mask=protocol.pack_mask([1, 1, 1]),
+        reward=0.0,
+        advantage=0.0,
+        policy_version=0,
+    )
+    group = protocol.TrajectoryGroup(
+        group_id="g", grant_id="g", node_id="n", task_id="t", env="arithmetic",
+        samples=[sample], created_at=0.0,
+    )  # fmt: skip
+    assert protocol.check_group(_with_teacher(group, [-1.0, -2.0, -3.0]), 100, 64) is None
+    for values, why in (
+        ([-1.0, -2.0], "length differs"),
+        ([-1.0, 0.5, -3.0], "finite and <= 0"),
+        ([-1.0, float("nan"), -3.0], "finite and <= 0"),
+        ([-1.0, float("-inf"), -3.0], "finite and <= 0"),
+    ):
+        problem = protocol.check_group(_with_teacher(group, values), 100, 64)
+        assert problem is not None and why in problem, (values, problem)
+
+
+def _played_groups(
+    engine: TorchEngine, rewards: tuple[float, ...]
+) -> list[protocol.TrajectoryGroup]:
+    """Two groups the engine just sampled (prompts of different lengths, one with a tool
+    turn whose tokens are never trained), with the given rewards per sample."""
+    prompts = [[1, 5, 9, 200], [1, 7, 300, 400, 500, 600, 700]]
+    params = SamplingParams(temperature=TEMPERATURE, max_new_tokens=6)
+    completions = asyncio.run(engine.generate(prompts, len(rewards), params))
+    groups = []
+    for i, (prompt, samples) in enumerate(zip(prompts, completions, strict=True)):
+        episodes = []
+        for completion, reward in zip(samples, rewards, strict=True):
+            episode = Episode(prompt_ids=prompt)
+            episode.add_model_turn(completion)
+            if i == 1:
+                episode.add_context([11, 12, 13])
+                [[turn]] = asyncio.run(engine.generate([episode.context_ids], 1, params))
+                episode.add_model_turn(turn)
+            episode.reward = reward
+            episodes.append(episode)
+        task = protocol.Task(id=f"t{i}", env="arithmetic", prompt="", answer=0)
+        grant = protocol.WorkGrant(grant_id=f"g{i}", task=task, group_size=3, lease_s=1.0)
+        groups.append(build_group(grant, episodes, "n", 0.0))
+    return groups
+
+
+def _teachers(engine: TorchEngine, teacher: Path) -> Teachers:
+    envs = [EnvConfig(name="arithmetic", teacher=str(teacher)), EnvConfig(name="python_code")]
+    return Teachers(envs, ModelConfig(), engine.tokenizer, engine.device, TEMPERATURE)
+
+
+def test_a_teacher_with_the_students_weights_scores_its_tokens_as_the_sampler_did(
+    tiny_model_dir: Path, one_torch_thread: None
+):
+    engine = TorchEngine(tiny_model_dir, seed=1)
+    teachers = _teachers(engine, tiny_model_dir)
+    for group in _played_groups(engine, (1.0, 0.0, 0.0)):
+        scored, kl = teachers.score(group)
+        assert kl == pytest.approx(0.0, abs=1e-4)
+        assert protocol.check_group(scored, engine.vocab_size, 4096) is None
+        for before, after in zip(group.samples, scored.samples, strict=True):
+            mask = protocol.unpack_mask(after.loss_mask).astype(bool)
+            teacher = protocol.unpack_floats(after.teacher_logprobs)
+            sampler = protocol.unpack_floats(before.logprobs)
+            np.testing.assert_allclose(teacher[mask], sampler[mask], atol=1e-4)
+            assert not teacher[~mask].any()  # tool output: no score
+            assert after.completion_ids == before.completion_ids
+    # an environment without a teacher passes through untouched
+    other = protocol.msgspec.structs.replace(group, env="python_code")
+    assert teachers.score(other) == (other, 0.0)
+
+
+def test_a_teacher_with_another_vocabulary_is_refused_in_one_line(
+    tiny_model_dir: Path, tmp_path: Path
+):
+    teacher_dir = build_tiny_model(tmp_path / "teacher", seed=0)
+    tokenizer = load_tokenizer(teacher_dir)
+    tokenizer.add_tokens(["<a token the student has not>"])
+    tokenizer.save_pretrained(teacher_dir)
+    engine = TorchEngine(tiny_model_dir, seed=1)
+    with pytest.raises(ModelError, match="has a tokenizer other than the model's") as err:
+        _teachers(engine, teacher_dir)
+    assert "\n" not in str(err.value)
+
+
+def test_distillation_moves_the_student_toward_the_teacher_with_no_reward_signal(
+    tiny_model_dir: Path, tmp_path: Path, one_torch_thread: None
+):
+    """Every reward 0 (no RL signal): a learner without the teacher trains nothing, one with
+    it brings its logprobs of the sampled tokens closer to the teacher's, step by step."""
+    teacher_dir = build_tiny_model(tmp_path / "teacher", seed=1)
+    engine = TorchEngine(tiny_model_dir, seed=1)
+    groups = [
+        _teachers(engine, teacher_dir).score(g)[0] for g in _played_groups(engine, (0.0,) * 3)
+    ]
+    teacher = torch.cat(
+        [
+            torch.from_numpy(protocol.unpack_floats(s.teacher_logprobs).copy())
+            for g in groups
+            for s in g.samples
+        ]
+    )
+    model, _ = load_causal_lm(tiny_model_dir)
+    swarm = lone_swarm(model, target_batch_size=6, lr=3e-3)
+    try:
+        plain = Learner(model, swarm, TrainerConfig(micro_batch_samples=4), TEMPERATURE, 0)
+        assert plain.train_step(groups).row()["charts/trained_samples"] == 0
+        # The same samples, trained again as the student moves: off the logprob check.
+        config = TrainerConfig(micro_batch_samples=4, max_logprob_gap=0.0)
+        learner = Learner(model, swarm, config, TEMPERATURE, 0, teacher_coefs={"arithmetic": 1.0})
+        gaps = []
+        for _ in range(4):
+            rows = learner._rows(groups)
+            with torch.no_grad():
+                student, _, mask, _ = learner._forward(rows)
+            trained = mask.bool()
+            gaps.append(float((student[trained] - teacher[_trained(groups)]).abs().mean()))
+            row = learner.train_step(groups).row()
+            assert row["charts/trained_samples"] == 6 and row["charts/teacher_samples"] == 6
+    finally:
+        swarm.shutdown()
+    sampler = torch.cat(
+        [
+            torch.from_numpy(protocol.unpack_floats(s.logprobs).copy())
+            for g in groups
+            for s in g.samples
+        ]
+    )
+    expected_kl = float((sampler - teacher)[_trained(groups)].mean())
+    assert row["charts/teacher_kl"] == pytest.approx(expected_kl, rel=1e-4)
+    assert gaps[-1] < 0.8 * gaps[0], gaps
+    assert all(b < a for a, b in zip(gaps, gaps[1:], strict=False)), gaps
+
+
+def _trained(groups: list[protocol.TrajectoryGroup]) -> torch.Tensor:
+    """Which of the concatenated completion tokens of `groups` are trained."""
+    return torch.cat(
+        [
+            torch.from_numpy(protocol.unpack_mask(s.loss_mask).astype(bool))
+            for g in groups
+            for s in g.samples
+        ]
+    )

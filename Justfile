@@ -97,6 +97,10 @@ bench-sched *ARGS: ensure
 bench-replay *ARGS: ensure
     {{bin}}/python bench/replay.py {{ARGS}}
 
+# Distillation benchmark: an RL-made teacher distilled into the base model, against the RL run by wall time (writes bench/results/distill.json)
+bench-distill *ARGS: ensure
+    {{bin}}/python bench/distill.py {{ARGS}}
+
 # Sandbox benchmark: exec latency warm/cold/process, pool throughput (writes bench/results/sandbox.json)
 bench-sandbox *ARGS: ensure
     {{bin}}/python bench/sandbox.py {{ARGS}}

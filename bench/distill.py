@@ -1,0 +1,169 @@
+"""Distillation benchmark: a teacher made by RL on this box, distilled into the base model
+on-policy (envs[].teacher), against the RL run that made it, by wall time.
+
+    agentjet local (configs/local.toml: SmolLM2-135M, arithmetic) for --teacher-minutes
+        ──▶ the teacher: its final checkpoint; the RL curve: its checkpoints by time
+    agentjet local, same config, from the base, envs.0.teacher = the teacher, for --minutes
+        ──▶ the student's checkpoints by time
+    held-out arithmetic (seed 12345, greedy) of the base, the teacher, the RL run's and the
+    student's checkpoints ──▶ bench/results/distill.json
+
+Run: `just bench-distill` (or `.venv/bin/python bench/distill.py --teacher-minutes 15
+--minutes 5`); `--teacher DIR` takes a teacher checkpoint instead of training one (then
+the RL curve is absent).
+
+The target (issue 25): the student reaches the teacher's held-out accuracy less 1 point in
+at most a third of the wall time the teacher's RL took (`minutes_to_teacher_minus_1pt` <=
+`teacher_minutes` / 3). `rl` is the RL run's own accuracy at the student's wall time: what
+the same minutes of RL from the base gave.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from learn import HELDOUT_SEED, ROOT, train, write_result  # noqa: E402
+from sched_train import checkpoints, heldout_files, time_to_reach  # noqa: E402
+from sched_train import heldout as heldout_of  # noqa: E402
+
+from agentjet.metrics import read_metrics  # noqa: E402
+
+# Every checkpoint kept (the curves are read off them), one every 5 versions.
+SETTINGS = ("trainer.checkpoint_every=5", "trainer.keep_checkpoints=0")
+# Shares of the student's run at which its checkpoints are evaluated, besides the last.
+EARLIER_AT = (0.2, 0.4, 0.6, 0.8)
+
+
+def heldout(checkpoint: Path | str, files: dict[str, Path], config: Path) -> float:
+    """Greedy held-out accuracy of a checkpoint ("base": the base model)."""
+    return float(heldout_of(Path(checkpoint), files, config, 0)["overall"])
+
+
+def version_minutes(run_dir: Path, started: float) -> dict[int, float]:
+    """Minutes into the run at which each policy version was made."""
+    rows = read_metrics(run_dir / "metrics" / "trainer.jsonl")
+    return {
+        r["policy_version"]: (r["time"] - started) / 60 for r in rows if r.get("event") == "step"
+    }
+
+
+def curve(
+    run_dir: Path, started: float, wall_s: float, files: dict[str, Path], config: Path
+) -> list[tuple[float, float]]:
+    """(minutes, held-out accuracy) of the run's checkpoints at EARLIER_AT shares of its
+    wall time and its last, oldest first."""
+    saved = checkpoints(run_dir)
+    if not saved:
+        sys.exit(f"{run_dir}: no checkpoint (no policy version in {wall_s:.0f} s?)")
+    made = version_minutes(run_dir, started)
+    picked = {saved[-1]}
+    for share in EARLIER_AT:
+        early = [(v, p) for v, p in saved if made.get(v, 1e9) <= share * wall_s / 60]
+        if early:
+            picked.add(early[-1])
+    points = [(round(made.get(v, wall_s / 60), 2), heldout(p, files, config)) for v, p in picked]
+    return sorted(points)
+
+
+def at_minutes(
+    run_dir: Path, started: float, minutes: float, files: dict[str, Path], config: Path
+) -> tuple[float, float]:
+    """(minutes, accuracy) of the run's last checkpoint made by `minutes` into it."""
+    made = version_minutes(run_dir, started)
+    early = [(v, p) for v, p in checkpoints(run_dir) if made.get(v, 1e9) <= minutes]
+    if not early:
+        return 0.0, heldout("base", files, config)
+    version, path = early[-1]
+    return round(made[version], 2), heldout(path, files, config)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--teacher-minutes", type=float, default=15.0)
+    parser.add_argument("--minutes", type=float, default=5.0, help="the student's run")
+    parser.add_argument("--teacher", type=Path, help="a teacher checkpoint (no RL run)")
+    parser.add_argument("--coef", type=float, default=1.0, help="envs.0.teacher_coef")
+    parser.add_argument("--heldout", type=int, default=200, help="arithmetic held-out tasks")
+    parser.add_argument("--config", type=Path, default=ROOT / "configs" / "local.toml")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "distill.json")
+    parser.add_argument("--set", action="append", default=[], help="for both runs")
+    args = parser.parse_args()
+    root = ROOT / "runs" / f"bench-distill-{time.strftime('%Y%m%d-%H%M%S')}"
+    root.mkdir(parents=True)
+    files = heldout_files(root, "arithmetic", args.heldout)
+    settings = [*SETTINGS, *args.set]
+    result: dict = {
+        "date": time.strftime("%Y-%m-%d"),
+        "heldout_tasks": args.heldout,
+        "heldout_seed": HELDOUT_SEED,
+        "settings": settings,
+        "teacher_coef": args.coef,
+        "student_start": heldout("base", files, args.config),
+    }
+    print(json.dumps(result), flush=True)
+
+    rl_dir = root / "rl"
+    if args.teacher is None:  # the teacher: RL from the base
+        started = time.time()
+        wall_s, _ = train(
+            args.teacher_minutes, args.config, rl_dir, [a for s in settings for a in ("--set", s)]
+        )
+        teacher = root / "teacher"  # kept: the teacher of a rerun (--teacher)
+        shutil.move(checkpoints(rl_dir)[-1][1], teacher)
+        result["teacher_minutes"] = round(wall_s / 60, 2)
+        rl_started = started
+    else:
+        teacher = args.teacher
+        result["teacher_minutes"] = None
+    result["teacher"] = str(teacher)
+    result["teacher_heldout"] = heldout(teacher, files, args.config)
+    print(json.dumps(result), flush=True)
+    write_result(args.out, result)
+
+    student_dir = root / "distill"
+    overrides = [
+        *settings,
+        f"envs.0.teacher={json.dumps(str(teacher))}",
+        f"envs.0.teacher_coef={args.coef}",
+    ]
+    started = time.time()
+    wall_s, peak = train(
+        args.minutes, args.config, student_dir, [a for s in overrides for a in ("--set", s)]
+    )
+    points = curve(student_dir, started, wall_s, files, args.config)
+    batches = [
+        r
+        for r in read_metrics(student_dir / "metrics" / "rollout.jsonl")
+        if r.get("event") == "batch"
+    ]
+    kls = [r["distill/kl_to_teacher"] for r in batches]
+    result["distill"] = {
+        "minutes": round(wall_s / 60, 2),
+        "heldout": points[-1][1],
+        "curve": points,
+        "kl_to_teacher_first_last": [round(kls[0], 4), round(kls[-1], 4)] if kls else None,
+        "peak_pss_mb": {k: round(v) for k, v in peak.items()},
+    }
+    target = result["teacher_heldout"] - 0.01
+    reached = time_to_reach(points, target)
+    result["minutes_to_teacher_minus_1pt"] = None if reached is None else round(reached, 2)
+    if args.teacher is None:
+        rl_minutes, rl_accuracy = at_minutes(rl_dir, rl_started, wall_s / 60, files, args.config)
+        result["rl"] = {"minutes": rl_minutes, "heldout": rl_accuracy}
+        result["target_minutes"] = round(result["teacher_minutes"] / 3, 2)
+    write_result(args.out, result)
+    print(json.dumps(result), flush=True)
+    for run in (rl_dir, student_dir):  # ~0.5 GB a checkpoint; metrics and history stay
+        shutil.rmtree(run / "checkpoints", ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,7 +1,7 @@
 """The `agentjet` command. Parses arguments and config, then dispatches lazily to a role.
 
     agentjet local        coordinator + trainer + rollout node on this box
-    agentjet node         --role trainer|rollout, one role of a swarm
+    agentjet node         --role trainer|rollout|teacher, one role of a swarm
     agentjet coordinator  hands out (environment, task) work
     agentjet eval         accuracy of a checkpoint on a task file (greedy or sampled)
     agentjet tasks        write a generated task file
@@ -27,7 +27,15 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
-from agentjet.config import ENV_NAMES, Config, RunConfig, is_endpoint, load_config, to_toml
+from agentjet.config import (
+    ENV_NAMES,
+    Config,
+    RunConfig,
+    is_endpoint,
+    load_config,
+    missing_folder,
+    to_toml,
+)
 from agentjet.errors import AgentjetError
 from agentjet.identity import (
     CERTIFICATE_DAYS,
@@ -112,9 +120,11 @@ def swarm_overrides(args: argparse.Namespace) -> list[str]:
         out.append(f"swarm.initial_peers={json.dumps(args.join)}")
     if args.identity:
         out.append(f"swarm.identity_path={json.dumps(str(args.identity))}")
-    service = {"coordinator": "coordinator.endpoint", "trainer": "net.trainer_endpoint"}.get(
-        "coordinator" if args.command == "coordinator" else args.role
-    )
+    service = {
+        "coordinator": "coordinator.endpoint",
+        "trainer": "net.trainer_endpoint",
+        "teacher": "net.teacher_endpoint",
+    }.get("coordinator" if args.command == "coordinator" else args.role)
     if args.listen:
         host, port = _host_port("--listen", args.listen)
         peer_port = port + 1 if port else 0
@@ -151,8 +161,16 @@ def build_parser() -> argparse.ArgumentParser:
     _keys_arg(local)
     local.add_argument("--max-steps", type=int, help="stop after this many policy versions")
 
-    node = sub.add_parser("node", help="run one trainer or rollout node of a swarm")
-    node.add_argument("--role", choices=["trainer", "rollout"], required=True)
+    node = sub.add_parser("node", help="run one trainer, rollout or teacher node of a swarm")
+    node.add_argument("--role", choices=["trainer", "rollout", "teacher"], required=True)
+    node.add_argument(
+        "--teacher",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="with --role teacher: a teacher to serve, as envs[].teacher names it "
+        "(repeatable; default: every teacher the config's environments name)",
+    )
     _swarm_args(node)
     _config_args(node)
 
@@ -401,6 +419,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         if args.run_dir is None and not any(s.startswith("run.dir=") for s in args.set):
             default_dir = f"runs/{time.strftime('%Y%m%d-%H%M%S')}"
         config = _resolve(args, default_dir)
+        _check_teacher_placement(config, "agentjet local")
         if args.dry_run:
             return _dry_run(config)
         from agentjet.local import run_local
@@ -412,6 +431,13 @@ def _dispatch(args: argparse.Namespace) -> int:
         # trainer resumes from its newest checkpoint there, a rollout node from its spool).
         config = _resolve(args, node_run_dir(args.role, config.swarm.identity_path))
         print(f"run dir: {config.run.dir} (--run-dir to choose another)", flush=True)
+    if args.command == "node":
+        if args.teacher and args.role != "teacher":
+            raise AgentjetError("--teacher is for --role teacher")
+        if args.role == "rollout":
+            _check_teacher_placement(config, "a rollout node without --join")
+        if args.role == "teacher":
+            args.teacher = served_teachers(args.teacher, config)
     if args.dry_run:
         return _dry_run(config)
     if args.command in ("node", "coordinator") and not config.net.insecure:
@@ -424,6 +450,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from node.trainer import main as trainer_main
 
         return trainer_main(config)
+    if args.command == "node" and args.role == "teacher":
+        from node.teacher_node import main as teacher_main
+
+        return teacher_main(config, args.teacher)
     if args.command == "node":
         from node.rollout import main as rollout_main
 
@@ -439,6 +469,30 @@ def _dispatch(args: argparse.Namespace) -> int:
         print(json.dumps(summary, indent=2))
         return 0
     raise AssertionError(args.command)
+
+
+def _check_teacher_placement(config: Config, where: str) -> None:
+    """Teacher nodes are found in the swarm's directory: a node without one cannot use them."""
+    if config.rollout.teachers == "nodes" and not config.swarm.initial_peers:
+        raise AgentjetError(
+            f'rollout.teachers="nodes" uses teacher nodes of a swarm, which {where} cannot '
+            'find: join a swarm (--join), or load teachers in the node (rollout.teachers="local")'
+        )
+
+
+def served_teachers(names: list[str], config: Config) -> list[str]:
+    """The teachers a teacher node serves: `--teacher` names, else every teacher the config's
+    environments name (in order, once each)."""
+    names = names or list(dict.fromkeys(env.teacher for env in config.envs if env.teacher))
+    if not names:
+        raise AgentjetError(
+            "a teacher node needs a teacher to serve: --teacher NAME (a model folder, a "
+            "checkpoint, an HF id), or envs[].teacher in the config"
+        )
+    for name in names:
+        if missing_folder(name):
+            raise AgentjetError(f"--teacher {name}: not a model folder")
+    return names
 
 
 def _tasks(args: argparse.Namespace) -> int:
@@ -638,19 +692,25 @@ def _swarm_status(args: argparse.Namespace, keys: NodeKeys | None) -> int:
 
 def format_swarm(records: list[NodeRecord], now: float) -> str:
     """The swarm's nodes by role: address, policy version, queue, throughput, last heartbeat,
-    each GPU the node uses (one line each); then the nodes each trainer has quarantined,
+    each GPU the node uses (one line each); then each teacher node's teachers (its queue:
+    requests waiting, its samples/s: samples scored), the nodes each trainer has quarantined,
     and what each trainer refused (non-members' calls, bad certificates) by kind."""
     if not records:
         return "no live nodes in the swarm's directory (is --run-id right?)"
-    order = {"coordinator": 0, "trainer": 1, "rollout": 2}
+    order = {"coordinator": 0, "trainer": 1, "rollout": 2, "teacher": 3}
     header = ("role", "node", "address", "version", "queue", "samples/s", "heartbeat", "gpus")
     rows = [
         row
         for r in sorted(records, key=lambda r: (order.get(r.role, 3), r.node_id))
         for row in _node_rows(r, now)
     ]
-    counts = ", ".join(f"{sum(r.role == role for r in records)} {role}" for role in order)
+    counts = ", ".join(
+        f"{n} {role}"
+        for role in order
+        if (n := sum(r.role == role for r in records)) or role != "teacher"
+    )
     by_id = sorted(records, key=lambda r: r.node_id)
+    teachers = [f"teachers on {r.node_id}: {', '.join(r.teachers)}" for r in by_id if r.teachers]
     quarantines = [
         f"quarantined by {r.node_id}: {', '.join(r.quarantined)}" for r in by_id if r.quarantined
     ]
@@ -661,7 +721,7 @@ def format_swarm(records: list[NodeRecord], now: float) -> str:
         if r.refused
     ]
     table = _aligned([header, *rows], left=(0, len(header) - 1))
-    return "\n".join([f"swarm: {counts}", *table, *quarantines, *refusals])
+    return "\n".join([f"swarm: {counts}", *table, *teachers, *quarantines, *refusals])
 
 
 def _node_rows(r: NodeRecord, now: float) -> list[tuple[str, ...]]:
@@ -673,7 +733,7 @@ def _node_rows(r: NodeRecord, now: float) -> list[tuple[str, ...]]:
         r.role,
         r.node_id,
         r.endpoint or (r.maddrs[0] if r.maddrs else "-"),
-        str(r.policy_version) if working else "-",
+        str(r.policy_version) if r.role in ("trainer", "rollout") else "-",
         f"{r.queue}/{r.capacity}" if working else "-",
         f"{r.samples_per_s:.2f}" if working else "-",
         f"{max(now - r.time, 0):.1f} s ago",

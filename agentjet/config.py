@@ -122,6 +122,14 @@ class RolloutConfig(_Section):
     # "tags" (tools described in the system message, calls as <tool_call>{json}</tool_call>),
     # or a template format forced: "hermes" (Qwen) or "llama3_json" (Llama 3).
     tool_format: Literal["auto", "tags", "hermes", "llama3_json"] = "auto"
+    # Where the teachers of environments with one (envs[].teacher) score samples: "local"
+    # (loaded in this node, next to its engine: one more model in its memory) or "nodes"
+    # (`agentjet node --role teacher` nodes the swarm's directory lists, called over ZMQ;
+    # needs --join). A group waits in the node until a teacher answers, for as long as it
+    # takes; a request unanswered for `teacher_timeout_s` is sent again, to another node
+    # serving that teacher when there is one (node/teacher.py).
+    teachers: Literal["local", "nodes"] = "local"
+    teacher_timeout_s: PositiveFloat = 60.0
 
 
 class RewardTerm(_Section):
@@ -422,6 +430,9 @@ class CoordinatorConfig(_Section):
 class NetConfig(_Section):
     # ZMQ endpoint the trainer binds (trajectories in, policy weights out).
     trainer_endpoint: str = "tcp://127.0.0.1:5556"
+    # ZMQ endpoint a teacher node binds (`agentjet node --role teacher`; port 0: any free
+    # one). Rollout nodes find it in the swarm's directory.
+    teacher_endpoint: str = "tcp://127.0.0.1:0"
     # Larger messages are refused by the socket and counted.
     max_message_bytes: Annotated[int, Meta(ge=1 << 16)] = 64 << 20
     # Policy weights travel in chunks of this size (2 MiB: relays pass each on sooner;
@@ -650,7 +661,7 @@ def _check(config: Config) -> None:
                     f"config error at envs.{i}.{key}: {spec!r} is not module:function"
                 )
         _check_rewards(env, i)
-        if env.teacher.startswith(("/", ".", "~")) and not Path(env.teacher).expanduser().is_dir():
+        if missing_folder(env.teacher):
             raise ConfigError(
                 f"config error at envs.{i}.teacher: {env.teacher} is not a model folder"
             )
@@ -714,6 +725,11 @@ def dashboard_address(listen: str, token: str, where: str) -> tuple[str, int]:
             "(--token or dashboard.token), or listen on 127.0.0.1"
         )
     return host.strip("[]"), int(port)
+
+
+def missing_folder(name: str) -> bool:
+    """A model name written as a path (/, ., ~) that is no folder here."""
+    return name.startswith(("/", ".", "~")) and not Path(name).expanduser().is_dir()
 
 
 def _check_rewards(env: EnvConfig, i: int) -> None:

@@ -43,7 +43,9 @@ import numpy as np
 #    answers chunk requests, or Error code "absent"; PolicyQuery.manifest.
 # 12: PolicyInfo.local (a node on its trainer's host maps the trainer's copy);
 #    Sample.teacher_logprobs (on-policy distillation, node/teacher.py).
-PROTOCOL_VERSION = 12
+# 13: teacher nodes (node/teacher_node.py): TeacherScoreRequest / TeacherScores, a
+#    NodeRecord of role "teacher" naming the teachers it serves.
+PROTOCOL_VERSION = 13
 
 # Earlier lineages a Lineage remembers (one per trainer restart from a checkpoint).
 MAX_ANCESTORS = 16
@@ -102,7 +104,7 @@ class Task(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True
 
 class Hello(_Msg, tag="hello"):
     node_id: str
-    role: Literal["rollout", "trainer", "coordinator", "client"]
+    role: Literal["rollout", "trainer", "coordinator", "client", "teacher"]
     protocol_version: int = PROTOCOL_VERSION
     # The sender's node certificate (agentjet/identity.py, msgpack), naming node_id and the
     # CURVE key the connection uses; b"" without keys (net.insecure).
@@ -479,14 +481,15 @@ class GpuStats(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 class NodeRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """What a node says about itself in the swarm's DHT, refreshed every heartbeat.
 
-    `endpoint` is the ZMQ endpoint others connect to: a coordinator's or trainer's socket, a
-    rollout node's relay (node/relay.py; "" when it serves none). `queue` is a trainer's
-    queued groups or a rollout node's unacknowledged ones; `capacity` the most it holds
-    (trainer.max_queued_groups, rollout.max_unacked_groups).
+    `endpoint` is the ZMQ endpoint others connect to: a coordinator's, trainer's or teacher
+    node's socket, a rollout node's relay (node/relay.py; "" when it serves none). `queue`
+    is a trainer's queued groups, a rollout node's unacknowledged ones or a teacher node's
+    requests waiting; `capacity` the most it holds (trainer.max_queued_groups,
+    rollout.max_unacked_groups, node/teacher_node.py MAX_WAITING).
     """
 
     node_id: str
-    role: Literal["coordinator", "trainer", "rollout"]
+    role: Literal["coordinator", "trainer", "rollout", "teacher"]
     endpoint: str = ""
     maddrs: list[str] = msgspec.field(default_factory=list)
     policy_version: int = 0
@@ -506,6 +509,40 @@ class NodeRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # without the swarm's keys (handshakes), and non-members' averaging calls (round_joins,
     # aggregate_parts, state_downloads).
     refused: dict[str, int] = msgspec.field(default_factory=dict)
+    # A teacher node's teachers (the names environments give them: envs[].teacher).
+    teachers: list[str] = msgspec.field(default_factory=list)
+
+
+# ── teacher nodes ─────────────────────────────────────────────────────────────────
+
+
+class TeacherInput(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """One sample to score: its tokens and which completion tokens are the model's."""
+
+    prompt_ids: bytes  # int32
+    completion_ids: bytes  # int32
+    loss_mask: bytes  # uint8
+
+
+class TeacherScoreRequest(_Msg, tag="teacher_score_request"):
+    """Score these samples with the teacher named `teacher` (as the environments' config
+    names it), at the sampler's temperature (node/teacher_node.py)."""
+
+    node_id: str
+    teacher: str
+    temperature: float
+    samples: list[TeacherInput]
+
+
+class TeacherScores(_Msg, tag="teacher_scores"):
+    """Per sample, the teacher's logprob of each completion token (float32; 0 where the
+    loss mask is 0)."""
+
+    logprobs: list[bytes]
+
+
+TeacherRequest = Hello | TeacherScoreRequest
+TeacherReply = Welcome | TeacherScores | Error
 
 
 # ── codecs ────────────────────────────────────────────────────────────────────────
@@ -522,6 +559,8 @@ coordinator_reply_decoder = msgspec.msgpack.Decoder(CoordinatorReply)
 trainer_request_decoder = msgspec.msgpack.Decoder(TrainerRequest)
 trainer_reply_decoder = msgspec.msgpack.Decoder(TrainerReply)
 node_record_decoder = msgspec.msgpack.Decoder(NodeRecord)
+teacher_request_decoder = msgspec.msgpack.Decoder(TeacherRequest)
+teacher_reply_decoder = msgspec.msgpack.Decoder(TeacherReply)
 
 
 def pack_ids(ids: list[int] | np.ndarray) -> bytes:
@@ -552,6 +591,33 @@ def unpack_mask(data: bytes) -> np.ndarray:
 MAX_NODE_ID_CHARS = 256
 
 
+def check_tokens(s: Sample | TeacherInput, vocab_size: int, max_tokens: int) -> str | None:
+    """Why a sample's tokens and loss mask are malformed, or None."""
+    if len(s.prompt_ids) % 4 or len(s.completion_ids) % 4:
+        return "token arrays are not whole int32 values"
+    n_prompt, n = len(s.prompt_ids) // 4, len(s.completion_ids) // 4
+    if n_prompt == 0 or n == 0:
+        return "empty prompt or completion"
+    if n_prompt + n > max_tokens:
+        return f"{n_prompt + n} tokens (at most {max_tokens})"
+    if len(s.loss_mask) != n:
+        return f"loss_mask length differs from completion length {n}"
+    for arr in (unpack_ids(s.prompt_ids), unpack_ids(s.completion_ids)):
+        if arr.min() < 0 or arr.max() >= vocab_size:
+            return f"token id outside the vocabulary (size {vocab_size})"
+    return None
+
+
+def check_logprobs(data: bytes, n: int, what: str) -> str | None:
+    """Why `data` is not n logprobs (float32, finite, <= 0), or None."""
+    if len(data) != 4 * n:
+        return f"{what} length differs from completion length {n}"
+    values = unpack_floats(data)
+    if not np.isfinite(values).all() or (values > 1e-3).any():
+        return f"{what} must be finite and <= 0"
+    return None
+
+
 def check_group(group: TrajectoryGroup, vocab_size: int, max_tokens: int) -> str | None:
     """Why a decoded group cannot be trained, or None when it is well formed."""
     if not group.samples:
@@ -561,27 +627,15 @@ def check_group(group: TrajectoryGroup, vocab_size: int, max_tokens: int) -> str
     if len(group.samples) > 1024:
         return f"group has {len(group.samples)} samples (at most 1024)"
     for i, s in enumerate(group.samples):
-        if len(s.prompt_ids) % 4 or len(s.completion_ids) % 4 or len(s.logprobs) % 4:
-            return f"sample {i}: token arrays are not whole int32/float32 values"
-        n_prompt, n = len(s.prompt_ids) // 4, len(s.completion_ids) // 4
-        if n_prompt == 0 or n == 0:
-            return f"sample {i}: empty prompt or completion"
-        if n_prompt + n > max_tokens:
-            return f"sample {i}: {n_prompt + n} tokens (at most {max_tokens})"
-        if len(s.logprobs) // 4 != n or len(s.loss_mask) != n:
-            return f"sample {i}: logprobs/loss_mask length differs from completion length {n}"
-        for arr in (unpack_ids(s.prompt_ids), unpack_ids(s.completion_ids)):
-            if arr.min() < 0 or arr.max() >= vocab_size:
-                return f"sample {i}: token id outside the vocabulary (size {vocab_size})"
-        lp = unpack_floats(s.logprobs)
-        if not np.isfinite(lp).all() or (lp > 1e-3).any():
-            return f"sample {i}: logprobs must be finite and <= 0"
-        if s.teacher_logprobs:
-            if len(s.teacher_logprobs) != 4 * n:
-                return f"sample {i}: teacher logprobs length differs from completion length {n}"
-            tl = unpack_floats(s.teacher_logprobs)
-            if not np.isfinite(tl).all() or (tl > 1e-3).any():
-                return f"sample {i}: teacher logprobs must be finite and <= 0"
+        wrong = check_tokens(s, vocab_size, max_tokens)
+        if wrong is not None:
+            return f"sample {i}: {wrong}"
+        n = len(s.completion_ids) // 4
+        wrong = check_logprobs(s.logprobs, n, "logprobs")
+        if wrong is None and s.teacher_logprobs:
+            wrong = check_logprobs(s.teacher_logprobs, n, "teacher logprobs")
+        if wrong is not None:
+            return f"sample {i}: {wrong}"
         if not (np.isfinite(s.reward) and np.isfinite(s.advantage)):
             return f"sample {i}: reward and advantage must be finite"
         if s.policy_version < 0:
@@ -605,6 +659,7 @@ def claimed_node_id(msg: msgspec.Struct) -> str | None:
             | WorkRequest(node_id=node_id)
             | GroupReport(node_id=node_id)
             | Heartbeat(node_id=node_id)
+            | TeacherScoreRequest(node_id=node_id)
         ):
             return node_id
         case SubmitGroup(group=group):

@@ -191,6 +191,11 @@ class Server:
             return {}
         return {str(kind): n for kind, n in self.keys.membership.refused.items()}
 
+    def refusals(self) -> dict[str, int]:
+        """What a node's directory record lists it refused (`NodeRecord.refused`): requests
+        by kind and handshakes without the swarm's keys, those that happened only."""
+        return {k: n for k, n in (*self.refused.items(), ("handshakes", self.denied)) if n}
+
     async def reply(self, envelope: list[bytes], msg: msgspec.Struct) -> None:
         # Not copied again into libzmq's message (a weight chunk is megabytes): the socket
         # keeps the encoded bytes until they are sent.

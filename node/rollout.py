@@ -70,7 +70,7 @@ from node.relay import (
 )
 from node.spool import Spool, SpoolFull
 from node.swarm import Directory, start_dht, visible_maddrs
-from node.teacher import Teachers
+from node.teacher import open_teachers
 from node.trainer_link import Superseded, answers, probe, trainer_client
 from node.trajectory_log import TrajectoryLog
 from node.weights import SpareBuffer, WeightAssembly
@@ -195,9 +195,6 @@ class Rollout:
         s = cfg.rollout.sampling
         path = resolve_model(cfg.model.name, cfg.model.cache_dir)
         self.engine = open_engine(cfg.model, cfg.rollout, path, cfg.run.seed)
-        self.teachers = Teachers(
-            cfg.envs, cfg.model, self.engine.tokenizer, self.engine.device, s.temperature
-        )
         self.gpu = GpuMonitor.for_devices([self.engine.device])  # NVML; nothing on CPUs
         cleanup.callback(self.gpu.close)
         self.gpus: list[protocol.GpuStats] = []  # the last sample
@@ -235,6 +232,9 @@ class Rollout:
             temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_new_tokens
         )
         self.hello = protocol.Hello(node_id=self.node_id, role="rollout")
+        self.teachers = open_teachers(
+            cfg, self.engine.tokenizer, self.engine.device, self.hello, self.keys
+        )
         cleanup.callback(self._close_clients)
         self.directory: Directory | None = None
         self.relay: RelayServer | None = None  # serves what this node holds to its peers
@@ -389,9 +389,10 @@ class Rollout:
                     group = build_group(
                         grant, eps, self.node_id, wall_s / len(env_grants), self.lineage.id
                     )
-                    if env_name in self.teachers.by_env:  # on-policy distillation
-                        group, kl = await blocking(self.teachers.score, group)
+                    if env_name in self.teachers.envs:  # on-policy distillation
+                        group, kl = await self.teachers.score(group)
                         teacher_kls.append(kl)
+                        self.counts["groups_held_for_teacher"] = self.teachers.held
                     try:
                         self.ledger.add(group)
                     except SpoolFull as e:  # the batch ran past the cap: keep it in memory
@@ -651,6 +652,7 @@ class Rollout:
         deadline = time.monotonic() + 3 * self.config.swarm.heartbeat_s
         while True:
             records = self._publish_and_read()
+            self.teachers.update(records)
             self._apply_trainers(records, now=time.monotonic())
             self._apply_coordinator(records)
             if (self.trainers and self.coordinator) or time.monotonic() > deadline:
@@ -666,6 +668,7 @@ class Rollout:
         if not any(r.node_id == self.node_id for r in records):
             return  # our own record is missing: this read is not to be trusted
         self.relays = relay_peers(records, self.node_id)
+        self.teachers.update(records)
         for trainer_id in self._apply_trainers(records, now=time.monotonic()):
             trainer = self.trainers[trainer_id]
             if await answers(trainer.endpoint, trainer_id, self.hello, self.config, self.keys):

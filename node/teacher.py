@@ -1,32 +1,44 @@
 """Teachers for on-policy distillation: each environment that names one (`envs[].teacher`)
 has every sample scored by it before the group leaves the rollout node.
 
-    engine plays a group ──▶ Teachers.score(group): per sample, one prefill of prompt +
+    engine plays a group ──▶ teachers.score(group): per sample, one prefill of prompt +
                              completion through the teacher (no generation) ──▶ the
                              teacher's logprob of each sampled token (Sample.teacher_logprobs)
                              ──▶ spooled and sent with the group, as the sampler's are
 
 The trainer turns them into a per-token advantage term (agentjet/rl.py,
-`distill_advantages`). A teacher is loaded once however many environments name it, in the
-engine's dtype on its device, next to the engine (memory: one more model; it serves prefill
-only, so no KV cache outlives a call). It must share the model's tokenizer: the student's
-token ids are its input, so a teacher with another vocabulary is refused at start, in one
-line. Logprobs are of softmax(logits / temperature), the quantity the sampler's are: for a
-teacher with the student's weights they are the sampler's, and the KL is zero.
+`distill_advantages`). Where teachers run (`rollout.teachers`):
+
+- "local" (`LocalTeachers`): in the rollout node, loaded once however many environments
+  name them, in the engine's dtype on its device (memory: one more model each; prefill
+  only, so no KV cache outlives a call). Scoring crosses the one bridge to blocking work
+  (agentjet/bridge.py), between the batch that played the group and the next.
+- "nodes" (`TeacherNodes`): on `agentjet node --role teacher` nodes (node/teacher_node.py)
+  that the swarm's directory lists with the teachers they serve, called over ZMQ (CURVE,
+  like every socket): the least loaded node serving the group's teacher first. A group
+  waits in the node, held in memory, until a teacher node answers for it (none listed,
+  none answering: a warning, and again every RETRY_S); a node that answers malformed
+  scores is passed over. The rollout node plays no new batch meanwhile.
+
+A teacher must share the model's tokenizer: the student's token ids are its input, so a
+teacher with another vocabulary is refused at start, in one line. Logprobs are of
+softmax(logits / temperature), the quantity the sampler's are: for a teacher with the
+student's weights they are the sampler's, and the KL is zero.
 
 What the trainer trusts: the teacher logprobs a rollout node sends are checked for shape
 and range (agentjet/protocol.py `check_group`), not recomputed — as a node could send any
 reward for a task it made up, it could send any teacher signal; quarantine (node/verify.py)
-still catches a node whose sampler logprobs or rewards are wrong.
-
-Scoring runs across the one bridge to blocking work (agentjet/bridge.py), between the
-batch that played the group and the next; a node with a teacher spends its prefill time
-there (bench/LOG.md).
+still catches a node whose sampler logprobs or rewards are wrong. A rollout node trusts the
+teacher nodes of its swarm (members, by certificate) as far as the shape and range of
+their scores, which it checks.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,15 +47,21 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from agentjet import protocol
-from agentjet.config import EnvConfig, ModelConfig
+from agentjet.bridge import blocking
+from agentjet.config import Config, EnvConfig, ModelConfig, NetConfig
 from agentjet.devices import resolve_dtype
-from agentjet.errors import ModelError
+from agentjet.errors import ModelError, ProtocolError
+from agentjet.identity import NodeKeys
+from agentjet.transport import Client, PeerUnavailable
 from node.model import load_causal_lm, resolve_model
 
 log = logging.getLogger(__name__)
 
 # Sequences per teacher forward: bounds the activations of one prefill.
 SCORE_BATCH = 8
+
+# Per sample, a teacher's logprob of each completion token.
+Scores = list[np.ndarray[Any, np.dtype[np.float32]]]
 
 
 def teacher_path(name: str, model: ModelConfig) -> Path:
@@ -68,18 +86,18 @@ class Teacher:
 
     @torch.no_grad()
     def logprobs(
-        self, samples: list[protocol.Sample], temperature: float
-    ) -> list[np.ndarray[Any, np.dtype[np.float32]]]:
+        self, samples: Sequence[protocol.Sample | protocol.TeacherInput], temperature: float
+    ) -> Scores:
         """Per sample, log softmax(teacher logits / temperature) of each completion token
         where its loss mask is 1, 0 elsewhere (float32, one per completion token)."""
-        out: list[np.ndarray[Any, np.dtype[np.float32]]] = []
+        out: Scores = []
         for i in range(0, len(samples), SCORE_BATCH):
             out += self._batch(samples[i : i + SCORE_BATCH], temperature)
         return out
 
     def _batch(
-        self, samples: list[protocol.Sample], temperature: float
-    ) -> list[np.ndarray[Any, np.dtype[np.float32]]]:
+        self, samples: Sequence[protocol.Sample | protocol.TeacherInput], temperature: float
+    ) -> Scores:
         seqs = [
             (protocol.unpack_ids(s.prompt_ids), protocol.unpack_ids(s.completion_ids))
             for s in samples
@@ -110,8 +128,59 @@ class Teacher:
         return result
 
 
-class Teachers:
-    """The teachers of a rollout node's environments, each loaded once."""
+# A group no teacher node answered for is asked for again this often (the directory may
+# name a new node meanwhile).
+RETRY_S = 2.0
+
+
+def load_teachers(
+    names: Iterable[str],
+    model: ModelConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    device: torch.device,
+) -> dict[str, Teacher]:
+    """Each named teacher, loaded once per folder in the model's dtype on `device`; every
+    one must share `tokenizer` (the model's)."""
+    dtype = resolve_dtype(model.dtype, device)
+    loaded: dict[Path, Teacher] = {}
+    by_name: dict[str, Teacher] = {}
+    for name in names:
+        path = teacher_path(name, model)
+        if path not in loaded:
+            log.info("teacher %s: loading %s", name, path)
+            teacher = Teacher(name, path, dtype, device)
+            if teacher.tokenizer.get_vocab() != tokenizer.get_vocab():
+                raise ModelError(
+                    f"teacher {name!r} has a tokenizer other than the model's: it cannot "
+                    "score the model's tokens"
+                )
+            loaded[path] = teacher
+        by_name[name] = loaded[path]
+    return by_name
+
+
+def with_scores(
+    group: protocol.TrajectoryGroup, scores: Scores
+) -> tuple[protocol.TrajectoryGroup, float]:
+    """`group` with its samples' teacher logprobs, and the mean per-token reverse KL to the
+    teacher, log mu - log pi_teacher over the model's tokens."""
+    samples, kl_sum, tokens = [], 0.0, 0
+    for sample, teacher_lp in zip(group.samples, scores, strict=True):
+        mask = protocol.unpack_mask(sample.loss_mask).astype(bool)
+        sampler_lp = protocol.unpack_floats(sample.logprobs)
+        kl_sum += float((sampler_lp[mask] - teacher_lp[mask]).sum())
+        tokens += int(mask.sum())
+        samples.append(
+            protocol.msgspec.structs.replace(
+                sample, teacher_logprobs=protocol.pack_floats(teacher_lp.tolist())
+            )
+        )
+    kl = kl_sum / max(tokens, 1)
+    return protocol.msgspec.structs.replace(group, samples=samples), kl
+
+
+class LocalTeachers:
+    """The teachers of a rollout node's environments, in the node (rollout.teachers="local")."""
 
     def __init__(
         self,
@@ -123,40 +192,180 @@ class Teachers:
     ) -> None:
         """`tokenizer`: the model's, which every teacher must share."""
         self.temperature = temperature
-        dtype = resolve_dtype(model.dtype, device)
-        loaded: dict[Path, Teacher] = {}
-        self.by_env: dict[str, Teacher] = {}
-        for env in (e for e in envs if e.teacher):
-            path = teacher_path(env.teacher, model)
-            if path not in loaded:
-                log.info("teacher %s for %s: loading %s", env.teacher, env.name, path)
-                teacher = Teacher(env.teacher, path, dtype, device)
-                if teacher.tokenizer.get_vocab() != tokenizer.get_vocab():
-                    raise ModelError(
-                        f"envs teacher {env.teacher!r} (of {env.name}) has a tokenizer other "
-                        "than the model's: it cannot score the model's tokens"
-                    )
-                loaded[path] = teacher
-            self.by_env[env.name] = loaded[path]
+        named = {env.name: env.teacher for env in envs if env.teacher}
+        teachers = load_teachers(named.values(), model, tokenizer, device)
+        self.by_env = {env: teachers[name] for env, name in named.items()}
+        self.envs = set(self.by_env)
+        self.held = 0  # groups that waited for a teacher: never, here
 
-    def score(self, group: protocol.TrajectoryGroup) -> tuple[protocol.TrajectoryGroup, float]:
+    def update(self, records: list[protocol.NodeRecord]) -> None:
+        """Nothing to learn from the directory."""
+
+    def close(self) -> None:
+        """Nothing to close: the teachers go with the process."""
+
+    async def score(
+        self, group: protocol.TrajectoryGroup
+    ) -> tuple[protocol.TrajectoryGroup, float]:
         """`group` with its samples' teacher logprobs (as it is when its environment has no
-        teacher), and the mean per-token reverse KL to the teacher, log mu - log pi_teacher
-        over the model's tokens (0.0 without a teacher). Blocking: across the bridge."""
+        teacher), and the mean per-token reverse KL to the teacher (0.0 without one)."""
+        return await blocking(self.score_now, group)
+
+    def score_now(self, group: protocol.TrajectoryGroup) -> tuple[protocol.TrajectoryGroup, float]:
+        """`score`, blocking (across the bridge)."""
         teacher = self.by_env.get(group.env)
         if teacher is None:
             return group, 0.0
-        scores = teacher.logprobs(group.samples, self.temperature)
-        samples, kl_sum, tokens = [], 0.0, 0
-        for sample, teacher_lp in zip(group.samples, scores, strict=True):
-            mask = protocol.unpack_mask(sample.loss_mask).astype(bool)
-            sampler_lp = protocol.unpack_floats(sample.logprobs)
-            kl_sum += float((sampler_lp[mask] - teacher_lp[mask]).sum())
-            tokens += int(mask.sum())
-            samples.append(
-                protocol.msgspec.structs.replace(
-                    sample, teacher_logprobs=protocol.pack_floats(teacher_lp.tolist())
+        return with_scores(group, teacher.logprobs(group.samples, self.temperature))
+
+
+class TeacherNodes:
+    """The teachers of a rollout node's environments, on the swarm's teacher nodes
+    (rollout.teachers="nodes")."""
+
+    def __init__(
+        self,
+        envs: list[EnvConfig],
+        hello: protocol.Hello,
+        net: NetConfig,
+        keys: NodeKeys | None,
+        temperature: float,
+        timeout_s: float,
+    ) -> None:
+        self.by_env = {env.name: env.teacher for env in envs if env.teacher}
+        self.envs = set(self.by_env)
+        self.hello, self.net, self.keys = hello, net, keys
+        self.temperature, self.timeout_s = temperature, timeout_s
+        self.nodes: list[protocol.NodeRecord] = []  # teacher nodes, from the last directory read
+        self.clients: dict[str, Client] = {}  # by endpoint
+        self.asking: set[str] = set()  # endpoints with a request in flight
+        self.held = 0  # groups that waited for a teacher node to answer
+        self.turn = 0  # rotates equally loaded nodes
+
+    def update(self, records: list[protocol.NodeRecord]) -> None:
+        """The teacher nodes of a directory read (clients of those gone are closed, but for
+        one asked now: a read can miss a live node's record, and closing a socket cancels
+        the request waiting on it)."""
+        self.nodes = [r for r in records if r.role == "teacher" and r.endpoint]
+        listed = {r.endpoint for r in self.nodes} | self.asking
+        for endpoint in [e for e in self.clients if e not in listed]:
+            self.clients.pop(endpoint).close()
+
+    def close(self) -> None:
+        for client in self.clients.values():
+            client.close()
+        self.clients.clear()
+
+    async def score(
+        self, group: protocol.TrajectoryGroup
+    ) -> tuple[protocol.TrajectoryGroup, float]:
+        """As `LocalTeachers.score`; waits until a teacher node serving the group's teacher
+        answers with well-formed scores, however long that takes."""
+        name = self.by_env.get(group.env)
+        if name is None:
+            return group, 0.0
+        request = protocol.TeacherScoreRequest(
+            node_id=self.hello.node_id,
+            teacher=name,
+            temperature=self.temperature,
+            samples=[
+                protocol.TeacherInput(
+                    prompt_ids=s.prompt_ids, completion_ids=s.completion_ids, loss_mask=s.loss_mask
                 )
+                for s in group.samples
+            ],
+        )
+        waiting_since: float | None = None
+        while True:
+            for node in self._serving(name):
+                scores = await self._ask(node, request)
+                if scores is not None:
+                    if waiting_since is not None:
+                        log.info(
+                            "teacher %s on %s scored group %s, held %.0f s",
+                            name,
+                            node.node_id,
+                            group.group_id,
+                            time.monotonic() - waiting_since,
+                        )
+                    return with_scores(group, scores)
+            if waiting_since is None:
+                waiting_since = time.monotonic()
+                self.held += 1
+                log.warning(
+                    "no teacher node answers for teacher %s (%d listed): group %s is held "
+                    "until one does",
+                    name,
+                    len(self._serving(name)),
+                    group.group_id,
+                )
+            await asyncio.sleep(RETRY_S)  # a retry's pause: the directory is read meanwhile
+
+    def _serving(self, name: str) -> list[protocol.NodeRecord]:
+        """The nodes serving teacher `name`, least loaded first (equals in turn)."""
+        nodes = [n for n in self.nodes if name in n.teachers]
+        self.turn += 1
+        return sorted(nodes, key=lambda n: (n.queue, hash((n.node_id, self.turn))))
+
+    async def _ask(
+        self, node: protocol.NodeRecord, request: protocol.TeacherScoreRequest
+    ) -> Scores | None:
+        """The node's scores for `request`, or None (it did not answer, refused, or sent
+        scores that are not one logprob per completion token, finite and <= 0)."""
+        client = self.clients.get(node.endpoint)
+        if client is None:
+            client = self.clients[node.endpoint] = Client(
+                node.endpoint,
+                protocol.teacher_reply_decoder,
+                self.hello,
+                self.net.max_message_bytes,
+                self.timeout_s,
+                self.keys,
             )
-        kl = kl_sum / max(tokens, 1)
-        return protocol.msgspec.structs.replace(group, samples=samples), kl
+        self.asking.add(node.endpoint)
+        try:
+            reply = await client.request(request)
+        except PeerUnavailable:
+            return None
+        except ProtocolError as e:  # another protocol version, or not this swarm's member
+            log.warning("teacher node %s: %s", node.node_id, e)
+            return None
+        finally:
+            self.asking.discard(node.endpoint)
+        if isinstance(reply, protocol.Error):
+            log.warning("teacher node %s refused to score: %s", node.node_id, reply.message)
+            return None
+        wrong = scores_problem(reply, request)
+        if wrong is not None:
+            log.warning("teacher node %s sent malformed scores: %s", node.node_id, wrong)
+            return None
+        assert isinstance(reply, protocol.TeacherScores)
+        return [protocol.unpack_floats(lp).copy() for lp in reply.logprobs]
+
+
+def scores_problem(reply: object, request: protocol.TeacherScoreRequest) -> str | None:
+    """Why `reply` is not the scores of `request`'s samples, or None."""
+    if not isinstance(reply, protocol.TeacherScores):
+        return f"a {type(reply).__name__} reply"
+    if len(reply.logprobs) != len(request.samples):
+        return f"{len(reply.logprobs)} samples scored of {len(request.samples)}"
+    for i, (data, sample) in enumerate(zip(reply.logprobs, request.samples, strict=True)):
+        wrong = protocol.check_logprobs(data, len(sample.completion_ids) // 4, "scores")
+        if wrong is not None:
+            return f"sample {i}: {wrong}"
+    return None
+
+
+def open_teachers(
+    config: Config,
+    tokenizer: PreTrainedTokenizerBase,
+    device: torch.device,
+    hello: protocol.Hello,
+    keys: NodeKeys | None,
+) -> LocalTeachers | TeacherNodes:
+    """The teachers of a rollout node, where `rollout.teachers` says they run."""
+    temperature = config.rollout.sampling.temperature
+    if config.rollout.teachers == "nodes":
+        timeout_s = config.rollout.teacher_timeout_s
+        return TeacherNodes(config.envs, hello, config.net, keys, temperature, timeout_s)
+    return LocalTeachers(config.envs, config.model, tokenizer, device, temperature)

@@ -317,15 +317,8 @@ class Trainer:
                 quarantined=self.quarantine.listed(),
                 lineage=self.lineage,
                 gpus=self.gpus,
-                refused={
-                    kind: n
-                    for kind, n in (
-                        *self.server.refused.items(),
-                        ("handshakes", self.server.denied),
-                        *self.swarm.refusals().items(),
-                    )
-                    if n
-                },
+                refused=self.server.refusals()
+                | {kind: n for kind, n in self.swarm.refusals().items() if n},
             )
             if not await blocking(self.directory.publish, record):
                 log.warning("could not store this trainer's record in the DHT")

@@ -47,7 +47,7 @@ from agentjet.keys import DEFAULT_KEYS_FILE
 from agentjet.transport import Client, PeerUnavailable, outsider_client
 
 # Roles listed first, in this order; any other follows by name.
-ROLE_ORDER = ("coordinator", "trainer", "rollout")
+ROLE_ORDER = ("coordinator", "trainer", "rollout", "teacher")
 # How long /api/scheduler waits for the coordinator: a running one answers in milliseconds,
 # and the page asks again at its next poll.
 SCHEDULER_TIMEOUT_S = 2.0

@@ -110,7 +110,8 @@ def gpu_keys(gpus: list[protocol.GpuStats]) -> dict[str, float]:
 
 
 def heartbeat_row(record: protocol.NodeRecord) -> dict[str, Any]:
-    """A rollout node's record as a metrics row: all a live dashboard learns of it."""
+    """A rollout or teacher node's record as a metrics row: all a live dashboard learns of
+    it (a teacher node's `unacked`: its requests waiting)."""
     return {
         "time": record.time,
         "role": record.node_id,
@@ -185,7 +186,8 @@ class SwarmSource:
         await asyncio.gather(*(self._pull(n) for n in list(self.nodes.values()) if n.client))
 
     def update(self, records: list[protocol.NodeRecord], now: float) -> None:
-        """Take a directory read: new nodes, new records, rollout heartbeats as rows."""
+        """Take a directory read: new nodes, new records, rollout and teacher heartbeats as
+        rows."""
         self.left_out = 0
         for record in records:
             problem = record_problem(record)
@@ -203,7 +205,7 @@ class SwarmSource:
                     continue
                 node = self.nodes[key] = LiveNode(key, record, RecentRows(), now)
             self._connect(node, record)
-            if record.role == "rollout" and (
+            if record.role in ("rollout", "teacher") and (
                 node.mirror.written == 0 or record.time > node.record.time
             ):
                 node.mirror.add(json.dumps(finite(heartbeat_row(record))))

@@ -78,6 +78,17 @@ def test_dry_run_writes_resolved_config(tmp_path):
         (["node", "--role", "trainer"], "run `agentjet keys init` once"),
         (["coordinator", "--keys", "nope.keys"], "cannot read swarm keys nope.keys"),
         (["local", "--keys", "k", "--set", "net.insecure=true"], "net.keys is set too"),
+        (["node", "--role", "teacher", "--set", "net.insecure=true"], "needs a teacher to serve"),
+        (["node", "--role", "trainer", "--teacher", "x"], "--teacher is for --role teacher"),
+        (["node", "--role", "teacher", "--teacher", "./nowhere"], "not a model folder"),
+        (
+            ["local", "--dry-run", "--set", 'rollout.teachers="nodes"'],
+            "agentjet local cannot find",
+        ),
+        (
+            ["node", "--role", "rollout", "--set", 'rollout.teachers="nodes"'],
+            "a rollout node without --join cannot find",
+        ),
     ],
 )
 def test_user_errors_are_one_line(args, message, tmp_path):

@@ -4,8 +4,9 @@ way a user starts them on separate machines (`--listen`, `--join` the printed ad
 Checks what a user could: at every version both trainers reached their weights agree (to
 float rounding), a trainer that joins mid-run starts from the swarm's weights, a trainer
 killed with SIGKILL does not stop training, and every group the rollout node made is
-trained exactly once, dropped as stale, or still held at the end. Processes are reaped by
-PID (each runs in its own process group with its hivemind daemons).
+trained exactly once, dropped as stale, or still held at the end (also with a teacher node
+killed and restarted mid-run). Processes are reaped by PID (each runs in its own process
+group with its hivemind daemons).
 """
 
 from __future__ import annotations
@@ -255,6 +256,21 @@ def swarm_status(join: str, run_id: str, keys_file: Path) -> str:
     return done.stdout
 
 
+def status_showing(swarm: Swarm, join: str, text: str) -> str:
+    """What `agentjet status --join` prints once it shows `text`: it lists the swarm from
+    the directory, and a read under load can miss a live node's record (as the rollout
+    node's own reads can), so it is asked again until then."""
+    shown = ""
+
+    def showing() -> bool:
+        nonlocal shown
+        shown = swarm_status(join, "swarm-test", swarm.keys_file)
+        return text in shown
+
+    swarm.wait_for(f"agentjet status showing {text!r}", showing)
+    return shown
+
+
 def api(url: str) -> Any:
     with urllib.request.urlopen(url, timeout=STATUS_TIMEOUT_S) as reply:
         return json.load(reply)
@@ -450,16 +466,7 @@ def test_two_trainers_hold_identical_weights_and_lose_nothing(swarm_factory: Cal
         return len(common) >= 3 and all(trained)
 
     swarm.wait_for("three versions reached by both trainers", both_trained_three_common_versions)
-    # `agentjet status --join` lists the whole swarm from the directory (a read under load
-    # can miss a live node's record, as the rollout node's own reads can: asked again)
-    shown = ""
-
-    def status_lists_every_node() -> bool:
-        nonlocal shown
-        shown = swarm_status(join, "swarm-test", swarm.keys_file)
-        return "swarm: 1 coordinator, 2 trainer, 1 rollout" in shown
-
-    swarm.wait_for("agentjet status listing every node", status_lists_every_node)
+    shown = status_showing(swarm, join, "swarm: 1 coordinator, 2 trainer, 1 rollout")
     for name in ("trainer-a", "trainer-b"):
         endpoint = re.search(r"tcp://127\.0\.0\.1:\d+", (swarm.dir / f"{name}.log").read_text())
         assert endpoint and endpoint.group(0) in shown
@@ -681,3 +688,59 @@ def test_a_swarm_across_hosts_survives_a_cut_link(swarm_factory: Callable[..., S
         assert len(kept) == len(set(kept)), "a group is in the weights twice"
         log_b = (swarm.dir / "trainer-b.log").read_text()
         assert "cut off from the swarm" in log_b and "reachable again" in log_b
+
+
+@pytest.mark.integration
+def test_a_teacher_node_killed_and_restarted_mid_run_loses_nothing(
+    swarm_factory: Callable[..., Swarm], tiny_model_dir: Path
+):
+    """Distillation through `agentjet node --role teacher` (rollout.teachers="nodes"): the
+    rollout node finds the teacher node in the directory and has every sample scored there.
+    The teacher node SIGKILLed mid-run: the rollout node holds its group (not dropped, not
+    sent unscored) until the node, started again, answers. Every group is accounted for,
+    and every sample trained carried the teacher's scores."""
+    swarm = swarm_factory(
+        f"envs.0.teacher={json.dumps(str(tiny_model_dir))}",
+        'rollout.teachers="nodes"',
+        "rollout.teacher_timeout_s=5",
+    )
+    join = start_swarm(swarm, ["trainer-a"])
+    teacher_args = ("node", "--role", "teacher", "--join", join)
+    swarm.start("teacher", *teacher_args)
+
+    def scored_batches() -> int:
+        rows = swarm.metrics("rollout", "rollout")
+        return sum(1 for r in rows if r.get("event") == "batch" and "distill/kl_to_teacher" in r)
+
+    def held_in_log() -> int:
+        return (swarm.dir / "rollout.log").read_text().count("no teacher node answers")
+
+    swarm.wait_for(
+        "two scored batches and a version",
+        lambda: scored_batches() >= 2 and swarm.version("trainer-a") >= 1,
+    )
+    shown = status_showing(swarm, join, "1 teacher")
+    assert f": {tiny_model_dir}" in shown  # "teachers on <node>: <its teachers>"
+
+    held_before = held_in_log()
+    swarm.kill("teacher")
+    swarm.wait_for("the rollout node to hold a group", lambda: held_in_log() > held_before)
+    scored_at_kill = scored_batches()
+    swarm.start("teacher", *teacher_args)
+    swarm.wait_for("two more scored batches", lambda: scored_batches() >= scored_at_kill + 2)
+    codes = swarm.stop()
+    assert set(codes.values()) == {0}, swarm.logs()
+    counts = check_every_group_accounted_for(swarm, ["trainer-a"])
+    assert counts["trained"] > 0
+    log = (swarm.dir / "rollout.log").read_text()
+    assert re.search(r"scored group \S+, held \d+ s", log), log[-3000:]
+    rows = swarm.metrics("rollout", "rollout")
+    batches = [r for r in rows if r.get("event") == "batch" and r["group_ids"]]
+    assert all("distill/kl_to_teacher" in r for r in batches)
+    [stopped] = [r for r in rows if r.get("event") == "stopped"]
+    assert stopped["groups_held_for_teacher"] >= 1
+    trained = [r for r in swarm.steps("trainer-a") if r.get("charts/trained_samples")]
+    assert trained and all(
+        r["charts/teacher_samples"] == r["charts/trained_samples"] for r in trained
+    )
+    assert leftovers(swarm) == {}

@@ -30,6 +30,7 @@ from agentjet.dashboard.swarm import FORGET_AFTER_S, SwarmSource, node_key
 from agentjet.identity import read_node_keys
 from agentjet.metrics import RECENT_ROWS, MetricsWriter, RecentRows
 from agentjet.protocol import GpuStats, MetricsRequest, MetricsRows, NodeRecord
+from agentjet.roles import Role
 from agentjet.transport import outsider_client
 from coordinator.service import Coordinator
 from tests.factories import member_hello
@@ -114,7 +115,8 @@ def coordinator(tmp_path: Path, keys_file: Path) -> Iterator[Coordinator]:
 
 
 @asynccontextmanager
-async def serving(role: Coordinator) -> AsyncIterator[None]:
+async def serving(role: Role) -> AsyncIterator[None]:
+    """`role` serving on this loop until the block ends (then stopped, as on SIGTERM)."""
     stop = asyncio.Event()
     task = asyncio.create_task(role.run(stop))
     try:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from agentjet import protocol
+from agentjet.cli import format_swarm
 from agentjet.config import EnvConfig, ModelConfig, TrainerConfig
 from agentjet.episode import Episode, SamplingParams
 from agentjet.errors import ModelError
@@ -19,7 +20,7 @@ from agentjet.rl import distill_advantages, policy_loss, teacher_kl
 from node.learner import Learner
 from node.model import build_tiny_model, load_causal_lm, load_tokenizer
 from node.rollout import build_group
-from node.teacher import Teachers
+from node.teacher import LocalTeachers, scores_problem
 from node.torch_engine import TorchEngine
 from tests.unit.test_trainer_logic import lone_swarm
 
@@ -90,7 +91,7 @@ def test_a_group_with_malformed_teacher_logprobs_is_refused_with_its_reason():
         assert problem is not None and why in problem, (values, problem)
 
 
-def _played_groups(
+def played_groups(
     engine: TorchEngine, rewards: tuple[float, ...]
 ) -> list[protocol.TrajectoryGroup]:
     """Two groups the engine just sampled (prompts of different lengths, one with a tool
@@ -116,9 +117,9 @@ def _played_groups(
     return groups
 
 
-def _teachers(engine: TorchEngine, teacher: Path) -> Teachers:
+def _teachers(engine: TorchEngine, teacher: Path) -> LocalTeachers:
     envs = [EnvConfig(name="arithmetic", teacher=str(teacher)), EnvConfig(name="python_code")]
-    return Teachers(envs, ModelConfig(), engine.tokenizer, engine.device, TEMPERATURE)
+    return LocalTeachers(envs, ModelConfig(), engine.tokenizer, engine.device, TEMPERATURE)
 
 
 def test_a_teacher_with_the_students_weights_scores_its_tokens_as_the_sampler_did(
@@ -126,8 +127,8 @@ def test_a_teacher_with_the_students_weights_scores_its_tokens_as_the_sampler_di
 ):
     engine = TorchEngine(tiny_model_dir, seed=1)
     teachers = _teachers(engine, tiny_model_dir)
-    for group in _played_groups(engine, (1.0, 0.0, 0.0)):
-        scored, kl = teachers.score(group)
+    for group in played_groups(engine, (1.0, 0.0, 0.0)):
+        scored, kl = teachers.score_now(group)
         assert kl == pytest.approx(0.0, abs=1e-4)
         assert protocol.check_group(scored, engine.vocab_size, 4096) is None
         for before, after in zip(group.samples, scored.samples, strict=True):
@@ -139,7 +140,7 @@ def test_a_teacher_with_the_students_weights_scores_its_tokens_as_the_sampler_di
             assert after.completion_ids == before.completion_ids
     # an environment without a teacher passes through untouched
     other = protocol.msgspec.structs.replace(group, env="python_code")
-    assert teachers.score(other) == (other, 0.0)
+    assert teachers.score_now(other) == (other, 0.0)
 
 
 def test_a_teacher_with_another_vocabulary_is_refused_in_one_line(
@@ -163,7 +164,7 @@ def test_distillation_moves_the_student_toward_the_teacher_with_no_reward_signal
     teacher_dir = build_tiny_model(tmp_path / "teacher", seed=1)
     engine = TorchEngine(tiny_model_dir, seed=1)
     groups = [
-        _teachers(engine, teacher_dir).score(g)[0] for g in _played_groups(engine, (0.0,) * 3)
+        _teachers(engine, teacher_dir).score_now(g)[0] for g in played_groups(engine, (0.0,) * 3)
     ]
     teacher = torch.cat(
         [
@@ -212,4 +213,57 @@ def _trained(groups: list[protocol.TrajectoryGroup]) -> torch.Tensor:
             for g in groups
             for s in g.samples
         ]
+    )
+
+
+def test_scores_from_a_teacher_node_are_taken_only_when_well_formed():
+    """What a rollout node checks of a teacher node's reply before a group carries it."""
+    samples = [
+        protocol.TeacherInput(
+            prompt_ids=protocol.pack_ids([1, 2]),
+            completion_ids=protocol.pack_ids([3, 4, 5][:n]),
+            loss_mask=protocol.pack_mask([1] * n),
+        )
+        for n in (3, 2)
+    ]
+    request = protocol.TeacherScoreRequest(
+        node_id="r", teacher="t", temperature=1.0, samples=samples
+    )
+
+    def reply(*rows: list[float]) -> protocol.TeacherScores:
+        return protocol.TeacherScores(logprobs=[protocol.pack_floats(r) for r in rows])
+
+    assert scores_problem(reply([-1.0, -2.0, 0.0], [-0.5, -0.25]), request) is None
+    for bad, why in (
+        (reply([-1.0, -2.0, 0.0]), "1 samples scored of 2"),
+        (reply([-1.0, -2.0], [-0.5, -0.25]), "sample 0: scores length differs"),
+        (reply([-1.0, -2.0, 0.0], [-0.5, 3.0]), "sample 1: scores must be finite and <= 0"),
+        (reply([-1.0, float("nan"), 0.0], [-0.5, -0.25]), "finite and <= 0"),
+        (protocol.Welcome(), "a Welcome reply"),
+    ):
+        problem = scores_problem(bad, request)
+        assert problem is not None and why in problem, (bad, problem)
+
+
+def test_status_lists_teacher_nodes_with_their_teachers_and_load():
+    records = [
+        protocol.NodeRecord(node_id="t1", role="trainer", policy_version=3),
+        protocol.NodeRecord(
+            node_id="teach-1",
+            role="teacher",
+            endpoint="tcp://10.0.0.9:7300",
+            queue=2,
+            capacity=64,
+            samples_per_s=41.5,
+            teachers=["runs/a/teacher", "org/coder"],
+        ),
+    ]
+    shown = format_swarm(records, now=0.0)
+    assert shown.splitlines()[0] == "swarm: 0 coordinator, 1 trainer, 0 rollout, 1 teacher"
+    [row] = [line for line in shown.splitlines() if line.startswith("teacher ")]
+    assert row.split()[:6] == ["teacher", "teach-1", "tcp://10.0.0.9:7300", "-", "2/64", "41.50"]
+    assert "teachers on teach-1: runs/a/teacher, org/coder" in shown
+    # without teacher nodes the summary reads as before
+    assert format_swarm(records[:1], now=0.0).splitlines()[0] == (
+        "swarm: 0 coordinator, 1 trainer, 0 rollout"
     )

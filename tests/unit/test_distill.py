@@ -143,6 +143,33 @@ def test_a_teacher_with_the_students_weights_scores_its_tokens_as_the_sampler_di
     assert teachers.score_now(other) == (other, 0.0)
 
 
+def test_each_environment_is_scored_by_its_own_teacher(
+    tiny_model_dir: Path, tmp_path: Path, one_torch_thread: None
+):
+    """Multi-teacher distillation: two environments, two teachers (the student's weights and
+    another model), each group scored by its environment's; a teacher named twice is loaded
+    once."""
+    other = build_tiny_model(tmp_path / "other-teacher", seed=3)
+    engine = TorchEngine(tiny_model_dir, seed=1)
+    envs = [
+        EnvConfig(name="arithmetic", teacher=str(tiny_model_dir)),
+        EnvConfig(name="python_code", teacher=str(other)),
+        EnvConfig(name="shell", teacher=str(other)),
+    ]
+    teachers = LocalTeachers(envs, ModelConfig(), engine.tokenizer, engine.device, TEMPERATURE)
+    assert teachers.by_env["python_code"] is teachers.by_env["shell"]
+    assert teachers.by_env["arithmetic"] is not teachers.by_env["python_code"]
+    [group, _] = played_groups(engine, (1.0, 0.0))
+    own, own_kl = teachers.score_now(group)
+    coded, coded_kl = teachers.score_now(protocol.msgspec.structs.replace(group, env="python_code"))
+    assert own_kl == pytest.approx(0.0, abs=1e-4)  # the student's own weights
+    assert coded_kl > 0.1  # a random model of other weights
+    expected = teachers.by_env["python_code"].logprobs(group.samples, TEMPERATURE)
+    for sample, want in zip(coded.samples, expected, strict=True):
+        np.testing.assert_array_equal(protocol.unpack_floats(sample.teacher_logprobs), want)
+    assert own.samples[0].teacher_logprobs != coded.samples[0].teacher_logprobs
+
+
 def test_a_teacher_with_another_vocabulary_is_refused_in_one_line(
     tiny_model_dir: Path, tmp_path: Path
 ):

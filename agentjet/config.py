@@ -318,6 +318,13 @@ class TrainerConfig(_Section):
     # Picked by a hash of the group id and a secret each trainer draws at start (a sender
     # cannot choose ids that escape the check). A check costs a tokenizer decode per sample.
     reward_check_fraction: Annotated[float, Meta(ge=0, le=1)] = 1.0
+    # Share of the groups of environments with a teacher (envs[].teacher) whose teacher
+    # logprobs the trainer recomputes with its own copy of the teacher before the step
+    # (picked as for reward checks); a group whose reported teacher logprobs differ from
+    # them by more than `max_logprob_gap` (mean |difference| per trained token) is rejected.
+    # Costs a teacher in the trainer's memory and a prefill per checked sample; 0 = trust
+    # the rollout nodes' teacher scores (node/teacher.py says what is checked then).
+    teacher_check_fraction: Annotated[float, Meta(ge=0, le=1)] = 0.0
     # A node whose groups failed a check this many times is quarantined: its submissions are
     # refused for as long as this trainer runs, and `agentjet status` lists it.
     quarantine_after: PositiveInt = 3

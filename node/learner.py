@@ -20,6 +20,7 @@ the weights.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +33,7 @@ from agentjet.config import EnvConfig, TrainerConfig
 from agentjet.devices import out_of_memory
 from agentjet.protocol import TrajectoryGroup, unpack_floats, unpack_ids, unpack_mask
 from node.swarm import StepOutcome, SwarmOptimizer
+from node.teacher import TeacherCheck
 from node.verify import over_gap
 
 
@@ -65,11 +67,14 @@ class StepResult:
     metrics (losses/, charts/, perf/)."""
 
     outcome: StepOutcome
-    rejected: set[str]
+    rejected: set[str]  # left out for their logprob gap, or their teacher logprobs'
     logprob_gaps: dict[str, float]
     metrics: dict[str, float]
     # Replays left out for their logprob gap (no mark against their node: node/replay.py).
     replays_dropped: set[str] = field(default_factory=set)
+    # Groups whose teacher logprobs the trainer recomputed, each with its gap (those over
+    # trainer.max_logprob_gap are in `rejected`, not in `logprob_gaps`).
+    teacher_gaps: dict[str, float] = field(default_factory=dict)
 
     def row(self) -> dict[str, Any]:
         """The step's metrics row (metrics/trainer.jsonl)."""
@@ -96,10 +101,13 @@ class Learner:
         pad_token_id: int,
         compute_dtype: torch.dtype = torch.float32,
         teacher_coefs: dict[str, float] | None = None,
+        teacher_check: TeacherCheck | None = None,
     ) -> None:
         """`model` holds float32 weights on the learner's device; forward passes run in
         `compute_dtype` there (autocast when it is not float32). `teacher_coefs`: the
-        environments with a teacher, each with its `teacher_coef` (`teacher_coefs`)."""
+        environments with a teacher, each with its `teacher_coef` (`teacher_coefs`).
+        `teacher_check`: re-scores a share of fresh groups' teacher logprobs before the step
+        (trainer.teacher_check_fraction)."""
         self.model = model
         self.device: torch.device = next(model.parameters()).device
         self.compute_dtype = compute_dtype
@@ -109,6 +117,7 @@ class Learner:
         self.temperature = temperature
         self.pad_token_id = pad_token_id
         self.teacher_coefs = teacher_coefs or {}
+        self.teacher_check = teacher_check
 
     def train_step(
         self,
@@ -123,6 +132,10 @@ class Learner:
         start = time.perf_counter()
         replays = replays or []
         replay_ids = {g.group_id for g in replays}
+        # Replays were checked when fresh: their teacher logprobs have not changed since.
+        teacher_gaps = self.teacher_check.gaps(groups) if self.teacher_check else {}
+        teacher_over = over_gap(teacher_gaps, self.config.max_logprob_gap)
+        groups = [g for g in groups if g.group_id not in teacher_over]
         rows = self._rows(groups + replays)
         done = self._accumulate_or_explain(rows)
         gap_of = self._group_gaps(rows, done.gaps)
@@ -135,7 +148,7 @@ class Learner:
             done = self._accumulate_or_explain(rows)
             groups = [g for g in groups if g.group_id not in over]
             replays = [g for g in replays if g.group_id not in over]
-        rejected = over - replay_ids
+        rejected = (over - replay_ids) | teacher_over
         num_samples = sum(len(g.samples) for g in groups)
         replay_samples = sum(len(g.samples) for g in replays)
         grad_norm = 0.0
@@ -166,6 +179,7 @@ class Learner:
             rejected=rejected,
             replays_dropped=over & replay_ids,
             logprob_gaps=gap_of,
+            teacher_gaps=teacher_gaps,
             metrics={
                 "losses/policy": done.loss,
                 "losses/grad_norm": grad_norm,
@@ -183,6 +197,17 @@ class Learner:
                         "charts/teacher_kl": _teacher_kl(taught),
                     }
                     if taught
+                    else {}
+                ),
+                **(
+                    {
+                        "charts/teacher_checked_groups": len(teacher_gaps),
+                        "charts/teacher_check_gap_max": max(
+                            (gap for gap in teacher_gaps.values() if math.isfinite(gap)),
+                            default=0.0,
+                        ),
+                    }
+                    if teacher_gaps
                     else {}
                 ),
                 "charts/zero_variance_groups": sum(

@@ -26,11 +26,14 @@ softmax(logits / temperature), the quantity the sampler's are: for a teacher wit
 student's weights they are the sampler's, and the KL is zero.
 
 What the trainer trusts: the teacher logprobs a rollout node sends are checked for shape
-and range (agentjet/protocol.py `check_group`), not recomputed — as a node could send any
-reward for a task it made up, it could send any teacher signal; quarantine (node/verify.py)
-still catches a node whose sampler logprobs or rewards are wrong. A rollout node trusts the
-teacher nodes of its swarm (members, by certificate) as far as the shape and range of
-their scores, which it checks.
+and range (agentjet/protocol.py `check_group`); with `trainer.teacher_check_fraction` > 0
+the trainer also recomputes them for that share of groups with its own copy of the teacher
+(`TeacherCheck`, in the learner's thread before the step) and rejects a group whose
+reported logprobs are off by more than `trainer.max_logprob_gap`, held against its node as
+any failed check (node/verify.py). Unchecked groups' teacher signal is trusted, as a
+node's reward for a task it made up would be. A rollout node trusts the teacher nodes of
+its swarm (members, by certificate) as far as the shape and range of their scores, which
+it checks.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ from agentjet.errors import ModelError, ProtocolError
 from agentjet.identity import NodeKeys
 from agentjet.transport import Client, PeerUnavailable
 from node.model import load_causal_lm, resolve_model
+from node.verify import picked_for_reward_check
 
 log = logging.getLogger(__name__)
 
@@ -369,3 +373,58 @@ def open_teachers(
         timeout_s = config.rollout.teacher_timeout_s
         return TeacherNodes(config.envs, hello, config.net, keys, temperature, timeout_s)
     return LocalTeachers(config.envs, config.model, tokenizer, device, temperature)
+
+
+class TeacherCheck:
+    """The trainer's re-scoring of teacher logprobs (`trainer.teacher_check_fraction`): for a
+    share of the groups whose environment has a teacher here, the teacher's own logprobs of
+    the trained tokens, against those the rollout node reported."""
+
+    def __init__(
+        self, by_env: dict[str, Teacher], fraction: float, secret: bytes, temperature: float
+    ) -> None:
+        self.by_env = by_env
+        self.fraction = fraction
+        self.secret = secret
+        self.temperature = temperature
+
+    def gaps(self, groups: Iterable[protocol.TrajectoryGroup]) -> dict[str, float]:
+        """Per checked group, its largest sample's mean |reported - recomputed| teacher
+        logprob over the trained tokens (a group that should carry teacher logprobs and
+        does not: infinite). Blocking: the learner's thread."""
+        gaps: dict[str, float] = {}
+        for group in groups:
+            teacher = self.by_env.get(group.env)
+            if teacher is None or not picked_for_reward_check(
+                group.group_id, self.fraction, self.secret
+            ):
+                continue
+            if not all(s.teacher_logprobs for s in group.samples):
+                gaps[group.group_id] = float("inf")
+                continue
+            recomputed = teacher.logprobs(group.samples, self.temperature)
+            gap = 0.0
+            for sample, mine in zip(group.samples, recomputed, strict=True):
+                mask = protocol.unpack_mask(sample.loss_mask).astype(bool)
+                if mask.any():
+                    theirs = protocol.unpack_floats(sample.teacher_logprobs)
+                    gap = max(gap, float(np.abs(theirs[mask] - mine[mask]).mean()))
+            gaps[group.group_id] = gap
+        return gaps
+
+
+def open_teacher_check(
+    config: Config,
+    tokenizer: PreTrainedTokenizerBase,
+    device: torch.device,
+    secret: bytes,
+) -> TeacherCheck | None:
+    """The trainer's teacher check, with the teachers loaded on `device`, or None when it
+    is off (or no environment names a teacher)."""
+    fraction = config.trainer.teacher_check_fraction
+    named = {env.name: env.teacher for env in config.envs if env.teacher}
+    if not fraction or not named:
+        return None
+    teachers = load_teachers(named.values(), config.model, tokenizer, device)
+    by_env = {env: teachers[name] for env, name in named.items()}
+    return TeacherCheck(by_env, fraction, secret, config.rollout.sampling.temperature)

@@ -75,6 +75,7 @@ from node.model import DTYPES, load_causal_lm, resolve_model
 from node.publisher import Publisher, sealed_bind_endpoint
 from node.replay import Replay
 from node.swarm import Directory, Mark, SwarmOptimizer, start_dht, visible_maddrs
+from node.teacher import open_teacher_check
 from node.verify import (
     Quarantine,
     find_task,
@@ -228,6 +229,9 @@ class Trainer:
             pad_token_id=int(self.tokenizer.pad_token_id or 0),
             compute_dtype=self.compute_dtype,
             teacher_coefs=teacher_coefs(cfg.envs),
+            teacher_check=open_teacher_check(
+                cfg, self.tokenizer, self.device, self.reward_check_secret
+            ),
         )
         self.server = Server(
             cfg.net.trainer_endpoint,
@@ -858,17 +862,20 @@ class Trainer:
     def _reject_for_logprobs(
         self, batch: list[protocol.TrajectoryGroup], result: StepResult
     ) -> None:
-        """The groups the learner left out for their logprob gap: dropped, held against
-        their nodes."""
+        """The groups the learner left out for their logprob gap or their teacher logprobs':
+        dropped, held against their nodes."""
         bound = self.config.trainer.max_logprob_gap
         for group in batch:
             if group.group_id in result.rejected:
                 self.book.drop([group.group_id])
-                self.counts["groups_rejected_logprobs"] += 1
-                gap = result.logprob_gaps[group.group_id]
-                self._failed_check(
-                    group.node_id, f"logprob gap {gap:.3g} over trainer.max_logprob_gap={bound:g}"
-                )
+                teacher_gap = result.teacher_gaps.get(group.group_id)
+                if teacher_gap is not None and teacher_gap > bound:
+                    self.counts["groups_rejected_teacher"] += 1
+                    what = f"teacher logprob gap {teacher_gap:.3g}"
+                else:
+                    self.counts["groups_rejected_logprobs"] += 1
+                    what = f"logprob gap {result.logprob_gaps[group.group_id]:.3g}"
+                self._failed_check(group.node_id, f"{what} over trainer.max_logprob_gap={bound:g}")
 
     def _checkpoint(self) -> None:
         """Save the policy (an HF folder) and what resuming needs, then mark its steps'

@@ -295,7 +295,8 @@ def test_an_environment_with_a_teacher_trains_on_its_scores_where_rewards_teach_
     """On-policy distillation: arithmetic, where the random tiny model earns no reward, so
     dynamic sampling alone would leave every group out. With a teacher (another tiny model)
     the rollout node scores each sample with it, no group is left out, every step trains on
-    the teacher's signal, and every group made is trained once, stale or still held."""
+    the teacher's signal, and every group made is trained once, stale or still held. The
+    trainer re-scores the teacher logprobs of every group and finds them as it computes them."""
     teacher = build_tiny_model(tmp_path / "teacher", seed=1)
     run_dir = tmp_path / "run"
     settings = (
@@ -303,11 +304,15 @@ def test_an_environment_with_a_teacher_trains_on_its_scores_where_rewards_teach_
         "envs.0.teacher_coef=0.5",
         "trainer.dynamic_sampling=true",
         "trainer.max_logprob_gap=0",  # lr 1e-3 moves the tiny model far per version
+        "trainer.teacher_check_fraction=1",  # the trainer re-scores every group's
     )
     trainer, rollout, spawned = run_to_the_end(tiny_model_dir, run_dir, 3, settings)
     steps = [r for r in trainer if r.get("event") == "step"]
     assert {r["policy_version"] for r in steps} >= {1, 2, 3}
     assert all(r["charts/teacher_samples"] == r["charts/trained_samples"] > 0 for r in steps)
+    # ... and finds the rollout node's teacher scores its own, to float rounding
+    assert all(r["charts/teacher_checked_groups"] > 0 for r in steps)
+    assert max(r["charts/teacher_check_gap_max"] for r in steps) < 1e-3
     assert all(r["charts/teacher_kl"] > 0 for r in steps)  # two random models disagree
     batches = [r for r in rollout if r.get("event") == "batch"]
     assert batches and all(r["distill/kl_to_teacher"] > 0 for r in batches)

@@ -20,7 +20,7 @@ from agentjet.rl import distill_advantages, policy_loss, teacher_kl
 from node.learner import Learner
 from node.model import build_tiny_model, load_causal_lm, load_tokenizer
 from node.rollout import build_group
-from node.teacher import LocalTeachers, scores_problem
+from node.teacher import LocalTeachers, TeacherCheck, scores_problem
 from node.torch_engine import TorchEngine
 from tests.unit.test_trainer_logic import lone_swarm
 
@@ -230,6 +230,65 @@ def test_distillation_moves_the_student_toward_the_teacher_with_no_reward_signal
     assert row["charts/teacher_kl"] == pytest.approx(expected_kl, rel=1e-4)
     assert gaps[-1] < 0.8 * gaps[0], gaps
     assert all(b < a for a, b in zip(gaps, gaps[1:], strict=False)), gaps
+
+
+def test_a_trainer_that_rescores_teacher_logprobs_leaves_forged_ones_out_exactly(
+    tiny_model_dir: Path, tmp_path: Path, one_torch_thread: None
+):
+    """trainer.teacher_check_fraction: honest teacher scores pass; a group whose node claims
+    its teacher was sure of every token, or that carries no teacher scores, is rejected
+    with its gap, and the step is the one the honest groups alone make."""
+    teacher_dir = build_tiny_model(tmp_path / "teacher", seed=1)
+    engine = TorchEngine(tiny_model_dir, seed=1)
+    scorer = _teachers(engine, teacher_dir)
+    honest = [scorer.score_now(g)[0] for g in played_groups(engine, (1.0, 0.0, 0.0))]
+
+    def forged(group: protocol.TrajectoryGroup, name: str, scores: bytes | None):
+        samples = [
+            protocol.msgspec.structs.replace(
+                s,
+                teacher_logprobs=protocol.pack_floats([-0.01] * (len(s.logprobs) // 4))
+                if scores is None
+                else scores,
+            )
+            for s in group.samples
+        ]
+        return protocol.msgspec.structs.replace(group, group_id=name, samples=samples)
+
+    sure = forged(honest[0], "teacher-sure-of-everything", None)
+    missing = forged(honest[1], "no-teacher-scores", b"")
+    check = TeacherCheck(scorer.by_env, 1.0, b"secret", TEMPERATURE)
+
+    def step(groups: list[protocol.TrajectoryGroup], check: TeacherCheck | None):
+        torch.manual_seed(0)
+        model, _ = load_causal_lm(tiny_model_dir)
+        swarm = lone_swarm(model, target_batch_size=6)
+        try:
+            config = TrainerConfig(micro_batch_samples=2, max_logprob_gap=0.5)
+            coefs = {"arithmetic": 1.0}
+            learner = Learner(
+                model, swarm, config, TEMPERATURE, 0, teacher_coefs=coefs, teacher_check=check
+            )
+            result = learner.train_step(groups)
+        finally:
+            swarm.shutdown()
+        return result, model.state_dict()
+
+    mixed, mixed_weights = step([sure, honest[0], missing, honest[1]], check)
+    alone, alone_weights = step(honest, None)
+    assert mixed.rejected == {"teacher-sure-of-everything", "no-teacher-scores"}
+    assert max(mixed.teacher_gaps[g.group_id] for g in honest) < 1e-4
+    assert mixed.teacher_gaps["teacher-sure-of-everything"] > 5
+    assert mixed.teacher_gaps["no-teacher-scores"] == float("inf")
+    row = mixed.row()
+    assert row["rejected_group_ids"] == ["no-teacher-scores", "teacher-sure-of-everything"]
+    assert row["charts/teacher_checked_groups"] == 4
+    assert row["charts/trained_samples"] == alone.row()["charts/trained_samples"] == 6
+    for key, value in alone_weights.items():
+        assert torch.equal(mixed_weights[key], value), key
+    # none picked: nothing re-scored, nothing rejected for it
+    unchecked = TeacherCheck(scorer.by_env, 0.0, b"secret", TEMPERATURE)
+    assert unchecked.gaps([sure, missing]) == {}
 
 
 def _trained(groups: list[protocol.TrajectoryGroup]) -> torch.Tensor:

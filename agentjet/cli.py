@@ -33,7 +33,7 @@ from agentjet.config import (
     RunConfig,
     is_endpoint,
     load_config,
-    missing_folder,
+    not_a_model_folder,
     to_toml,
 )
 from agentjet.errors import AgentjetError
@@ -490,8 +490,8 @@ def served_teachers(names: list[str], config: Config) -> list[str]:
             "checkpoint, an HF id), or envs[].teacher in the config"
         )
     for name in names:
-        if missing_folder(name):
-            raise AgentjetError(f"--teacher {name}: not a model folder")
+        if not_a_model_folder(name):
+            raise AgentjetError(f"--teacher {name}: not a model folder (no config.json)")
     return names
 
 

@@ -668,9 +668,10 @@ def _check(config: Config) -> None:
                     f"config error at envs.{i}.{key}: {spec!r} is not module:function"
                 )
         _check_rewards(env, i)
-        if missing_folder(env.teacher):
+        if not_a_model_folder(env.teacher):
             raise ConfigError(
-                f"config error at envs.{i}.teacher: {env.teacher} is not a model folder"
+                f"config error at envs.{i}.teacher: {env.teacher} is not a model folder "
+                "(no config.json)"
             )
         for key in ("task_file", "eval_file"):
             path = getattr(env, key)
@@ -734,9 +735,12 @@ def dashboard_address(listen: str, token: str, where: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def missing_folder(name: str) -> bool:
-    """A model name written as a path (/, ., ~) that is no folder here."""
-    return name.startswith(("/", ".", "~")) and not Path(name).expanduser().is_dir()
+def not_a_model_folder(name: str) -> bool:
+    """A model name written as a path (/, ., ~) that is no model folder here (a folder with
+    config.json: a model or a checkpoint)."""
+    return (
+        name.startswith(("/", ".", "~")) and not (Path(name).expanduser() / "config.json").is_file()
+    )
 
 
 def _check_rewards(env: EnvConfig, i: int) -> None:

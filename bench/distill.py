@@ -12,6 +12,15 @@ Run: `just bench-distill` (or `.venv/bin/python bench/distill.py --teacher-minut
 --minutes 5`); `--teacher DIR` takes a teacher checkpoint instead of training one (then
 the RL curve is absent).
 
+`--two-teachers`: the multi-teacher case. Two teachers made by RL on this box, one on
+arithmetic and one on python_code (`--teacher-minutes` each), distilled into one student
+trained on both environments (arithmetic with the first as envs.0.teacher, python_code
+with the second as envs.1.teacher) for `--minutes`; held-out per environment of the base,
+each teacher on its own environment and the student's checkpoints ──▶
+bench/results/distill_two.json. python_code's held-out set is its 20 tasks (all it has),
+greedy and 4 sampled answers each (one greedy task is 5 points). Target (issue 25): the
+student within 2 points of each teacher on that teacher's environment.
+
 The target (issue 25): the student reaches the teacher's held-out accuracy less 1 point in
 at most a third of the wall time the teacher's RL took (`minutes_to_teacher_minus_1pt` <=
 `teacher_minutes` / 3). `rl` is the RL run's own accuracy at the student's wall time: what
@@ -30,7 +39,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from learn import HELDOUT_SEED, ROOT, train, write_result  # noqa: E402
-from sched_train import checkpoints, heldout_files, time_to_reach  # noqa: E402
+from sched_train import (  # noqa: E402
+    CODE_TASKS,
+    HELDOUT_SAMPLES,
+    checkpoints,
+    heldout_files,
+    setup_config,
+    time_to_reach,
+)
 from sched_train import heldout as heldout_of  # noqa: E402
 
 from agentjet.metrics import read_metrics  # noqa: E402
@@ -93,10 +109,18 @@ def main() -> int:
     parser.add_argument("--heldout", type=int, default=200, help="arithmetic held-out tasks")
     parser.add_argument("--config", type=Path, default=ROOT / "configs" / "local.toml")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "distill.json")
-    parser.add_argument("--set", action="append", default=[], help="for both runs")
+    parser.add_argument("--set", action="append", default=[], help="for every run")
+    parser.add_argument(
+        "--two-teachers", action="store_true", help="arithmetic and python_code teachers"
+    )
+    parser.add_argument(
+        "--student-set", action="append", default=[], help="for the student's run only"
+    )
     args = parser.parse_args()
     root = ROOT / "runs" / f"bench-distill-{time.strftime('%Y%m%d-%H%M%S')}"
     root.mkdir(parents=True)
+    if args.two_teachers:
+        return two_teachers(args, root)
     files = heldout_files(root, "arithmetic", args.heldout)
     settings = [*SETTINGS, *args.set]
     result: dict = {
@@ -132,6 +156,7 @@ def main() -> int:
         *settings,
         f"envs.0.teacher={json.dumps(str(teacher))}",
         f"envs.0.teacher_coef={args.coef}",
+        *args.student_set,
     ]
     started = time.time()
     wall_s, peak = train(
@@ -162,6 +187,113 @@ def main() -> int:
     print(json.dumps(result), flush=True)
     for run in (rl_dir, student_dir):  # ~0.5 GB a checkpoint; metrics and history stay
         shutil.rmtree(run / "checkpoints", ignore_errors=True)
+    return 0
+
+
+TWO_ENVS = ("arithmetic", "python_code")
+
+
+def by_env(checkpoint: Path | str, files: dict[str, Path], config: Path) -> dict[str, dict]:
+    """Per environment: greedy held-out accuracy, and for python_code (20 tasks) also the
+    accuracy of HELDOUT_SAMPLES sampled answers per task."""
+    out = {}
+    for env, tasks in files.items():
+        greedy = float(heldout_of(Path(checkpoint), {env: tasks}, config, 0)["overall"])
+        out[env] = {"greedy": greedy}
+        if env == "python_code":
+            sampled = heldout_of(Path(checkpoint), {env: tasks}, config, HELDOUT_SAMPLES)
+            out[env]["sampled"] = float(sampled["overall"])
+    return out
+
+
+def two_teachers(args: argparse.Namespace, root: Path) -> int:
+    """The multi-teacher benchmark (module docstring, `--two-teachers`)."""
+    out = args.out if args.out.name != "distill.json" else args.out.with_name("distill_two.json")
+    config = setup_config(root, "cocktail", args.config)  # arithmetic, then python_code
+    files = heldout_files(root, "cocktail", args.heldout)
+    settings = [*SETTINGS, *args.set]
+    result: dict = {
+        "date": time.strftime("%Y-%m-%d"),
+        "heldout_tasks": {"arithmetic": args.heldout, "python_code": CODE_TASKS},
+        "heldout_seed": HELDOUT_SEED,
+        "settings": settings,
+        "student_settings": args.student_set,
+        "teacher_coef": args.coef,
+        "student_start": by_env("base", files, config),
+        "teachers": {},
+    }
+    print(json.dumps(result), flush=True)
+    for env in TWO_ENVS:  # each teacher: RL from the base on its env
+        run = root / f"rl-{env}"
+        only = [*settings, f"envs.0.name={json.dumps(env)}"]
+        wall_s, _ = train(
+            args.teacher_minutes, args.config, run, [a for s in only for a in ("--set", s)]
+        )
+        teacher = root / f"teacher-{env}"
+        shutil.move(checkpoints(run)[-1][1], teacher)
+        shutil.rmtree(run / "checkpoints", ignore_errors=True)
+        result["teachers"][env] = {
+            "dir": str(teacher),
+            "minutes": round(wall_s / 60, 2),
+            "heldout": by_env(teacher, {env: files[env]}, config)[env],
+        }
+        print(json.dumps(result), flush=True)
+        write_result(out, result)
+
+    student_dir = root / "distill"
+    overrides = [*settings]
+    for index, env in enumerate(TWO_ENVS):
+        overrides += [
+            f"envs.{index}.teacher={json.dumps(result['teachers'][env]['dir'])}",
+            f"envs.{index}.teacher_coef={args.coef}",
+        ]
+    overrides += args.student_set
+    started = time.time()
+    wall_s, peak = train(
+        args.minutes, config, student_dir, [a for s in overrides for a in ("--set", s)]
+    )
+    saved = checkpoints(student_dir)
+    if not saved:
+        sys.exit(f"{student_dir}: no checkpoint")
+    made = version_minutes(student_dir, started)
+    picked = {saved[-1]}
+    for share in (0.5, 0.75):
+        early = [(v, p) for v, p in saved if made.get(v, 1e9) <= share * wall_s / 60]
+        if early:
+            picked.add(early[-1])
+    curve_points = [
+        (round(made.get(v, wall_s / 60), 2), by_env(p, files, config)) for v, p in sorted(picked)
+    ]
+    final = curve_points[-1][1]
+    batches = [
+        r
+        for r in read_metrics(student_dir / "metrics" / "rollout.jsonl")
+        if r.get("event") == "batch"
+    ]
+    kls = {
+        env: [
+            r["distill/kl_to_teacher"]
+            for r in batches
+            if r.get("env") == env and "distill/kl_to_teacher" in r
+        ]
+        for env in TWO_ENVS
+    }
+    result["student"] = {
+        "minutes": round(wall_s / 60, 2),
+        "heldout": final,
+        "curve": curve_points,
+        "peak_pss_mb": {k: round(v) for k, v in peak.items()},
+    }
+    result["gap_to_teacher_points"] = {
+        env: {
+            kind: round(100 * (result["teachers"][env]["heldout"][kind] - final[env][kind]), 1)
+            for kind in result["teachers"][env]["heldout"]
+        }
+        for env in TWO_ENVS
+    }
+    result["kl_first_last"] = {e: [round(k[0], 4), round(k[-1], 4)] for e, k in kls.items() if k}
+    write_result(out, result)
+    shutil.rmtree(student_dir / "checkpoints", ignore_errors=True)
     return 0
 
 

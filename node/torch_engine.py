@@ -26,11 +26,17 @@ avoids `torch.multinomial` (see `sample_next`), which had cost a third of each d
 
 `generate` and `load_state_dict` are coroutines: one batch or one weight load at a time,
 each run across the bridge (agentjet/bridge.py) so the caller's event loop keeps serving.
+
+Several policies on one base (issue 26): `load_adapters` puts a policy's LoRA adapters in
+the engine's `AdapterBank` (node/adapter_bank.py), and `generate(..., policies=[...])`
+samples every prompt under its own policy in one batch; a prompt is shared across rows only
+within a policy.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Literal
 
@@ -40,6 +46,7 @@ from transformers import DynamicCache
 from agentjet.bridge import Exclusive, blocking
 from agentjet.devices import ALONE_SHARE, check_fits, engine_bytes, limit_memory, out_of_memory
 from agentjet.episode import Completion, SamplingParams
+from node.adapter_bank import AdapterBank
 from node.model import DTYPES, eos_token_ids, load_causal_lm
 
 
@@ -87,9 +94,15 @@ class TorchEngine:
         self._generator = torch.Generator(self.device).manual_seed(seed)
         # One decode or weight load at a time: they share the weights and `_generator`.
         self._busy = Exclusive()
+        # Policies' LoRA adapters over these weights (made by the first `load_adapters`).
+        self.adapters: AdapterBank | None = None
 
     async def generate(
-        self, prompts: list[list[int]], n: int, params: SamplingParams
+        self,
+        prompts: list[list[int]],
+        n: int,
+        params: SamplingParams,
+        policies: Sequence[str | None] | None = None,
     ) -> list[list[Completion]]:
         """`n` completions per prompt; result[i][j] is sample j of prompt i.
 
@@ -101,12 +114,20 @@ class TorchEngine:
         samples and repeats it has; greedy samples of one prompt are identical, so greedy
         decodes each distinct prompt once and shares the result.
 
+        `policies[i]` names the policy whose adapters (`load_adapters`) sample prompt i
+        (None: the base weights); all prompts share one batch.
+
         The request is checked here; the decode runs across the bridge, after any call
         before it (one batch or weight load at a time).
         """
         check_request(prompts, n, params)
         if not prompts:
             return []
+        if policies is not None:
+            if len(policies) != len(prompts):
+                raise ValueError(f"{len(policies)} policies for {len(prompts)} prompts")
+            if self.adapters is None and any(p is not None for p in policies):
+                raise ValueError("no policy adapters are loaded in this engine")
         longest = max(len(p) for p in prompts)
         if longest + params.max_new_tokens > self.max_positions:
             raise ValueError(
@@ -114,35 +135,46 @@ class TorchEngine:
                 f"the model's {self.max_positions} positions"
             )
         async with self._busy.hold():
-            return await blocking(self._generate, prompts, n, params)
+            return await blocking(self._generate, prompts, n, params, policies)
 
     @torch.inference_mode()
     def _generate(
-        self, prompts: list[list[int]], n: int, params: SamplingParams
+        self,
+        prompts: list[list[int]],
+        n: int,
+        params: SamplingParams,
+        policies: Sequence[str | None] | None = None,
     ) -> list[list[Completion]]:
         """`generate`'s blocking body (a bridge thread; checked requests only)."""
         longest = max(len(p) for p in prompts)
-        # Rows needed per distinct prompt: n per occurrence, or one in all when greedy.
-        rows_needed: dict[tuple[int, ...], int] = {}
-        for prompt in prompts:
-            key = tuple(prompt)
+        keys = [
+            (None if policies is None else policies[i], tuple(prompt))
+            for i, prompt in enumerate(prompts)
+        ]
+        # Rows needed per distinct (policy, prompt): n per occurrence, or one when greedy.
+        rows_needed: dict[tuple[str | None, tuple[int, ...]], int] = {}
+        for key in keys:
             rows_needed[key] = 1 if params.greedy else rows_needed.get(key, 0) + n
+        slots = None
+        if self.adapters is not None:
+            slots = self.adapters.slots([policy for policy, _ in rows_needed])
         try:
-            decoded = self._decode(list(rows_needed), list(rows_needed.values()), params)
+            decoded = self._decode(
+                [prompt for _, prompt in rows_needed], list(rows_needed.values()), params, slots
+            )
         except torch.OutOfMemoryError:
             detail = f"{sum(rows_needed.values())} rows, prompts up to {longest} tokens"
             raise out_of_memory(
                 "the torch engine", self.device, detail, "rollout.gpu_memory_share"
             ) from None
         # Hand each occurrence the next unused rows of its prompt (they come out grouped).
-        next_row: dict[tuple[int, ...], int] = {}
+        next_row: dict[tuple[str | None, tuple[int, ...]], int] = {}
         row = 0
         for key, count in rows_needed.items():
             next_row[key] = row
             row += count
         results = []
-        for prompt in prompts:
-            key = tuple(prompt)
+        for key in keys:
             if params.greedy:
                 results.append([_copy(decoded[next_row[key]]) for _ in range(n)])
             else:
@@ -151,25 +183,32 @@ class TorchEngine:
         return results
 
     def _decode(
-        self, prompts: list[tuple[int, ...]], copies: list[int], params: SamplingParams
+        self,
+        prompts: list[tuple[int, ...]],
+        copies: list[int],
+        params: SamplingParams,
+        slots: torch.Tensor | None = None,
     ) -> list[Completion]:
-        """Prefill `prompts` once, then sample `copies[i]` completions of prompt i (grouped)."""
+        """Prefill `prompts` once, then sample `copies[i]` completions of prompt i (grouped);
+        `slots[i]`: the adapter slot of prompt i's rows (None: no adapters)."""
         input_ids, attention_mask = self._left_pad(prompts)
         cache = DynamicCache(config=self.model.config)
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            cache=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        with self._rows(slots):
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
         # Share the prefill: each prompt's cache row, mask and logits repeated copies[i] times.
         expand = torch.arange(len(prompts), device=self.device).repeat_interleave(
             torch.tensor(copies, device=self.device)
         )
         cache.batch_select_indices(expand)
+        slots = None if slots is None else slots[expand]
         attention_mask = attention_mask[expand]
         logits = out.logits[expand, -1]
         next_position = attention_mask.sum(-1)
@@ -195,25 +234,36 @@ class TorchEngine:
             if bool(stopped.any()):
                 keep = (~stopped).nonzero().flatten()
                 cache.batch_select_indices(keep)
+                slots = None if slots is None else slots[keep]
                 live = [live[row] for row in keep.tolist()]
                 tokens = tokens[keep]
                 attention_mask, next_position = attention_mask[keep], next_position[keep]
             attention_mask = torch.cat(
                 [attention_mask, attention_mask.new_ones((len(live), 1))], dim=-1
             )
-            out = self.model(
-                input_ids=tokens[:, None],
-                attention_mask=attention_mask,
-                position_ids=next_position[:, None],
-                cache=cache,
-                use_cache=True,
-            )
+            with self._rows(slots):
+                out = self.model(
+                    input_ids=tokens[:, None],
+                    attention_mask=attention_mask,
+                    position_ids=next_position[:, None],
+                    cache=cache,
+                    use_cache=True,
+                )
             logits = out.logits[:, -1]
             next_position = next_position + 1
         return [
             Completion(token_ids=ids, logprobs=lps, finish_reason=reason)
             for ids, lps, reason in zip(token_ids, logprobs, finish, strict=True)
         ]
+
+    @contextmanager
+    def _rows(self, slots: torch.Tensor | None) -> Iterator[None]:
+        """Forwards inside run each batch row with its slot's adapters (None: none)."""
+        if slots is None or self.adapters is None:
+            yield
+        else:
+            with self.adapters.rows(slots):
+                yield
 
     def _left_pad(self, prompts: list[tuple[int, ...]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Left padding puts every prompt's last token in the last column, where decoding starts."""
@@ -240,6 +290,23 @@ class TorchEngine:
         async with self._busy.hold():
             await blocking(self._take_weights, state)
             self.policy_version = version  # on the loop, before any waiting decode starts
+
+    async def load_adapters(
+        self,
+        policy: str,
+        adapters: Mapping[str, torch.Tensor],
+        scale: float,
+        version: int,
+        targets: Sequence[str],
+    ) -> None:
+        """Take a version of `policy`'s LoRA adapters (peft names; `scale`: lora_alpha /
+        lora_rank) next to the base weights; other policies' adapters stay as they are. The
+        first call hooks the `targets` layers. Checked before anything changes (ValueError);
+        waits for a decode in progress and runs across the bridge."""
+        async with self._busy.hold():
+            if self.adapters is None:
+                self.adapters = AdapterBank(self.model, targets)
+            await blocking(self.adapters.put, policy, adapters, scale, version)
 
     def _take_weights(self, state: Mapping[str, torch.Tensor]) -> None:
         """`load_state_dict`'s blocking body (a bridge thread; a checked state dict)."""

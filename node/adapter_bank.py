@@ -1,9 +1,10 @@
 """Many LoRA adapters over one base model, chosen per row of a batch (issue 26: policies
 that share a base model share one copy of it on a rollout node).
 
-    engine model ──AdapterBank(model, targets)──▶ a forward hook on every targeted Linear:
+    engine model ──AdapterBank(model)──▶ a forward hook on each Linear an adapter targets:
         y = W0·x + B[p]·(A[p]·x)        p: the row's slot, B[p] pre-scaled by alpha / rank
-    bank.put("planner", tensors, version)  ──▶ that policy's slot replaced, the others untouched
+    bank.put("planner", tensors, scale, version)  ──▶ that policy's slot replaced, others
+                                                       untouched
     with bank.rows(slots): model(...)       ──▶ one forward, every row its own adapter
 
 Per layer, the slots' A and B are stacked ([slots, rank, in] and [slots, out, rank], ranks
@@ -31,30 +32,27 @@ from node.lora import adapter_pairs
 class _Layer:
     """One targeted Linear's stacked adapters."""
 
-    def __init__(self, linear: torch.nn.Linear) -> None:
+    def __init__(self, linear: torch.nn.Linear, slots: int) -> None:
         out_features, in_features = linear.weight.shape
         weight = linear.weight
-        self.a = weight.new_zeros((1, 0, in_features))
-        self.b = weight.new_zeros((1, out_features, 0))
+        self.a = weight.new_zeros((slots, 0, in_features))
+        self.b = weight.new_zeros((slots, out_features, 0))
 
 
 class AdapterBank:
     """LoRA adapters of several policies on one model, applied per row."""
 
-    def __init__(self, model: torch.nn.Module, targets: Sequence[str]) -> None:
-        """Hooks every `torch.nn.Linear` of `model` whose name ends with one of `targets`
-        (module names, as `model.lora_targets`: "q_proj", "v_proj", ...)."""
+    def __init__(self, model: torch.nn.Module) -> None:
+        # Every Linear an adapter may target, by its weight's HF name; hooked when one does.
+        self._linears = {
+            name: module
+            for name, module in model.named_modules()
+            if isinstance(module, torch.nn.Linear)
+        }
+        self._base = {name + ".weight": m.weight for name, m in self._linears.items()}
         self._layers: dict[str, _Layer] = {}
-        self._base: dict[str, torch.Tensor] = {}
-        self._hooks = []
-        for name, module in model.named_modules():
-            if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets:
-                layer = _Layer(module)
-                self._layers[name] = layer
-                self._base[name + ".weight"] = module.weight
-                self._hooks.append(module.register_forward_hook(self._hook(layer)))
-        if not self._layers:
-            raise ValueError(f"the model has no Linear layer named {list(targets)}")
+        self._hooks: list[Any] = []
+        self._slot_count = 1  # slot 0: no adapters
         self._slots: dict[str, int] = {}
         self._free: list[int] = []
         self.versions: dict[str, int] = {}
@@ -74,7 +72,11 @@ class AdapterBank:
         rank = max((a.shape[0] for a, _ in pairs.values()), default=0)
         slot = self._slots.get(policy)
         if slot is None:
-            slot = self._free.pop() if self._free else self._slot_count()
+            slot = self._free.pop() if self._free else self._slot_count
+            self._slot_count = max(self._slot_count, slot + 1)
+        for module in pairs.keys() - self._layers.keys():  # first adapter on this layer
+            layer = self._layers[module] = _Layer(self._linears[module], self._slot_count)
+            self._hooks.append(self._linears[module].register_forward_hook(self._hook(layer)))
         for layer in self._layers.values():
             if slot == layer.a.shape[0]:  # a new slot at the end
                 layer.a = torch.cat([layer.a, torch.zeros_like(layer.a[:1])])
@@ -107,7 +109,7 @@ class AdapterBank:
         unknown = sorted({p for p in policies if p is not None and p not in self._slots})
         if unknown:
             raise ValueError(f"no adapters for policy {', '.join(map(repr, unknown))} here")
-        device = next(iter(self._layers.values())).a.device
+        device = next(iter(self._base.values())).device
         return torch.tensor([0 if p is None else self._slots[p] for p in policies], device=device)
 
     @contextmanager
@@ -127,9 +129,6 @@ class AdapterBank:
 
     def nbytes(self) -> int:
         return sum(t.nbytes for layer in self._layers.values() for t in (layer.a, layer.b))
-
-    def _slot_count(self) -> int:
-        return next(iter(self._layers.values())).a.shape[0]
 
     def _hook(self, layer: _Layer) -> Any:
         def add_adapters(_module: Any, inputs: tuple[torch.Tensor, ...], y: torch.Tensor) -> Any:

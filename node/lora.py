@@ -77,6 +77,25 @@ class AdapterMerger:
         return merged
 
 
+def random_adapters(
+    model: torch.nn.Module, config: ModelConfig, seed: int, b_scale: float = 0.1
+) -> dict[str, torch.Tensor]:
+    """Adapters for `model` in peft's names with random values (tests and benchmarks: a
+    trained adapter without training): A ~ N(0, 1/in), B ~ N(0, b_scale²) on every Linear
+    named in `config.lora_targets`, of rank `config.lora_rank`."""
+    generator = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in config.lora_targets:
+            rows, cols = module.weight.shape
+            r = config.lora_rank
+            a = torch.randn(r, cols, generator=generator) / cols**0.5
+            b = torch.randn(rows, r, generator=generator) * b_scale
+            out[f"base_model.model.{name}.lora_A.default.weight"] = a
+            out[f"base_model.model.{name}.lora_B.default.weight"] = b
+    return out
+
+
 def adapter_pairs(
     adapters: Mapping[str, torch.Tensor], base: Mapping[str, torch.Tensor]
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

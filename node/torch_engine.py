@@ -44,6 +44,7 @@ import torch
 from transformers import DynamicCache
 
 from agentjet.bridge import Exclusive, blocking
+from agentjet.config import ModelConfig
 from agentjet.devices import ALONE_SHARE, check_fits, engine_bytes, limit_memory, out_of_memory
 from agentjet.episode import Completion, SamplingParams
 from node.adapter_bank import AdapterBank
@@ -291,21 +292,22 @@ class TorchEngine:
             await blocking(self._take_weights, state)
             self.policy_version = version  # on the loop, before any waiting decode starts
 
+    @property
+    def policy_versions(self) -> dict[str, int]:
+        """The version of each policy's adapters loaded (`load_adapters`)."""
+        return dict(self.adapters.versions) if self.adapters is not None else {}
+
     async def load_adapters(
-        self,
-        policy: str,
-        adapters: Mapping[str, torch.Tensor],
-        scale: float,
-        version: int,
-        targets: Sequence[str],
+        self, policy: str, adapters: Mapping[str, torch.Tensor], lora: ModelConfig, version: int
     ) -> None:
-        """Take a version of `policy`'s LoRA adapters (peft names; `scale`: lora_alpha /
-        lora_rank) next to the base weights; other policies' adapters stay as they are. The
-        first call hooks the `targets` layers. Checked before anything changes (ValueError);
-        waits for a decode in progress and runs across the bridge."""
+        """Take a version of `policy`'s LoRA adapters (peft names, as trainers publish them;
+        `lora`: the policy's model config, for lora_alpha / lora_rank) next to the base
+        weights; other policies' adapters stay as they are. Checked before anything changes
+        (ValueError); waits for a decode in progress and runs across the bridge."""
+        scale = lora.lora_alpha / lora.lora_rank
         async with self._busy.hold():
             if self.adapters is None:
-                self.adapters = AdapterBank(self.model, targets)
+                self.adapters = AdapterBank(self.model)
             await blocking(self.adapters.put, policy, adapters, scale, version)
 
     def _take_weights(self, state: Mapping[str, torch.Tensor]) -> None:

@@ -30,6 +30,12 @@ written on; tests/gpu/test_vllm_engine.py runs the engine contract on a lent GPU
   written as a PEFT adapter folder (node/lora.py) and added under its own LoRA id with
   `llm_engine.add_lora`; batches are sampled with that `LoRARequest`, and the previous
   version's adapter is removed. The base weights are never touched.
+- Several policies over one base (`policy_loras`, issue 26): `load_adapters(policy, ...)`
+  adds a policy's version the same way, under a LoRA name and id new to each version, and
+  `generate(..., policies=[...])` passes one `LoRARequest` per prompt: vLLM batches rows of
+  different adapters together (its punica kernels). vLLM keys cached prefix blocks by the
+  LoRA's name or id, so a new version needs no prefix cache reset, and the other policies'
+  cached prefixes stay.
 - Full-weight reload goes through a worker extension (`worker_extension_cls`) and
   `LLM.collective_rpc`, the path vLLM's own RLHF examples use; tensors travel to the worker
   process serialized, so this suits models up to a few GB. Tied `lm_head.weight` is skipped by
@@ -42,7 +48,7 @@ import os
 import random
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -93,12 +99,15 @@ class VLLMEngine:
         enforce_eager: bool = False,
         device: torch.device | str = "cuda:0",
         lora: ModelConfig | None = None,
+        policy_loras: Sequence[ModelConfig] = (),
     ) -> None:
         """`gpu_memory_utilization` (rollout.gpu_memory_share) defaults to half the GPU so a
         trainer fits beside it; `enforce_eager` skips CUDA graph capture (faster start,
         slower decode: tests). `device` cuda:N runs vLLM's engine process on GPU N: it sees
         that GPU alone (CUDA_VISIBLE_DEVICES, which vLLM reads when it starts its worker).
-        `lora` (the model config of a LoRA policy): versions load as adapters."""
+        `lora` (the model config of a LoRA policy): versions load as adapters.
+        `policy_loras`: the model configs of the policies whose adapters `load_adapters`
+        will take (vLLM sizes its LoRA slots and ranks when it starts)."""
         from vllm import LLM
 
         self.device = torch.device(device)
@@ -122,12 +131,24 @@ class VLLMEngine:
         self._seeds = random.Random(seed)
         self._lora_config = lora
         self.takes_adapters = lora is not None
-        self._adapter: Any = None  # the LoRARequest of the version loaded, if any
+        # The LoRARequest of each policy's version loaded (None: `lora`'s single policy).
+        self._adapters: dict[str | None, Any] = {}
+        self._next_lora_id = 1
+        self.policy_versions: dict[str, int] = {}
+        self._policy_slots = len(policy_loras)
         self._adapter_dirs = tempfile.TemporaryDirectory(prefix="agentjet-lora-")
+        loras = [*([lora] if lora is not None else []), *policy_loras]
         lora_args: dict[str, Any] = {}
-        if lora is not None:
-            rank = min(r for r in VLLM_LORA_RANKS if r >= lora.lora_rank)
-            lora_args = {"enable_lora": True, "max_lora_rank": rank, "max_loras": 1}
+        if loras:
+            largest = max(c.lora_rank for c in loras)
+            rank = min(r for r in VLLM_LORA_RANKS if r >= largest)
+            lora_args = {
+                "enable_lora": True,
+                "max_lora_rank": rank,
+                "max_loras": len(loras),
+                # a version is added before the one it replaces is removed
+                "max_cpu_loras": len(loras) + 1,
+            }
         # One batch or weight load at a time (vLLM's offline `LLM` is not reentrant).
         self._busy = Exclusive()
         self._llm = LLM(
@@ -144,15 +165,27 @@ class VLLMEngine:
         )
 
     async def generate(
-        self, prompts: list[list[int]], n: int, params: SamplingParams
+        self,
+        prompts: list[list[int]],
+        n: int,
+        params: SamplingParams,
+        policies: Sequence[str | None] | None = None,
     ) -> list[list[Completion]]:
         """`n` completions per prompt; result[i][j] is sample j of prompt i.
 
         Same meaning as `TorchEngine.generate`: token ids as sampled, each with
         `log_softmax(logits / T)[token]` (T = 1 when greedy), ending at an eos id (kept,
-        "stop") or after max_new_tokens ("length"). Checked here, decoded across the bridge.
+        "stop") or after max_new_tokens ("length"); `policies[i]` names the policy whose
+        adapters (`load_adapters`) sample prompt i (None: the base weights). Checked here,
+        decoded across the bridge.
         """
         check_request(prompts, n, params)
+        if policies is not None:
+            if len(policies) != len(prompts):
+                raise ValueError(f"{len(policies)} policies for {len(prompts)} prompts")
+            unknown = sorted({p for p in policies if p is not None and p not in self._adapters})
+            if unknown:
+                raise ValueError(f"no adapters for policy {', '.join(map(repr, unknown))} here")
         if n > MAX_SAMPLES_PER_PROMPT:
             raise ValueError(f"n must be <= {MAX_SAMPLES_PER_PROMPT}, got {n}")
         if params.top_p < 1.0 and not params.greedy:
@@ -163,10 +196,14 @@ class VLLMEngine:
         if not prompts:
             return []
         async with self._busy.hold():
-            return await blocking(self._generate, prompts, n, params)
+            return await blocking(self._generate, prompts, n, params, policies)
 
     def _generate(
-        self, prompts: list[list[int]], n: int, params: SamplingParams
+        self,
+        prompts: list[list[int]],
+        n: int,
+        params: SamplingParams,
+        policies: Sequence[str | None] | None = None,
     ) -> list[list[Completion]]:
         """`generate`'s blocking body (a bridge thread; checked requests only)."""
         from vllm import SamplingParams as VllmSamplingParams
@@ -187,8 +224,11 @@ class VLLMEngine:
             )
             for _ in prompts
         ]
+        adapter: Any = self._adapters.get(None)
+        if policies is not None:  # one LoRARequest (or None) per prompt
+            adapter = [None if p is None else self._adapters[p] for p in policies]
         outputs = self._llm.generate(
-            requests, sampling_params=sampling, use_tqdm=False, lora_request=self._adapter
+            requests, sampling_params=sampling, use_tqdm=False, lora_request=adapter
         )
         results = []
         for output in outputs:
@@ -208,27 +248,46 @@ class VLLMEngine:
             check_state_dict(self._state, state)
         async with self._busy.hold():
             if self.takes_adapters:
-                await blocking(self._load_adapters, state, version)
+                assert self._lora_config is not None
+                await blocking(self._swap_adapter, None, state, self._lora_config, version)
             else:
                 self._state = await blocking(self._load_weights, state)
             self.policy_version = version  # on the loop, before any waiting decode starts
 
-    def _load_adapters(self, adapters: Mapping[str, torch.Tensor], version: int) -> None:
-        """`load_state_dict`'s blocking body for a LoRA version: its adapter folder is added
-        under a new LoRA id (ids start at 1), the previous version's removed."""
+    async def load_adapters(
+        self, policy: str, adapters: Mapping[str, torch.Tensor], lora: ModelConfig, version: int
+    ) -> None:
+        """Take a version of `policy`'s LoRA adapters (one of `policy_loras`); the other
+        policies' stay. Checked first (ValueError), loaded once no decode is running."""
+        adapter_pairs(adapters, self._state)
+        if policy not in self.policy_versions and len(self.policy_versions) >= self._policy_slots:
+            raise ValueError(f"this engine was started for {self._policy_slots} policies")
+        async with self._busy.hold():
+            await blocking(self._swap_adapter, policy, adapters, lora, version)
+            self.policy_versions[policy] = version
+
+    def _swap_adapter(
+        self,
+        policy: str | None,
+        adapters: Mapping[str, torch.Tensor],
+        lora: ModelConfig,
+        version: int,
+    ) -> None:
+        """A version's adapters (blocking, a bridge thread): written as a PEFT folder and
+        added under a LoRA name and id new to it; the policy's previous version removed."""
         from vllm.lora.request import LoRARequest
 
-        assert self._lora_config is not None
-        folder = Path(self._adapter_dirs.name) / f"v{version}"
-        write_adapter(adapters, self._state, self._lora_config, folder)
-        old = self._adapter
-        new = LoRARequest(f"policy-v{version}", (old.lora_int_id + 1) if old else 1, str(folder))
+        name = f"{policy or 'policy'}-v{version}-{self._next_lora_id}"
+        folder = Path(self._adapter_dirs.name) / name
+        write_adapter(adapters, self._state, lora, folder)
+        new = LoRARequest(name, self._next_lora_id, str(folder))
+        self._next_lora_id += 1
         self._llm.llm_engine.add_lora(new)
-        self._adapter = new
+        old = self._adapters.get(policy)
+        self._adapters[policy] = new
         if old is not None:
             self._llm.llm_engine.remove_lora(old.lora_int_id)
             shutil.rmtree(old.lora_path, ignore_errors=True)
-        self._llm.reset_prefix_cache()  # cached KV of the old adapter is stale
 
     def _load_weights(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """`load_state_dict`'s blocking body (a bridge thread): the CPU copy it loaded."""

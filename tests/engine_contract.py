@@ -12,12 +12,17 @@ from __future__ import annotations
 import asyncio
 import math
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 
+from agentjet.config import ModelConfig
 from agentjet.episode import Completion, SamplingParams
 from node.engine import Engine
+from node.lora import AdapterMerger, random_adapters
 from node.model import load_causal_lm
+from node.torch_engine import TorchEngine
 
 QUESTIONS = ("2+2?", "What is 13 times 7? Think step by step, then answer.", "Say hi")
 SAMPLED = SamplingParams(temperature=0.8, top_p=1.0, max_new_tokens=12)
@@ -207,3 +212,73 @@ async def check_weight_reload(engine: Engine, prompts: list[list[int]]) -> None:
 def _ids(results: list[list[Completion]]) -> list[list[int]]:
     """The first sample's token ids per prompt."""
     return [samples[0].token_ids for samples in results]
+
+
+# Three policies over one base: different ranks, one adapting only some layers.
+POLICY_LORAS = {
+    "planner": ModelConfig(lora_rank=2, lora_alpha=4),
+    "solver": ModelConfig(lora_rank=8, lora_alpha=16),
+    "critic": ModelConfig(lora_rank=4, lora_alpha=4, lora_targets=["q_proj", "v_proj"]),
+}
+
+
+async def check_policies_contract(
+    engine: Any, model_dir: Path, *, device: str = "cpu", logprob_atol: float = 1e-4
+) -> None:
+    """Several policies' adapters in one engine (`load_adapters`, `generate(...,
+    policies=)`): a batch mixing them samples each prompt as a torch engine with that
+    policy's adapters merged into its weights does (greedy: the same tokens, logprobs within
+    `logprob_atol`), also when rows stop mid-batch; a new version of one policy leaves the
+    others' samples as they were; an unknown policy is refused. `engine` was started for
+    POLICY_LORAS (vLLM: `policy_loras`) and has no adapters yet."""
+    shapes, _ = load_causal_lm(model_dir)
+    made = {p: random_adapters(shapes, c, seed) for seed, (p, c) in enumerate(POLICY_LORAS.items())}
+    for policy, lora in POLICY_LORAS.items():
+        await engine.load_adapters(policy, made[policy], lora, 1)
+    prompts = chat_prompts(engine)
+    prompts = [prompts[0], prompts[1], prompts[0], prompts[2]]
+    policies = ["planner", "solver", "solver", None]
+    results = await engine.generate(prompts, 2, GREEDY, policies)
+
+    async def alone(policy: str | None, prompt: list[int], stops: set[int]) -> list[Completion]:
+        single = TorchEngine(model_dir, device=device)
+        single.eos_token_ids |= stops
+        if policy is not None:
+            state = single.state_dict()
+            merged = AdapterMerger(state, POLICY_LORAS[policy]).merge(made[policy], state)
+            await single.load_state_dict(merged, 1)
+        return (await single.generate([prompt], 2, GREEDY))[0]
+
+    def check(got: list[list[Completion]], expected: list[list[Completion]]) -> None:
+        for samples, want in zip(got, expected, strict=True):
+            for a, b in zip(samples, want, strict=True):
+                assert a.token_ids == b.token_ids
+                assert a.logprobs == pytest.approx(b.logprobs, abs=logprob_atol)
+
+    stops: set[int] = set()
+    check(results, [await alone(p, q, stops) for p, q in zip(policies, prompts, strict=True)])
+    # one prompt under two policies is two prompts
+    assert results[0][0].token_ids != results[2][0].token_ids
+    # a stop token one row samples early: rows leave the batch while others decode on
+    stops = {results[1][0].token_ids[2]}
+    engine.eos_token_ids |= stops
+    try:
+        stopped = await engine.generate(prompts, 2, GREEDY, policies)
+        assert len({len(r[0].token_ids) for r in stopped}) > 1
+        check(stopped, [await alone(p, q, stops) for p, q in zip(policies, prompts, strict=True)])
+    finally:
+        engine.eos_token_ids -= stops
+    # a new version of one policy: the others sample as before
+    made["solver"] = random_adapters(shapes, POLICY_LORAS["solver"], seed=99)
+    await engine.load_adapters("solver", made["solver"], POLICY_LORAS["solver"], 2)
+    assert engine.policy_versions == {"planner": 1, "solver": 2, "critic": 1}
+    again = await engine.generate(prompts, 2, GREEDY, policies)
+    assert _ids([again[0], again[3]]) == _ids([results[0], results[3]])
+    check(again, [await alone(p, q, set()) for p, q in zip(policies, prompts, strict=True)])
+    # sampled rows of one prompt under two policies are two groups of n
+    out = await engine.generate([prompts[0]] * 2, 3, SAMPLED, ["planner", "critic"])
+    assert [len(r) for r in out] == [3, 3]
+    with pytest.raises(ValueError, match="2 policies for 1 prompts"):
+        await engine.generate([prompts[0]], 1, GREEDY, ["planner", "solver"])
+    with pytest.raises(ValueError, match="no adapters for policy 'ghost'"):
+        await engine.generate([prompts[0]], 1, GREEDY, ["ghost"])

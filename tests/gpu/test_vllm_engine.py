@@ -101,3 +101,18 @@ def test_vllm_engine_loads_lora_versions_as_adapters(tiny_model_dir: Path) -> No
         ]
 
     asyncio.run(both())
+
+
+def test_vllm_engine_samples_several_policies_in_one_batch(tiny_model_dir: Path) -> None:
+    """The torch engine's policies contract (tests/unit/test_adapter_bank.py runs it on
+    CPU): one batch, a LoRA request per prompt, each row as that policy's merged weights."""
+    pytest.importorskip("vllm")
+    from node.vllm_engine import VLLMEngine
+    from tests.engine_contract import POLICY_LORAS, check_policies_contract
+
+    vllm = VLLMEngine(
+        tiny_model_dir, dtype="float32", gpu_memory_utilization=0.2, enforce_eager=True,
+        policy_loras=list(POLICY_LORAS.values()),
+    )  # fmt: skip
+    asyncio.run(check_policies_contract(vllm, tiny_model_dir, device="cuda", logprob_atol=2e-3))
+    assert vllm.policy_versions == {"planner": 1, "solver": 2, "critic": 1}

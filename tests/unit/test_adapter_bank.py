@@ -3,6 +3,7 @@ row by row, what that policy's merged weights give (node/adapter_bank.py)."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -10,8 +11,10 @@ import torch
 
 from agentjet.config import ModelConfig
 from node.adapter_bank import AdapterBank
-from node.lora import AdapterMerger
+from node.lora import AdapterMerger, random_adapters
 from node.model import load_causal_lm
+from node.torch_engine import TorchEngine
+from tests.engine_contract import GREEDY, check_policies_contract
 
 pytestmark = pytest.mark.unit
 
@@ -26,17 +29,7 @@ ROWS = [[1, 5, 9, 200, 31], [7, 7, 8, 9, 10], [300, 2, 41, 5, 6], [11, 12, 13, 1
 
 
 def adapters(model: torch.nn.Module, config: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
-    """Random adapters in peft's names for every targeted Linear of `model`."""
-    generator = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in config.lora_targets:
-            rows, cols = module.weight.shape
-            r = config.lora_rank
-            prefix = f"base_model.model.{name}"
-            out[f"{prefix}.lora_A.default.weight"] = torch.randn(r, cols, generator=generator) / 8
-            out[f"{prefix}.lora_B.default.weight"] = torch.randn(rows, r, generator=generator) / 8
-    return out
+    return random_adapters(model, config, seed, b_scale=0.125)
 
 
 def scale(config: ModelConfig) -> float:
@@ -44,12 +37,14 @@ def scale(config: ModelConfig) -> float:
 
 
 @torch.no_grad()
-def merged_logits(model_dir: Path, policy: str | None, tensors: dict, ids: list[int]):
+def merged_logits(
+    model_dir: Path, policy: str | None, tensors: dict, ids: list[int], configs: dict = POLICIES
+) -> torch.Tensor:
     """`ids`' logits under one policy's merged weights (None: the base), a batch of one."""
     model, _ = load_causal_lm(model_dir)
     if policy is not None:
         state = {n: p.data for n, p in model.named_parameters()}
-        for key, tensor in AdapterMerger(state, POLICIES[policy]).merge(tensors, state).items():
+        for key, tensor in AdapterMerger(state, configs[policy]).merge(tensors, state).items():
             state[key].copy_(tensor)
     return model(input_ids=torch.tensor([ids])).logits[0]
 
@@ -57,7 +52,7 @@ def merged_logits(model_dir: Path, policy: str | None, tensors: dict, ids: list[
 @pytest.fixture
 def bank_model(tiny_model_dir: Path):
     model, _ = load_causal_lm(tiny_model_dir)
-    bank = AdapterBank(model, TARGETS)
+    bank = AdapterBank(model)
     made = {}
     for seed, (policy, config) in enumerate(POLICIES.items()):
         made[policy] = adapters(model, config, seed)
@@ -147,6 +142,19 @@ def test_a_removed_policys_slot_is_reused_and_hooks_come_off(
     assert torch.allclose(
         logits, merged_logits(tiny_model_dir, "planner", fresh, ROWS[0]), atol=1e-5
     )
+    # a policy adapting layers no other policy does: they are hooked when it arrives
+    mlp = ModelConfig(lora_rank=4, lora_alpha=8, lora_targets=["up_proj", "down_proj"])
+    with_mlp = {**POLICIES, "mlp": mlp}
+    made_mlp = adapters(model, mlp, seed=8)
+    bank.put("mlp", made_mlp, scale(mlp), version=1)
+    with bank.rows(bank.slots(["mlp", "writer"])):
+        both = model(input_ids=torch.tensor([ROWS[1], ROWS[0]])).logits
+    assert torch.allclose(both[1], logits, atol=1e-5)
+    assert torch.allclose(
+        both[0],
+        merged_logits(tiny_model_dir, "mlp", made_mlp, ROWS[1], with_mlp),
+        atol=1e-5,
+    )
     bank.close()
     with bank.rows(bank.slots(["writer"])):
         plain = model(input_ids=torch.tensor([ROWS[0]])).logits[0]
@@ -156,55 +164,7 @@ def test_a_removed_policys_slot_is_reused_and_hooks_come_off(
 def test_the_torch_engine_samples_each_prompt_under_its_own_policy_in_one_batch(
     tiny_model_dir: Path,
 ) -> None:
-    import asyncio
-
-    from agentjet.episode import SamplingParams
-    from node.torch_engine import TorchEngine
-
-    engine = TorchEngine(tiny_model_dir)
-    made = {p: adapters(engine.model, c, seed) for seed, (p, c) in enumerate(POLICIES.items())}
-    targets = sorted({t for c in POLICIES.values() for t in c.lora_targets})
-    greedy = SamplingParams(greedy=True, max_new_tokens=12)
-    prompts = [ROWS[0], ROWS[1], ROWS[0], ROWS[2]]
-    policies = ["planner", "solver", "solver", None]
-
-    async def mixed() -> list:
-        for policy, config in POLICIES.items():
-            await engine.load_adapters(policy, made[policy], scale(config), 1, targets)
-        return await engine.generate(prompts, 2, greedy, policies)
-
-    async def alone(policy: str | None, prompt: list[int], stop: set[int]) -> list:
-        single = TorchEngine(tiny_model_dir)
-        single.eos_token_ids |= stop
-        if policy is not None:
-            state = single.state_dict()
-            merger = AdapterMerger(state, POLICIES[policy])
-            await single.load_state_dict(merger.merge(made[policy], state), 1)
-        return await single.generate([prompt], 2, greedy)
-
-    results = asyncio.run(mixed())
-    assert engine.adapters is not None and engine.adapters.versions == dict.fromkeys(POLICIES, 1)
-    # one prompt under two policies is two prompts: different continuations here
-    assert results[0][0].token_ids != results[2][0].token_ids
-    # again with a stop token one row samples early: rows leave the batch mid-decode
-    stop = {results[1][0].token_ids[2]}
-    engine.eos_token_ids |= stop
-    stopped = asyncio.run(engine.generate(prompts, 2, greedy, policies))
-    assert len({len(r[0].token_ids) for r in stopped}) > 1
-    for run, stops in ((results, set()), (stopped, stop)):
-        for got, policy, prompt in zip(run, policies, prompts, strict=True):
-            (expected,) = asyncio.run(alone(policy, prompt, stops))
-            for a, b in zip(got, expected, strict=True):
-                assert a.token_ids == b.token_ids, policy
-                assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4)
-
-    sampled = SamplingParams(temperature=1.0, max_new_tokens=6)
-    out = asyncio.run(engine.generate([ROWS[0], ROWS[0]], 3, sampled, ["planner", "critic"]))
-    assert [len(r) for r in out] == [3, 3]
-    with pytest.raises(ValueError, match="2 policies for 1 prompts"):
-        asyncio.run(engine.generate([ROWS[0]], 1, greedy, ["planner", "solver"]))
-    with pytest.raises(ValueError, match="no adapters for policy 'ghost'"):
-        asyncio.run(engine.generate([ROWS[0]], 1, greedy, ["ghost"]))
+    asyncio.run(check_policies_contract(TorchEngine(tiny_model_dir), tiny_model_dir))
     plain = TorchEngine(tiny_model_dir)
     with pytest.raises(ValueError, match="no policy adapters are loaded"):
-        asyncio.run(plain.generate([ROWS[0]], 1, greedy, ["planner"]))
+        asyncio.run(plain.generate([ROWS[0]], 1, GREEDY, ["planner"]))

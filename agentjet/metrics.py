@@ -198,9 +198,16 @@ class Rate:
     def add(self, start: float, end: float, count: float) -> float:
         """Record `count` over [start, end]; returns the rate over the window ending now."""
         self.intervals.append((start, end, count))
-        while self.intervals[0][1] < end - self.window_s:
+        return self.at(end)
+
+    def at(self, now: float) -> float:
+        """The rate over the window ending at `now`: idle time since the last interval
+        counts, so an idle worker's rate falls, and is 0 once the window holds nothing."""
+        while self.intervals and self.intervals[0][1] < now - self.window_s:
             self.intervals.popleft()
-        span = end - min(s for s, _, _ in self.intervals)
+        if not self.intervals:
+            return 0.0
+        span = now - min(s for s, _, _ in self.intervals)
         return sum(c for _, _, c in self.intervals) / span if span > 0 else 0.0
 
 

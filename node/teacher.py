@@ -281,7 +281,8 @@ class TeacherNodes:
         )
         waiting_since: float | None = None
         while True:
-            for node in self._serving(name):
+            nodes = self._serving(name)
+            for node in nodes:
                 scores = await self._ask(node, request)
                 if scores is not None:
                     if waiting_since is not None:
@@ -300,7 +301,7 @@ class TeacherNodes:
                     "no teacher node answers for teacher %s (%d listed): group %s is held "
                     "until one does",
                     name,
-                    len(self._serving(name)),
+                    len(nodes),
                     group.group_id,
                 )
             await asyncio.sleep(RETRY_S)  # a retry's pause: the directory is read meanwhile

@@ -203,7 +203,7 @@ class TeacherNode:
                 maddrs=self.maddrs,
                 queue=self.waiting.qsize() + self.scoring,
                 capacity=MAX_WAITING,
-                samples_per_s=self.samples_per_s,
+                samples_per_s=self.sample_rate.at(time.monotonic()),  # 0 when idle a while
                 time=time.time(),
                 gpus=self.gpu.sample(),
                 teachers=self.names,

@@ -16,6 +16,10 @@ re-tokenized; the OpenAI endpoint keeps ids continuous for clients that send his
 
 Unmerged, every call is its own sequence, and a k-turn conversation trains its shared
 prefix k times.
+
+Several policies in one episode (a planner and a solver, two players): each call names its
+policy, and `merge_by_policy` merges each policy's calls on a timeline of their own, so
+another policy's tokens in a prompt are context there (loss mask 0), never trained as its.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ class Call:
     logprobs: list[float]  # the sampler's, one per completion id
     policy_version: int
     finish_reason: str = "stop"
+    policy: str = ""  # the policy that sampled it ("": the swarm's only one)
 
 
 @dataclass
@@ -85,6 +90,15 @@ def merge_calls(calls: Iterable[Call], *, merge: bool = True) -> list[Sequence]:
         else:
             parent.add(call.prompt_ids[parent.tokens :], call)
     return sequences
+
+
+def merge_by_policy(calls: Iterable[Call], *, merge: bool = True) -> dict[str, list[Sequence]]:
+    """Each policy's training sequences of one episode: its own calls, in the order they
+    were made, merged as `merge_calls` does (policies in the order they first called)."""
+    by_policy: dict[str, list[Call]] = {}
+    for call in calls:
+        by_policy.setdefault(call.policy, []).append(call)
+    return {policy: merge_calls(own, merge=merge) for policy, own in by_policy.items()}
 
 
 def _longest_prefix(sequences: list[Sequence], prompt_ids: list[int]) -> Sequence | None:

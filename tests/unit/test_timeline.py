@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from agentjet.timeline import Call, merge_calls
+from agentjet.timeline import Call, merge_by_policy, merge_calls
 
 pytestmark = pytest.mark.unit
 
@@ -64,3 +64,34 @@ def test_unmerged_every_call_is_a_sequence_and_trains_the_shared_prefix_again() 
 def test_a_call_needs_one_logprob_per_token() -> None:
     with pytest.raises(ValueError, match="one logprob per completion id"):
         merge_calls([Call([1], [2, 3], [-0.1], 0)])
+
+
+def test_an_episode_alternating_two_policies_gives_each_its_own_timeline() -> None:
+    """A planner and a solver take turns in one conversation: each policy's sequence holds
+    every token, and only its own completions are trained (the other's are context)."""
+    turns = [
+        ("planner", [1, 2], [10, 11]),
+        ("solver", [1, 2, 10, 11, 3], [20]),
+        ("planner", [1, 2, 10, 11, 3, 20, 4], [12]),
+        ("solver", [1, 2, 10, 11, 3, 20, 4, 12, 5], [21, 22]),
+    ]
+    calls = [
+        Call(prompt, completion, [-0.1 * (i + 1)] * len(completion), i, policy=policy)
+        for i, (policy, prompt, completion) in enumerate(turns)
+    ]
+    merged = merge_by_policy(calls)
+    assert list(merged) == ["planner", "solver"]
+    [planner] = merged["planner"]
+    [solver] = merged["solver"]
+    assert planner.ids == [1, 2, 10, 11, 3, 20, 4, 12]
+    assert planner.loss_mask == [1, 1, 0, 0, 0, 1]  # 10 11 | 3 20 4 | 12
+    assert planner.logprobs == [-0.1, -0.1, 0.0, 0.0, 0.0, pytest.approx(-0.3)]
+    assert solver.prompt_ids == [1, 2, 10, 11, 3]  # its first call's prompt
+    assert solver.completion_ids == [20, 4, 12, 5, 21, 22]
+    assert solver.loss_mask == [1, 0, 0, 0, 1, 1]
+    assert (planner.calls, planner.policy_version) == (2, 0)
+    assert (solver.calls, solver.policy_version) == (2, 1)
+    # one policy (no names): the calls make one sequence, as before
+    alone = merge_by_policy([Call(c.prompt_ids, c.completion_ids, c.logprobs, 0) for c in calls])
+    assert list(alone) == [""] and alone[""][0].ids == [1, 2, 10, 11, 3, 20, 4, 12, 5, 21, 22]
+    assert alone[""][0].loss_mask == [1, 1, 0, 1, 0, 1, 0, 1, 1]

@@ -97,9 +97,13 @@ bench-sched *ARGS: ensure
 bench-replay *ARGS: ensure
     {{bin}}/python bench/replay.py {{ARGS}}
 
-# Distillation benchmark: an RL-made teacher distilled into the base model, against the RL run by wall time (writes bench/results/distill.json)
+# Distillation benchmark: an RL-made teacher distilled into the base model, against the RL run by wall time (writes bench/results/distill.json; --two-teachers: arithmetic and python_code teachers into one student, distill_two.json)
 bench-distill *ARGS: ensure
     {{bin}}/python bench/distill.py {{ARGS}}
+
+# Policies over one base: engine memory with 1/2/4 LoRA policies, mixed vs single batch tokens/s (writes bench/results/policies.json)
+bench-policies *ARGS: ensure
+    {{bin}}/python bench/policies.py {{ARGS}}
 
 # Sandbox benchmark: exec latency warm/cold/process, pool throughput (writes bench/results/sandbox.json)
 bench-sandbox *ARGS: ensure

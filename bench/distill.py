@@ -105,6 +105,9 @@ def main() -> int:
     parser.add_argument("--teacher-minutes", type=float, default=15.0)
     parser.add_argument("--minutes", type=float, default=5.0, help="the student's run")
     parser.add_argument("--teacher", type=Path, help="a teacher checkpoint (no RL run)")
+    parser.add_argument(
+        "--teacher-rl-minutes", type=float, help="with --teacher: the minutes its RL run took"
+    )
     parser.add_argument("--coef", type=float, default=1.0, help="envs.0.teacher_coef")
     parser.add_argument("--heldout", type=int, default=200, help="arithmetic held-out tasks")
     parser.add_argument("--config", type=Path, default=ROOT / "configs" / "local.toml")
@@ -145,7 +148,7 @@ def main() -> int:
         rl_started = started
     else:
         teacher = args.teacher
-        result["teacher_minutes"] = None
+        result["teacher_minutes"] = args.teacher_rl_minutes  # what its RL run took, if known
     result["teacher"] = str(teacher)
     result["teacher_heldout"] = heldout(teacher, files, args.config)
     print(json.dumps(result), flush=True)
@@ -182,6 +185,7 @@ def main() -> int:
     if args.teacher is None:
         rl_minutes, rl_accuracy = at_minutes(rl_dir, rl_started, wall_s / 60, files, args.config)
         result["rl"] = {"minutes": rl_minutes, "heldout": rl_accuracy}
+    if result["teacher_minutes"] is not None:
         result["target_minutes"] = round(result["teacher_minutes"] / 3, 2)
     write_result(args.out, result)
     print(json.dumps(result), flush=True)

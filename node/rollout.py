@@ -381,7 +381,7 @@ class Rollout:
                 wall_s = time.perf_counter() - start
                 tokens = sum(_model_tokens(e) for eps in episodes for e in eps)
                 created: list[str] = []
-                teacher_kls: list[float] = []
+                played = []
                 for grant, eps in zip(env_grants, episodes, strict=True):
                     if not eps:  # the environment could not finish this task's episodes
                         self._queue_report(grant, [], wall_s / len(env_grants), "no episodes")
@@ -389,10 +389,16 @@ class Rollout:
                     group = build_group(
                         grant, eps, self.node_id, wall_s / len(env_grants), self.lineage.id
                     )
-                    if env_name in self.teachers.envs:  # on-policy distillation
-                        group, kl = await self.teachers.score(group)
-                        teacher_kls.append(kl)
-                        self.counts["groups_held_for_teacher"] = self.teachers.held
+                    played.append((grant, eps, group))
+                teacher_kls: list[float] = []
+                if env_name in self.teachers.envs and played:  # on-policy distillation
+                    scored = await self.teachers.score_all([group for _, _, group in played])
+                    played = [
+                        (g, e, group) for (g, e, _), (group, _) in zip(played, scored, strict=True)
+                    ]
+                    teacher_kls = [kl for _, kl in scored]
+                    self.counts["groups_held_for_teacher"] = self.teachers.held
+                for grant, eps, group in played:
                     try:
                         self.ledger.add(group)
                     except SpoolFull as e:  # the batch ran past the cap: keep it in memory

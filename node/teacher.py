@@ -41,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -215,6 +216,12 @@ class LocalTeachers:
         teacher), and the mean per-token reverse KL to the teacher (0.0 without one)."""
         return await blocking(self.score_now, group)
 
+    async def score_all(
+        self, groups: list[protocol.TrajectoryGroup]
+    ) -> list[tuple[protocol.TrajectoryGroup, float]]:
+        """`score` for each group, one after another (they share the box's teachers)."""
+        return [await self.score(group) for group in groups]
+
     def score_now(self, group: protocol.TrajectoryGroup) -> tuple[protocol.TrajectoryGroup, float]:
         """`score`, blocking (across the bridge)."""
         teacher = self.by_env.get(group.env)
@@ -242,7 +249,7 @@ class TeacherNodes:
         self.temperature, self.timeout_s = temperature, timeout_s
         self.nodes: list[protocol.NodeRecord] = []  # teacher nodes, from the last directory read
         self.clients: dict[str, Client] = {}  # by endpoint
-        self.asking: set[str] = set()  # endpoints with a request in flight
+        self.asking: Counter[str] = Counter()  # requests in flight, by endpoint
         self.held = 0  # groups that waited for a teacher node to answer
         self.turn = 0  # rotates equally loaded nodes
 
@@ -251,7 +258,7 @@ class TeacherNodes:
         one asked now: a read can miss a live node's record, and closing a socket cancels
         the request waiting on it)."""
         self.nodes = [r for r in records if r.role == "teacher" and r.endpoint]
-        listed = {r.endpoint for r in self.nodes} | self.asking
+        listed = {r.endpoint for r in self.nodes} | {e for e, n in self.asking.items() if n}
         for endpoint in [e for e in self.clients if e not in listed]:
             self.clients.pop(endpoint).close()
 
@@ -259,6 +266,14 @@ class TeacherNodes:
         for client in self.clients.values():
             client.close()
         self.clients.clear()
+
+    async def score_all(
+        self, groups: list[protocol.TrajectoryGroup]
+    ) -> list[tuple[protocol.TrajectoryGroup, float]]:
+        """`score` for each group, all at once: each asks its own least loaded node, so a
+        batch's groups are scored on several teacher nodes side by side (one node's client
+        takes one request at a time)."""
+        return list(await asyncio.gather(*(self.score(group) for group in groups)))
 
     async def score(
         self, group: protocol.TrajectoryGroup
@@ -307,10 +322,14 @@ class TeacherNodes:
             await asyncio.sleep(RETRY_S)  # a retry's pause: the directory is read meanwhile
 
     def _serving(self, name: str) -> list[protocol.NodeRecord]:
-        """The nodes serving teacher `name`, least loaded first (equals in turn)."""
+        """The nodes serving teacher `name`, least loaded first (equals in turn): the queue
+        their last heartbeat reported plus this node's requests in flight to them since."""
         nodes = [n for n in self.nodes if name in n.teachers]
         self.turn += 1
-        return sorted(nodes, key=lambda n: (n.queue, hash((n.node_id, self.turn))))
+        return sorted(
+            nodes,
+            key=lambda n: (n.queue + self.asking[n.endpoint], hash((n.node_id, self.turn))),
+        )
 
     async def _ask(
         self, node: protocol.NodeRecord, request: protocol.TeacherScoreRequest
@@ -327,7 +346,7 @@ class TeacherNodes:
                 self.timeout_s,
                 self.keys,
             )
-        self.asking.add(node.endpoint)
+        self.asking[node.endpoint] += 1
         try:
             reply = await client.request(request)
         except PeerUnavailable:
@@ -336,7 +355,7 @@ class TeacherNodes:
             log.warning("teacher node %s: %s", node.node_id, e)
             return None
         finally:
-            self.asking.discard(node.endpoint)
+            self.asking[node.endpoint] -= 1
         if isinstance(reply, protocol.Error):
             log.warning("teacher node %s refused to score: %s", node.node_id, reply.message)
             return None

@@ -34,23 +34,29 @@ pytestmark = pytest.mark.integration
 WAIT_S = 60.0
 
 
+def start_teacher_node(
+    cleanup: ExitStack, run_dir: Path, model_dir: Path, keys_file: Path
+) -> TeacherNode:
+    config = load_config(
+        None,
+        [
+            f"model.name={json.dumps(str(model_dir))}",
+            f"net.keys={json.dumps(str(keys_file))}",
+            f"run.dir={json.dumps(str(run_dir))}",
+            "swarm.run_id=teacher-test",
+        ],
+    )
+    role = TeacherNode(config, [str(model_dir)])
+    role.setup(cleanup)
+    return role
+
+
 @pytest.fixture
 def teacher_node(
     tmp_path: Path, tiny_model_dir: Path, keys_file: Path, one_torch_thread: None
 ) -> Iterator[TeacherNode]:
-    config = load_config(
-        None,
-        [
-            f"model.name={json.dumps(str(tiny_model_dir))}",
-            f"net.keys={json.dumps(str(keys_file))}",
-            f"run.dir={json.dumps(str(tmp_path / 'teacher'))}",
-            "swarm.run_id=teacher-test",
-        ],
-    )
-    role = TeacherNode(config, [str(tiny_model_dir)])
     with ExitStack() as cleanup:
-        role.setup(cleanup)
-        yield role
+        yield start_teacher_node(cleanup, tmp_path / "teacher", tiny_model_dir, keys_file)
 
 
 def record(role: TeacherNode, queue: int = 0) -> protocol.NodeRecord:
@@ -71,8 +77,8 @@ def rollout_side(teacher: Path, keys_file: Path, timeout_s: float = 30.0) -> Tea
     return TeacherNodes(envs, hello, net, keys, TEMPERATURE, timeout_s)
 
 
-def test_a_teacher_node_scores_as_the_rollout_nodes_own_teacher_would(
-    teacher_node: TeacherNode, tiny_model_dir: Path, keys_file: Path
+def test_teacher_nodes_score_a_batch_side_by_side_as_the_rollout_nodes_own_teacher_would(
+    teacher_node: TeacherNode, tiny_model_dir: Path, keys_file: Path, tmp_path: Path
 ):
     engine = TorchEngine(tiny_model_dir, seed=1)
     groups = played_groups(engine, (1.0, 0.0, 0.0))
@@ -80,15 +86,23 @@ def test_a_teacher_node_scores_as_the_rollout_nodes_own_teacher_would(
     local = LocalTeachers(envs, ModelConfig(), engine.tokenizer, engine.device, TEMPERATURE)
     nodes = rollout_side(tiny_model_dir, keys_file)
 
-    async def main() -> list[tuple[protocol.TrajectoryGroup, float]]:
-        async with serving(teacher_node):
-            nodes.update([record(teacher_node)])
-            try:
-                return [await nodes.score(g) for g in groups]
+    async def main(other: TeacherNode) -> list[tuple[protocol.TrajectoryGroup, float]]:
+        async with serving(teacher_node), serving(other):
+            nodes.update([record(teacher_node), record(other)])
+            try:  # the batch's groups at once: each to the node with fewer in flight
+                return await nodes.score_all(groups)
             finally:
                 nodes.close()
 
-    for group, (scored, kl) in zip(groups, asyncio.run(main()), strict=True):
+    with ExitStack() as cleanup:
+        other = start_teacher_node(cleanup, tmp_path / "other", tiny_model_dir, keys_file)
+        results = asyncio.run(main(other))
+    # two groups at once, two nodes: one each (the second went to the node with none in flight)
+    assert [teacher_node.counts["samples_scored"], other.counts["samples_scored"]] == [
+        len(groups[0].samples),
+        len(groups[1].samples),
+    ]
+    for group, (scored, kl) in zip(groups, results, strict=True):
         here, here_kl = local.score_now(group)
         assert kl == pytest.approx(here_kl, abs=1e-5)
         for a, b in zip(scored.samples, here.samples, strict=True):
@@ -98,9 +112,11 @@ def test_a_teacher_node_scores_as_the_rollout_nodes_own_teacher_would(
                 atol=1e-5,
             )
     assert nodes.held == 0
-    assert teacher_node.counts["samples_scored"] == sum(len(g.samples) for g in groups)
-    rows = (Path(teacher_node.config.run.dir) / "metrics" / "teacher.jsonl").read_text()
-    assert rows.count('"event": "scored"') == len(groups)
+    rows = [
+        (Path(role.config.run.dir) / "metrics" / "teacher.jsonl").read_text()
+        for role in (teacher_node, other)
+    ]
+    assert sum(r.count('"event": "scored"') for r in rows) == len(groups)
 
 
 def test_a_group_is_held_until_a_teacher_node_answers_and_a_dead_one_is_passed_over(

@@ -311,7 +311,9 @@ class TrainerConfig(_Section):
     # |difference| per trained token in nats: made-up logprobs, altered tokens or another
     # model's samples. At lr 1e-5 honest samples stay below 0.21 up to lag 4 and forged
     # ones are above 1.6 (SmolLM2-135M, bench/LOG.md). A larger lr moves the policy further
-    # per version: watch charts/logprob_gap_max in metrics/trainer.jsonl. 0 = no check.
+    # per version: at lr 3e-5 honest samples of lag 2 reached 0.54-0.78 and the only
+    # rollout node of a local run was quarantined in one step. Watch
+    # charts/logprob_gap_max in metrics/trainer.jsonl. 0 = no check.
     max_logprob_gap: NonNegFloat = 0.5
     # Share of the groups of verifiable environments (arithmetic) whose rewards the trainer
     # recomputes from the completion text on arrival; a wrong reward rejects the group.

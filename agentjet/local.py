@@ -122,6 +122,16 @@ class Progress:
                 file=self.out,
                 flush=True,
             )
+        elif row.get("event") == "quarantined":
+            # Else the lines stop and nothing says why: the only rollout node's groups are
+            # refused (seen: a larger lr, honest samples over trainer.max_logprob_gap).
+            print(
+                f"[{elapsed:6.0f}s] the trainer quarantined {row['node_id']}: {row['reason']};"
+                " its groups are refused until the trainer restarts (checks: docs/"
+                "ARCHITECTURE.md, Verified trajectories)",
+                file=self.out,
+                flush=True,
+            )
 
 
 def place_roles(config: Config) -> Config:

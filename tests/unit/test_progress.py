@@ -34,3 +34,18 @@ def test_a_continued_run_shows_only_its_own_rows_and_skips_a_torn_one(tmp_path: 
     progress.poll(tmp_path)
     [line] = out.getvalue().splitlines()
     assert line.endswith("s] rollout node switched to policy v4")
+
+
+def test_a_quarantined_rollout_node_is_shown_with_its_reason(tmp_path: Path) -> None:
+    """The only rollout node of a local run quarantined: training stops, and the lines say
+    why instead of just stopping."""
+    metrics = tmp_path / "metrics"
+    metrics.mkdir()
+    reason = "3 failed checks, the last: logprob gap 0.783 over trainer.max_logprob_gap=0.5"
+    row = {"event": "quarantined", "node_id": "rollout-a", "reason": reason}
+    (metrics / "trainer.jsonl").write_text(json.dumps(row) + "\n")
+    out = io.StringIO()
+    Progress(out).poll(tmp_path)
+    [line] = out.getvalue().splitlines()
+    assert f"the trainer quarantined rollout-a: {reason};" in line
+    assert "refused until the trainer restarts" in line

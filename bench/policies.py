@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpu_check import arithmetic_prompts  # noqa: E402
+from learn import write_result  # noqa: E402
 
 from agentjet.config import ModelConfig  # noqa: E402
 from agentjet.episode import SamplingParams  # noqa: E402
@@ -141,9 +142,7 @@ def main() -> int:
         "mixed_vs_single_tokens_per_s": round(tokens["mixed"] / tokens["single"], 3),
         "single_vs_base_tokens_per_s": round(tokens["single"] / tokens["base"], 3),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
+    write_result(args.out, result)
     return 0
 
 

@@ -171,6 +171,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --role teacher: a teacher to serve, as envs[].teacher names it "
         "(repeatable; default: every teacher the config's environments name)",
     )
+    node.add_argument(
+        "--policy",
+        default="",
+        metavar="NAME",
+        help="with --role trainer and [[policies]]: the policy to train (default with "
+        "--join: the one with the fewest trainers in the swarm)",
+    )
     _swarm_args(node)
     _config_args(node)
 
@@ -434,6 +441,8 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "node":
         if args.teacher and args.role != "teacher":
             raise AgentjetError("--teacher is for --role teacher")
+        if args.policy and args.role != "trainer":
+            raise AgentjetError("--policy is for --role trainer")
         if args.role == "rollout":
             _check_teacher_placement(config, "a rollout node without --join")
         if args.role == "teacher":
@@ -449,7 +458,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "node" and args.role == "trainer":
         from node.trainer import main as trainer_main
 
-        return trainer_main(config)
+        return trainer_main(config, _trainer_policy(args.policy, config))
     if args.command == "node" and args.role == "teacher":
         from node.teacher_node import main as teacher_main
 
@@ -722,6 +731,31 @@ def format_swarm(records: list[NodeRecord], now: float) -> str:
     ]
     table = _aligned([header, *rows], left=(0, len(header) - 1))
     return "\n".join([f"swarm: {counts}", *table, *teachers, *quarantines, *refusals])
+
+
+def _trainer_policy(asked: str, config: Config) -> str:
+    """The policy a trainer trains: --policy, or with --join the one of [[policies]] that
+    has the fewest trainers in the swarm's directory ("" without [[policies]])."""
+    names = [p.name for p in config.policies]
+    if asked:
+        if asked not in names:
+            configured = ", ".join(names) or "none"
+            raise AgentjetError(f"--policy {asked}: no such [[policies]] entry ({configured})")
+        return asked
+    if not names:
+        return ""
+    if not config.swarm.initial_peers:
+        raise AgentjetError(
+            "this config trains several policies ([[policies]]): name the one this trainer "
+            "trains with --policy NAME, or --join a swarm to take the one with the fewest "
+            "trainers"
+        )
+    from node.swarm import read_directory
+    from node.trainer import fewest_trainers
+
+    policy = fewest_trainers(names, read_directory(config.swarm, node_keys(config.net, "trainer")))
+    print(f"training policy {policy} (the one with the fewest trainers)", flush=True)
+    return policy
 
 
 def _node_rows(r: NodeRecord, now: float) -> list[tuple[str, ...]]:

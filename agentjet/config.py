@@ -222,6 +222,35 @@ class EnvConfig(_Section):
         return list(self.rewards)
 
 
+class PolicyConfig(_Section):
+    """One policy of a swarm that trains several side by side (`[[policies]]`; issue 26):
+    its own LoRA adapters over the swarm's one base model, its own trainers (optimizer state
+    and gradient averaging), its own versions. Without `[[policies]]` the swarm trains one
+    policy, configured by [model] and [trainer] as always."""
+
+    # A word (letters, digits, _ and -): agents name the policy by it (the OpenAI `model`
+    # field), and it names the policy's trainer state under <run dir>/policies/NAME.
+    name: str
+    # The base model ("" = model.name). Rollout nodes hold one copy of one base: a policy
+    # naming another is refused here.
+    base: str = ""
+    # The policy's LoRA adapters (see [model]).
+    lora_rank: PositiveInt = 16
+    lora_alpha: PositiveInt = 16
+    lora_targets: list[str] = msgspec.field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"]
+    )
+    # Trainer settings of this policy (0 = trainer.<same key>).
+    lr: NonNegFloat = 0.0
+    weight_decay: NonNegFloat = 0.0
+    groups_per_step: NonNegInt = 0
+    # The environments (names of [[envs]] entries) it trains on, each at its entry's weight;
+    # [] = all of them.
+    envs: list[str] = msgspec.field(default_factory=list)
+    # Share of the swarm's work (grants) for this policy, relative to the other policies.
+    weight: PositiveFloat = 1.0
+
+
 class SandboxConfig(_Section):
     # Where sandboxed environments run programs: "process" (a subprocess with rlimits, under
     # bubblewrap when installed) or "docker" (containers: no network, read-only root, limits).
@@ -439,6 +468,9 @@ class CoordinatorConfig(_Section):
 class NetConfig(_Section):
     # ZMQ endpoint the trainer binds (trajectories in, policy weights out).
     trainer_endpoint: str = "tcp://127.0.0.1:5556"
+    # Without --join, each [[policies]] entry's trainer endpoint, by policy name
+    # (`agentjet local` fills it; trainer_endpoint is the first policy's).
+    policy_endpoints: dict[str, str] = msgspec.field(default_factory=dict)
     # ZMQ endpoint a teacher node binds (`agentjet node --role teacher`; port 0: any free
     # one). Rollout nodes find it in the swarm's directory.
     teacher_endpoint: str = "tcp://127.0.0.1:0"
@@ -504,6 +536,7 @@ class Config(_Section):
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     rollout: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
     envs: list[EnvConfig] = msgspec.field(default_factory=lambda: [EnvConfig()])
+    policies: list[PolicyConfig] = msgspec.field(default_factory=list)
     sandbox: SandboxConfig = msgspec.field(default_factory=SandboxConfig)
     trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
     swarm: SwarmConfig = msgspec.field(default_factory=SwarmConfig)
@@ -680,6 +713,12 @@ def _check(config: Config) -> None:
             if path and not Path(path).expanduser().exists():
                 raise ConfigError(f"config error at envs.{i}.{key}: {path} not found")
     _check_envsched(config.coordinator.envsched, {env.name for env in config.envs})
+    _check_policies(config)
+    if not re.fullmatch(r"[\w-]{1,128}", config.swarm.run_id):
+        raise ConfigError(
+            f"config error at swarm.run_id: {config.swarm.run_id!r} must be 1 to 128 letters, "
+            "digits, _ or - (hivemind's keys are made of it)"
+        )
     listen = config.rollout.agent_listen
     if not re.fullmatch(r"[^:\s]+:\d{1,5}", listen):
         raise ConfigError(f"config error at rollout.agent_listen: {listen!r} is not HOST:PORT")
@@ -761,6 +800,107 @@ def _check_rewards(env: EnvConfig, i: int) -> None:
     names = [t.name for t in env.rewards]
     if len(set(names)) != len(names) or any(not re.fullmatch(r"\w+", n) for n in names):
         raise ConfigError(f"{where}.rewards: term names must be distinct words, got {names}")
+
+
+def _check_policies(config: Config) -> None:
+    where = "config error at policies"
+    env_names = [env.name for env in config.envs]
+    names = [p.name for p in config.policies]
+    trained: set[str] = set()
+    for i, policy in enumerate(config.policies):
+        if not re.fullmatch(r"[A-Za-z0-9][\w-]{0,63}", policy.name):
+            raise ConfigError(
+                f"{where}.{i}.name: {policy.name!r} is not a policy name (1 to 64 letters, "
+                "digits, _ or -, starting with a letter or digit)"
+            )
+        if policy.name in names[:i]:
+            raise ConfigError(f"{where}.{i}.name: {policy.name!r} is listed twice")
+        if policy.base and policy.base != config.model.name:
+            raise ConfigError(
+                f"{where}.{i}.base: {policy.base!r} is not model.name ({config.model.name!r}); "
+                "a swarm's policies share one base model (rollout nodes hold one copy of it)"
+            )
+        for name in policy.envs:
+            if name not in env_names:
+                raise ConfigError(
+                    f"{where}.{i}.envs: {name!r} is no environment in envs "
+                    f"(configured: {', '.join(env_names)})"
+                )
+        trained |= set(policy.envs or env_names)
+    if not config.policies:
+        if config.net.policy_endpoints:
+            raise ConfigError(
+                "config error at net.policy_endpoints: there are no [[policies]] to serve"
+            )
+        return
+    if config.model.lora_rank:
+        raise ConfigError(
+            "config error at model.lora_rank: with [[policies]] each policy sets its own "
+            "lora_rank; leave model.lora_rank at 0"
+        )
+    for i, env in enumerate(config.envs):
+        if env.name not in trained:
+            raise ConfigError(
+                f"config error at envs.{i}: {env.name!r} is trained by no policy (add it "
+                "to a policy's envs, or remove it)"
+            )
+    for name, endpoint in config.net.policy_endpoints.items():
+        if name not in names:
+            raise ConfigError(f"config error at net.policy_endpoints.{name}: no such policy")
+        if not is_endpoint(endpoint):
+            raise ConfigError(
+                f"config error at net.policy_endpoints.{name}: {endpoint!r} is not a ZMQ "
+                "endpoint (expected tcp://HOST:PORT or ipc://PATH)"
+            )
+
+
+def policy_names(config: Config) -> list[str]:
+    """The policies a swarm trains: the [[policies]] names, or [""] (the one policy of a
+    config without them)."""
+    return [p.name for p in config.policies] or [""]
+
+
+def policy_view(config: Config, name: str) -> Config:
+    """The config as one policy's trainer sees it: [model] with the policy's LoRA, [trainer]
+    with its settings, only its environments, its trainer endpoint (without --join), and
+    its own run dir (<run dir>/policies/NAME: checkpoints, lineages, metrics). "" (a config
+    without [[policies]]): the config itself."""
+    if name == "" and not config.policies:
+        return config
+    policy = policy_config(config, name)
+    trainer = config.trainer
+    envs = [env for env in config.envs if not policy.envs or env.name in policy.envs]
+    return msgspec.structs.replace(
+        config,
+        model=msgspec.structs.replace(
+            config.model,
+            lora_rank=policy.lora_rank,
+            lora_alpha=policy.lora_alpha,
+            lora_targets=list(policy.lora_targets),
+        ),
+        trainer=msgspec.structs.replace(
+            trainer,
+            lr=policy.lr or trainer.lr,
+            weight_decay=policy.weight_decay or trainer.weight_decay,
+            groups_per_step=policy.groups_per_step or trainer.groups_per_step,
+        ),
+        envs=envs,
+        policies=[policy],
+        net=msgspec.structs.replace(
+            config.net,
+            trainer_endpoint=config.net.policy_endpoints.get(name, config.net.trainer_endpoint),
+        ),
+        run=msgspec.structs.replace(config.run, dir=str(Path(config.run.dir) / "policies" / name)),
+    )
+
+
+def policy_config(config: Config, name: str) -> PolicyConfig:
+    """The [[policies]] entry `name`; ConfigError naming the configured ones otherwise."""
+    for policy in config.policies:
+        if policy.name == name:
+            return policy
+    configured = ", ".join(p.name for p in config.policies) or "none"
+    raise ConfigError(f"no policy {name!r} in this config ([[policies]]: {configured})")
 
 
 def _check_envsched(params: EnvSchedConfig, env_names: set[str]) -> None:

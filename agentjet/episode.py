@@ -41,8 +41,11 @@ class Generator(Protocol):
 
     # A Hugging Face tokenizer (chat template, encode/decode).
     tokenizer: Any
-    # The policy version of the weights currently loaded.
-    policy_version: int
+
+    @property
+    def policy_version(self) -> int:
+        """The policy version of the weights currently loaded."""
+        ...
 
     async def generate(
         self, prompts: list[list[int]], n: int, params: SamplingParams

@@ -60,43 +60,53 @@ class Progress:
     """Turns metric rows into the lines a user watches."""
 
     out: TextIO
-    offsets: dict[str, int] = field(default_factory=dict)  # bytes already shown, per file
+    # The policies' names ([[policies]]); [""]: the one policy of a config without them.
+    policies: list[str] = field(default_factory=lambda: [""])
+    offsets: dict[Path, int] = field(default_factory=dict)  # bytes already shown, per file
     last_version: int = 0
     started: float = field(default_factory=time.monotonic)
 
+    def files(self, run_dir: Path) -> list[tuple[Path, str]]:
+        """The metrics files shown, each with its policy ("" for the rollout node's)."""
+        found = [(run_dir / "metrics" / "rollout.jsonl", "")]
+        for policy in self.policies:
+            trainer_dir = run_dir / "policies" / policy if policy else run_dir
+            found.append((trainer_dir / "metrics" / "trainer.jsonl", policy))
+        return found
+
     def skip_existing(self, run_dir: Path) -> None:
         """Show nothing of what an earlier run on this run dir wrote (a continued run)."""
-        for role in ("rollout", "trainer"):
-            path = run_dir / "metrics" / f"{role}.jsonl"
+        for path, _ in self.files(run_dir):
             if path.exists():
                 data = path.read_bytes()
-                self.offsets[role] = data.rfind(b"\n") + 1  # a cut run may end mid-row
+                self.offsets[path] = data.rfind(b"\n") + 1  # a cut run may end mid-row
 
     def poll(self, run_dir: Path) -> None:
         """Show the rows appended since the last poll (whole lines only; files only grow)."""
-        for role in ("rollout", "trainer"):
-            path = run_dir / "metrics" / f"{role}.jsonl"
+        for path, policy in self.files(run_dir):
             if not path.exists():
                 continue
             with open(path, "rb") as f:
-                f.seek(self.offsets.get(role, 0))
+                f.seek(self.offsets.get(path, 0))
                 data = f.read()
             complete = data[: data.rfind(b"\n") + 1]
-            self.offsets[role] = self.offsets.get(role, 0) + len(complete)
+            self.offsets[path] = self.offsets.get(path, 0) + len(complete)
             for line in complete.splitlines():
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError:
                     continue  # a row a power cut left half-written, then appended to
-                self._show(row)
+                if isinstance(row, dict):
+                    self._show(row, policy or str(row.get("policy", "")))
 
-    def _show(self, row: dict[str, Any]) -> None:
+    def _show(self, row: dict[str, Any], policy: str = "") -> None:
         elapsed = time.monotonic() - self.started
+        name = f"{policy} " if policy else ""  # "policy planner v3"
         if row.get("event") == "step":
-            self.last_version = int(row["policy_version"])
+            self.last_version = max(self.last_version, int(row["policy_version"]))
             zero_variance = row["charts/zero_variance_groups"] + row.get("groups_left_out", 0)
             print(
-                f"[{elapsed:6.0f}s] policy v{row['policy_version']:<4d}"
+                f"[{elapsed:6.0f}s] policy {name}v{row['policy_version']:<4d}"
                 f" reward {row['charts/reward_mean']:.3f}"
                 f"  samples/s {row['perf/samples_per_s']:.2f}"
                 f"  staleness {row['charts/staleness_mean']:.2f}"
@@ -111,14 +121,14 @@ class Progress:
             # Until the first version exists, show that rollouts are being generated.
             print(
                 f"[{elapsed:6.0f}s] rollout: {len(row['group_ids'])} groups sampled at"
-                f" policy v{row['policy_version']}, reward {row['charts/reward_mean']:.3f},"
+                f" policy {name}v{row['policy_version']}, reward {row['charts/reward_mean']:.3f},"
                 f" {row['perf/gen_tokens_per_s']:.0f} tokens/s",
                 file=self.out,
                 flush=True,
             )
         elif row.get("event") == "weights_loaded":
             print(
-                f"[{elapsed:6.0f}s] rollout node switched to policy v{row['policy_version']}",
+                f"[{elapsed:6.0f}s] rollout node switched to policy {name}v{row['policy_version']}",
                 file=self.out,
                 flush=True,
             )
@@ -126,7 +136,8 @@ class Progress:
             # Else the lines stop and nothing says why: the only rollout node's groups are
             # refused (seen: a larger lr, honest samples over trainer.max_logprob_gap).
             print(
-                f"[{elapsed:6.0f}s] the trainer quarantined {row['node_id']}: {row['reason']};"
+                f"[{elapsed:6.0f}s] the {name}trainer quarantined {row['node_id']}:"
+                f" {row['reason']};"
                 " its groups are refused until the trainer restarts (checks: docs/"
                 "ARCHITECTURE.md, Verified trajectories)",
                 file=self.out,
@@ -193,7 +204,11 @@ def prepare_run(config: Config, run_dir: Path) -> Path:
             config.coordinator, endpoint=f"tcp://127.0.0.1:{free_port()}", publish=False
         ),
         net=msgspec.structs.replace(
-            config.net, trainer_endpoint=f"tcp://127.0.0.1:{free_port()}", keys=keys
+            config.net,
+            trainer_endpoint=f"tcp://127.0.0.1:{free_port()}",
+            # one trainer per policy, each on its own port
+            policy_endpoints={p.name: f"tcp://127.0.0.1:{free_port()}" for p in config.policies},
+            keys=keys,
         ),
         swarm=msgspec.structs.replace(config.swarm, run_id=f"{config.swarm.run_id}-{os.getpid()}"),
     )
@@ -211,11 +226,14 @@ def _die_with_launcher() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def spawn(role: str, config_path: Path, run_dir: Path) -> Child:
+def spawn(role: str, config_path: Path, run_dir: Path, policy: str = "") -> Child:
+    """Start a role; `policy`: the policy a trainer trains (its log is trainer-POLICY.log)."""
     argv = [sys.executable, "-m", "agentjet.cli"]
     argv += ["coordinator"] if role == "coordinator" else ["node", "--role", role]
     argv += ["--config", str(config_path)]
-    return _start(role, argv, run_dir)
+    if policy:
+        argv += ["--policy", policy]
+    return _start(f"{role}-{policy}" if policy else role, argv, run_dir)
 
 
 def spawn_dashboard(config: Config, run_dir: Path) -> tuple[Child, str]:
@@ -304,15 +322,18 @@ def run_local(config: Config, run_dir: Path, out: TextIO = sys.stdout) -> int:
 
     signal.signal(signal.SIGINT, request_stop)
     signal.signal(signal.SIGTERM, request_stop)
-    progress = Progress(out)
+    policies = [p.name for p in config.policies]
+    progress = Progress(out, policies or [""])
     progress.skip_existing(run_dir)
     code = 0
     try:
         for role in ROLES:
-            children.append(spawn(role, config_path, run_dir))
+            for policy in (policies or [""]) if role == "trainer" else [""]:
+                children.append(spawn(role, config_path, run_dir, policy))
+        trainers = f"{len(policies)} trainers (policies {', '.join(policies)})" if policies else ""
         print(
-            "started coordinator, trainer and rollout node; the first policy version "
-            "appears after the first batch is generated and trained (Ctrl-C stops)",
+            f"started coordinator, {trainers or 'trainer'} and rollout node; the first policy "
+            "version appears after the first batch is generated and trained (Ctrl-C stops)",
             file=out,
             flush=True,
         )
@@ -333,11 +354,18 @@ def run_local(config: Config, run_dir: Path, out: TextIO = sys.stdout) -> int:
             finished = [c for c in children if c.process.poll() is not None]
             if not finished:
                 continue
-            trainer_done = any(c.role == "trainer" and c.process.returncode == 0 for c in finished)
-            if trainer_done and config.run.max_steps:
+            trainers_done = [
+                c for c in finished if c.role.startswith("trainer") and c.process.returncode == 0
+            ]
+            failed = [c for c in finished if c not in trainers_done or not config.run.max_steps]
+            if not failed:
+                # Every trainer at --max-steps: done. One policy's trainer done before the
+                # others: the others go on.
+                if len(trainers_done) < len(policies or [""]):
+                    continue
                 print(f"reached --max-steps {config.run.max_steps}", file=out)
             else:
-                for c in finished:
+                for c in failed:
                     print(
                         f"{c.role} exited with code {c.process.returncode}; last log lines:\n"
                         f"{c.tail()}",
@@ -349,8 +377,10 @@ def run_local(config: Config, run_dir: Path, out: TextIO = sys.stdout) -> int:
         print("stopping all roles ...", file=out, flush=True)
         stop_children(children + ([dashboard] if dashboard is not None else []), seen)
         progress.poll(run_dir)
-    latest = run_dir / "checkpoints" / "latest"
-    if latest.exists():
-        checkpoint = run_dir / "checkpoints" / latest.read_text().strip()
-        print(f"latest checkpoint: {checkpoint}", file=out)
+    for policy in policies or [""]:
+        checkpoints = (run_dir / "policies" / policy if policy else run_dir) / "checkpoints"
+        latest = checkpoints / "latest"
+        if latest.exists():
+            checkpoint = checkpoints / latest.read_text().strip()
+            print(f"latest checkpoint{f' of {policy}' if policy else ''}: {checkpoint}", file=out)
     return code

@@ -45,7 +45,9 @@ import numpy as np
 #    Sample.teacher_logprobs (on-policy distillation, node/teacher.py).
 # 13: teacher nodes (node/teacher_node.py): TeacherScoreRequest / TeacherScores, a
 #    NodeRecord of role "teacher" naming the teachers it serves.
-PROTOCOL_VERSION = 13
+# 14: several policies (issue 26): WorkGrant.policy, TrajectoryGroup.policy,
+#    NodeRecord.policy (a trainer's) and NodeRecord.policy_versions (a rollout node's).
+PROTOCOL_VERSION = 14
 
 # Earlier lineages a Lineage remembers (one per trainer restart from a checkpoint).
 MAX_ANCESTORS = 16
@@ -163,6 +165,8 @@ class WorkGrant(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     task: Task
     group_size: int
     lease_s: float
+    # The policy that plays it ([[policies]] name; "" = the swarm's one policy).
+    policy: str = ""
 
 
 class WorkGrants(_Msg, tag="work_grants"):
@@ -280,6 +284,8 @@ class TrajectoryGroup(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # The lineage of the policy that sampled it (its versions are the samples'); "" = the
     # base weights, before any trainer's step.
     lineage: str = ""
+    # The policy that sampled it (its grant's); only that policy's trainers take it.
+    policy: str = ""
 
 
 class Lineage(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -511,6 +517,10 @@ class NodeRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     refused: dict[str, int] = msgspec.field(default_factory=dict)
     # A teacher node's teachers (the names environments give them: envs[].teacher).
     teachers: list[str] = msgspec.field(default_factory=list)
+    # The policy a trainer trains ("" = the swarm's one policy); a rollout node's version
+    # of each policy it holds (with [[policies]]).
+    policy: str = ""
+    policy_versions: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 # ── teacher nodes ─────────────────────────────────────────────────────────────────

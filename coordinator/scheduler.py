@@ -2,6 +2,7 @@
 
     config.envs ──▶ make_scheduler(config) ──▶ UniformScheduler | EnvSched (coordinator/envsched.py)
     Scheduler.choose(k, rng, open_by_env, grants_issued) ──▶ [Task, …]
+    share_out(k, policy shares, grants per policy) ──▶ how many of k each policy gets
     GroupReport ──▶ Scheduler.observe(task, report) ──▶ Scheduler.statistics (both keep them)
     [Lease] + now ──▶ expired(…) ──▶ leases whose node went silent
 
@@ -93,6 +94,22 @@ def make_scheduler(config: Config) -> Scheduler:
     if config.coordinator.scheduler == "envsched":
         return EnvSched(config.envs, params, group_size, config.run.seed)
     return UniformScheduler(config.envs, config.run.seed, Statistics(params, group_size))
+
+
+def share_out(count: int, shares: dict[str, float], granted: dict[str, int]) -> dict[str, int]:
+    """How many of `count` new grants go to each policy: one at a time to the policy furthest
+    below its share of all grants so far (`granted`, per policy), so shares hold across
+    requests, restarts (the counts are the store's) and regrants."""
+    total_share = sum(shares.values())
+    counts = {policy: granted.get(policy, 0) for policy in shares}
+    total = sum(counts.values())
+    split = dict.fromkeys(shares, 0)
+    for _ in range(count):
+        total += 1
+        policy = max(shares, key=lambda p: total * shares[p] / total_share - counts[p])
+        counts[policy] += 1
+        split[policy] += 1
+    return {policy: k for policy, k in split.items() if k}
 
 
 def draw_rng(seed: int, grants_issued: int) -> random.Random:

@@ -35,8 +35,10 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, assert_never
 
+import msgspec
+
 from agentjet import protocol
-from agentjet.config import Config
+from agentjet.config import Config, policy_names, policy_view
 from agentjet.identity import node_keys
 from agentjet.metrics import MetricsWriter
 from agentjet.protocol import (
@@ -59,7 +61,13 @@ from agentjet.roles import print_join_command, run_role, supervise
 from agentjet.transport import Server
 from coordinator.beacon import Beacon
 from coordinator.envsched import status_table
-from coordinator.scheduler import Scheduler, draw_rng, make_scheduler, sweep_interval_s
+from coordinator.scheduler import (
+    Scheduler,
+    draw_rng,
+    make_scheduler,
+    share_out,
+    sweep_interval_s,
+)
 from coordinator.store import Accepted, Refused, Store
 
 log = logging.getLogger(__name__)
@@ -142,7 +150,13 @@ class Coordinator:
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.config = config
-        self.scheduler = scheduler or make_scheduler(config)
+        # One scheduler per policy, each over its environments, with statistics of its own.
+        self.schedulers: dict[str, Scheduler] = {
+            name: make_scheduler(policy_view(config, name)) for name in policy_names(config)
+        }
+        if scheduler is not None:
+            self.schedulers[next(iter(self.schedulers))] = scheduler
+        self.shares = {p.name: p.weight for p in config.policies} or {"": 1.0}
         self.clock = clock  # wall clock: lease times are stored and must survive a restart
         self.node_id = f"coordinator-{socket.gethostname()}-{os.getpid()}"
         self.beacon: Beacon | None = None  # with coordinator.publish
@@ -228,8 +242,8 @@ class Coordinator:
                 return WorkGrants(grants=grants)
             case GroupReport():
                 match self.store.complete(msg, now):
-                    case Accepted(task=task):
-                        self.scheduler.observe(task, msg)
+                    case Accepted(task=task, policy=policy):
+                        self._scheduler(policy).observe(task, msg)
                         self.reward_window.add(msg.rewards)
                         return Ok()
                     case Refused(reason=reason):
@@ -244,10 +258,30 @@ class Coordinator:
             case _:
                 assert_never(msg)
 
+    @property
+    def scheduler(self) -> Scheduler:
+        """The first policy's scheduler (the only one without [[policies]])."""
+        return next(iter(self.schedulers.values()))
+
+    def _scheduler(self, policy: str) -> Scheduler:
+        # A grant of a policy since removed from the config: learnt by the first policy's.
+        return self.schedulers.get(policy) or self.scheduler
+
     def status(self, now: float) -> CoordinatorStatus:
         stats = self.store.stats()
-        recent = self.store.recent_tasks(RECENT_GRANTS)
-        targets = self.scheduler.target_weights(stats.grants_issued)
+        table = []
+        for policy, scheduler in self.schedulers.items():
+            recent = self.store.recent_tasks(
+                RECENT_GRANTS, policy if self.config.policies else None
+            )
+            rows = status_table(
+                scheduler.statistics, recent, scheduler.target_weights(stats.grants_issued)
+            )
+            # With [[policies]], each policy's rows are named POLICY/NAME.
+            table += [
+                msgspec.structs.replace(row, name=f"{policy}/{row.name}") if policy else row
+                for row in rows
+            ]
         return CoordinatorStatus(
             grants_issued=stats.grants_issued,
             grants_completed=stats.grants_completed,
@@ -257,22 +291,30 @@ class Coordinator:
             rejected_messages=self.server.rejected + self.invalid_requests,
             scheduler=self.config.coordinator.scheduler,
             regrants_queued=stats.regrants_queued,
-            recent_grants=len(recent),
-            table=status_table(self.scheduler.statistics, recent, targets),
+            recent_grants=min(stats.grants_issued, RECENT_GRANTS),
+            table=table,
             denied_handshakes=self.server.denied,
             refused=self.server.refused,
         )
 
-    def _draw_new(self, count: int, grants_issued: int) -> list[Task]:
+    def _draw_new(self, count: int, grants_issued: int) -> list[tuple[Task, str]]:
+        """`count` new (task, policy) picks: the policies by their shares, then each
+        policy's scheduler its tasks."""
         rng = draw_rng(self.config.run.seed, grants_issued)
-        return self.scheduler.choose(count, rng, self.store.open_by_env(), grants_issued)
+        split = share_out(count, self.shares, self.store.grants_by_policy())
+        picks: list[tuple[Task, str]] = []
+        for policy, k in split.items():
+            scheduler = self._scheduler(policy)
+            tasks = scheduler.choose(k, rng, self.store.open_by_env(), grants_issued)
+            picks += [(task, policy) for task in tasks]
+        return picks
 
     def _replay_reports(self) -> None:
         """Feed the scheduler every stored report, in order: its statistics are as they were
         when the last coordinator stopped (decay counts reports, not seconds)."""
         start, replayed = time.perf_counter(), 0
-        for task, report in self.store.accepted_reports():
-            self.scheduler.observe(task, report)
+        for task, policy, report in self.store.accepted_reports_by_policy():
+            self._scheduler(policy).observe(task, report)
             replayed += 1
         if replayed:
             log.info(

@@ -29,8 +29,10 @@ from agentjet.errors import AgentjetError
 from agentjet.protocol import GroupReport, Task, WorkGrant
 from coordinator.scheduler import Lease, expired
 
-# Bumped whenever the tables change; a file written by a newer coordinator is refused.
-SCHEMA_VERSION = 1
+# Bumped whenever the tables change; a file written by a newer coordinator is refused, an
+# older one is brought up to date when opened (`_MIGRATIONS`).
+# 2: grants.policy (several policies, issue 26).
+SCHEMA_VERSION = 2
 
 # Reports keep at most this much of a node's error text (the tail of a traceback is enough).
 MAX_ERROR_CHARS = 2000
@@ -51,7 +53,8 @@ CREATE TABLE IF NOT EXISTS grants (
     lease_until REAL NOT NULL,              -- holder's last_seen + lease_s, refreshed on contact
     done_at     REAL,
     expired_at  REAL,                       -- set once; kept when a late report completes it
-    regrant_of  TEXT REFERENCES grants(grant_id)
+    regrant_of  TEXT REFERENCES grants(grant_id),
+    policy      TEXT NOT NULL DEFAULT ''     -- [[policies]] name; '' = the one policy
 );
 CREATE INDEX IF NOT EXISTS grants_by_state_node ON grants(state, node_id);
 CREATE TABLE IF NOT EXISTS regrant_queue (
@@ -86,6 +89,9 @@ INSERT OR IGNORE INTO counters (name, value) VALUES
     ('grants_issued', 0), ('grants_completed', 0), ('grants_expired', 0);
 """
 
+# From schema version N - 1 to N (the key), run before _SCHEMA in the same transaction.
+_MIGRATIONS = {2: "ALTER TABLE grants ADD COLUMN policy TEXT NOT NULL DEFAULT '';"}
+
 _task_decoder = msgspec.json.Decoder(Task)
 
 
@@ -98,6 +104,7 @@ class Accepted(NamedTuple):
 
     task: Task
     late: bool  # the lease had expired before the report came
+    policy: str = ""  # the grant's policy
 
 
 class Refused(NamedTuple):
@@ -115,8 +122,9 @@ class StoreStats(msgspec.Struct, frozen=True, kw_only=True):
     nodes_last_seen: dict[str, float]  # node id -> unix seconds
 
 
-# Draws `count` new tasks, given how many grants were issued before (to seed its rng).
-DrawNew = Callable[[int, int], Sequence[Task]]
+# Draws `count` new tasks, given how many grants were issued before (to seed its rng): each a
+# Task (for the one policy) or a (Task, policy name) pair.
+DrawNew = Callable[[int, int], Sequence[Task | tuple[Task, str]]]
 
 
 class Store:
@@ -148,8 +156,14 @@ class Store:
         self._db.execute("PRAGMA synchronous=FULL")  # a reply is sent only after its fsync
         self._db.execute("PRAGMA foreign_keys=ON")
         # One script, one transaction: every statement is idempotent, so reopening is harmless.
+        # A file of an older schema (one with tables: version 0 is a new file) migrates first.
+        has_tables = self._db.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]
+        migrations = "".join(
+            _MIGRATIONS[v] for v in range(version + 1, SCHEMA_VERSION + 1) if has_tables
+        )
         self._db.executescript(
-            f"BEGIN IMMEDIATE; {_SCHEMA} PRAGMA user_version = {SCHEMA_VERSION}; COMMIT;"
+            f"BEGIN IMMEDIATE; {migrations} {_SCHEMA} PRAGMA user_version = {SCHEMA_VERSION};"
+            " COMMIT;"
         )
 
     @contextmanager
@@ -188,26 +202,33 @@ class Store:
         with self._transaction() as db:
             self._touch(node_id, now, "", policy_version)
             queued = db.execute(
-                "SELECT q.seq, g.grant_id, g.task FROM regrant_queue q "
+                "SELECT q.seq, g.grant_id, g.task, g.policy FROM regrant_queue q "
                 "JOIN grants g ON g.grant_id = q.grant_id ORDER BY q.seq LIMIT ?",
                 (max_groups,),
             ).fetchall()
             db.executemany("DELETE FROM regrant_queue WHERE seq = ?", [(q[0],) for q in queued])
             issued = self._counter("grants_issued")
-            picks: list[tuple[Task, str | None]] = [
-                (_task_decoder.decode(task_json), old_id) for _, old_id, task_json in queued
+            picks: list[tuple[Task, str, str | None]] = [
+                (_task_decoder.decode(task_json), policy, old_id)
+                for _, old_id, task_json, policy in queued
             ]
-            picks += [(task, None) for task in draw_new(max_groups - len(queued), issued)]
+            for drawn in draw_new(max_groups - len(queued), issued):
+                task, policy = (drawn, "") if isinstance(drawn, Task) else drawn
+                picks.append((task, policy, None))
             grants = []
-            for task, regrant_of in picks:
+            for task, policy, regrant_of in picks:
                 grant_id = uuid.uuid4().hex
                 grant = WorkGrant(
-                    grant_id=grant_id, task=task, group_size=group_size, lease_s=self.lease_s
+                    grant_id=grant_id,
+                    task=task,
+                    group_size=group_size,
+                    lease_s=self.lease_s,
+                    policy=policy,
                 )
                 db.execute(
                     "INSERT INTO grants (grant_id, task, env, task_id, node_id, group_size,"
-                    " state, granted_at, lease_until, regrant_of)"
-                    " VALUES (?, ?, ?, ?, ?, ?, 'open', ?, ?, ?)",
+                    " state, granted_at, lease_until, regrant_of, policy)"
+                    " VALUES (?, ?, ?, ?, ?, ?, 'open', ?, ?, ?, ?)",
                     (
                         grant_id,
                         msgspec.json.encode(task).decode(),
@@ -218,6 +239,7 @@ class Store:
                         now,
                         now + self.lease_s,
                         regrant_of,
+                        policy,
                     ),
                 )
                 grants.append(grant)
@@ -230,12 +252,12 @@ class Store:
         with self._transaction() as db:
             self._touch(report.node_id, now, "", None)
             row = db.execute(
-                "SELECT task, node_id, group_size, state FROM grants WHERE grant_id = ?",
+                "SELECT task, node_id, group_size, state, policy FROM grants WHERE grant_id = ?",
                 (report.grant_id,),
             ).fetchone()
             if row is None:
                 return Refused(f"grant {report.grant_id} is unknown to this coordinator")
-            task_json, holder, group_size, state = row
+            task_json, holder, group_size, state, policy = row
             if state == "done":
                 return Refused(f"grant {report.grant_id} was already completed")
             if holder != report.node_id:
@@ -271,7 +293,7 @@ class Store:
                 ),
             )
             self._add("grants_completed", 1)
-            return Accepted(_task_decoder.decode(task_json), late)
+            return Accepted(_task_decoder.decode(task_json), late, policy)
 
     def expire_silent(self, now: float, not_before: float = -math.inf) -> list[str]:
         """Expire the open grants of nodes silent for longer than `lease_s` (silence counted from
@@ -307,14 +329,23 @@ class Store:
         """Every recorded report with its grant's task, in the order they were accepted: the
         scheduler replays them to rebuild its statistics. Rows are never deleted and the file
         is never vacuumed, so rowid order is acceptance order."""
+        for task, _, report in self.accepted_reports_by_policy():
+            yield task, report
+
+    def accepted_reports_by_policy(self) -> Iterator[tuple[Task, str, GroupReport]]:
+        """`accepted_reports` with each grant's policy."""
         rows = self._db.execute(
-            "SELECT g.task, r.node_id, r.grant_id, r.rewards, r.completion_tokens, r.turns,"
-            " r.wall_s, r.failed, r.error FROM reports r"
+            "SELECT g.task, g.policy, r.node_id, r.grant_id, r.rewards, r.completion_tokens,"
+            " r.turns, r.wall_s, r.failed, r.error FROM reports r"
             " JOIN grants g ON g.grant_id = r.grant_id ORDER BY r.rowid"
         )
-        for task_json, node_id, grant_id, rewards, tokens, turns, wall_s, failed, error in rows:
+        for row in rows:
+            task_json, policy, node_id, grant_id, rewards, tokens, turns, wall_s, failed, error = (
+                row
+            )
             yield (
                 _task_decoder.decode(task_json),
+                policy,
                 GroupReport(
                     node_id=node_id,
                     grant_id=grant_id,
@@ -327,12 +358,19 @@ class Store:
                 ),
             )
 
-    def recent_tasks(self, limit: int) -> list[Task]:
-        """The tasks of the newest `limit` grants, newest first."""
+    def recent_tasks(self, limit: int, policy: str | None = None) -> list[Task]:
+        """The tasks of the newest `limit` grants (of `policy` only, unless None), newest
+        first."""
         rows = self._db.execute(
-            "SELECT task FROM grants ORDER BY rowid DESC LIMIT ?", (limit,)
+            "SELECT task FROM grants WHERE ? IS NULL OR policy = ? ORDER BY rowid DESC LIMIT ?",
+            (policy, policy, limit),
         ).fetchall()
         return [_task_decoder.decode(task_json) for (task_json,) in rows]
+
+    def grants_by_policy(self) -> dict[str, int]:
+        """Grants issued per policy (what the policies' shares are steered by)."""
+        rows = self._db.execute("SELECT policy, count(*) FROM grants GROUP BY policy").fetchall()
+        return {policy: count for policy, count in rows}
 
     def open_by_env(self) -> dict[str, int]:
         """Open grants per environment (what capacity limits count)."""

@@ -45,6 +45,7 @@ class TrainerPeer:
     lineage: protocol.Lineage = field(default_factory=protocol.Lineage)
     blocked_until: float = 0.0  # monotonic time before which nothing is offered to it
     failures: int = 0
+    policy: str = ""  # the policy it trains: it takes only that policy's groups
 
     def block(self, now: float, backoff: bool) -> None:
         """Leave this trainer alone for a while (longer after each unanswered request)."""
@@ -100,11 +101,12 @@ class Ledger:
     def pick(
         self, pending: Pending, trainers: dict[str, TrainerPeer], now: float
     ) -> TrainerPeer | None:
-        """The trainer to offer `pending` to now, or None to wait."""
+        """The trainer to offer `pending` to now (one of its policy's), or None to wait."""
         if pending.state == "unsure":
             trainer = trainers.get(pending.trainer or "")
             return trainer if trainer is not None and trainer.blocked_until <= now else None
-        ready = [t for t in trainers.values() if t.blocked_until <= now]
+        policy = pending.group.policy
+        ready = [t for t in trainers.values() if t.blocked_until <= now and t.policy == policy]
         if not ready:
             return None
 

@@ -16,7 +16,7 @@ decode), and each takes its blocking compute across the one bridge to a thread
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -24,7 +24,7 @@ import torch
 
 from agentjet.config import ModelConfig, RolloutConfig
 from agentjet.devices import memory_share, resolve_device, resolve_dtype, resolve_engine
-from agentjet.episode import Generator
+from agentjet.episode import Completion, Generator, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +49,37 @@ class Engine(Generator, Protocol):
         """The weights by HF name, tied ones once."""
         ...
 
+    # Several policies over one base (issue 26; tests/engine_contract.py
+    # `check_policies_contract`): the version of each policy's adapters loaded.
+    @property
+    def policy_versions(self) -> dict[str, int]: ...
 
-def open_engine(model: ModelConfig, rollout: RolloutConfig, path: Path, seed: int) -> Engine:
-    """The engine the config asks for on this machine; one-line DeviceError when it cannot be."""
+    async def load_adapters(
+        self, policy: str, adapters: Mapping[str, torch.Tensor], lora: ModelConfig, version: int
+    ) -> None:
+        """Take a version of `policy`'s LoRA adapters next to the others'."""
+        ...
+
+    async def generate(
+        self,
+        prompts: list[list[int]],
+        n: int,
+        params: SamplingParams,
+        policies: Sequence[str | None] | None = None,
+    ) -> list[list[Completion]]:
+        """`Generator.generate`, each prompt i under `policies[i]`'s adapters (None: base)."""
+        ...
+
+
+def open_engine(
+    model: ModelConfig,
+    rollout: RolloutConfig,
+    path: Path,
+    seed: int,
+    policy_loras: Sequence[ModelConfig] = (),
+) -> Engine:
+    """The engine the config asks for on this machine; one-line DeviceError when it cannot be.
+    `policy_loras`: the model configs of the policies ([[policies]]) whose adapters it holds."""
     device = resolve_device(rollout.device, "rollout.device")
     kind = resolve_engine(rollout.engine, device)
     dtype = resolve_dtype(model.dtype, device)
@@ -62,7 +90,13 @@ def open_engine(model: ModelConfig, rollout: RolloutConfig, path: Path, seed: in
 
         lora = model if model.lora_rank else None
         engine = VLLMEngine(
-            path, dtype=dtype, seed=seed, gpu_memory_utilization=share, device=device, lora=lora
+            path,
+            dtype=dtype,
+            seed=seed,
+            gpu_memory_utilization=share,
+            device=device,
+            lora=lora,
+            policy_loras=policy_loras,
         )
     else:
         from node.torch_engine import TorchEngine

@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import mmap
 import os
 import random
 import socket
@@ -42,38 +41,29 @@ import torch
 
 from agentjet import protocol, rl
 from agentjet.bridge import blocking
-from agentjet.config import AGENT_ENVS, Config, is_endpoint
+from agentjet.config import AGENT_ENVS, Config, is_endpoint, policy_names, policy_view
 from agentjet.devices import peak_memory
-from agentjet.episode import Episode, SamplingParams
+from agentjet.episode import Episode, Generator, SamplingParams
 from agentjet.identity import node_keys
 from agentjet.metrics import MetricsWriter
 from agentjet.roles import run_role, supervise, wait_for
 from agentjet.tasks import TaskSource, draw_tasks
 from agentjet.timeline import Sequence
 from agentjet.transport import Client, PeerUnavailable
-from node import memory
 from node.agents import AgentEnv, make_agent_env
 from node.delivery import Ledger, Pending, TrainerPeer
 from node.engine import open_engine
 from node.gpu_monitor import GpuMonitor
 from node.gpu_monitor import metrics as gpu_metrics
 from node.held_out import HeldOut
-from node.lora import AdapterMerger
 from node.model import resolve_model
-from node.relay import (
-    FetchStats,
-    RelayPeer,
-    RelayServer,
-    fetch_relayed,
-    open_relay,
-    relay_peers,
-)
+from node.policy_sync import PolicySync, PolicyView
+from node.relay import RelayPeer, RelayServer, open_relay, relay_peers
 from node.spool import Spool, SpoolFull
 from node.swarm import Directory, start_dht, visible_maddrs
 from node.teacher import open_teachers
-from node.trainer_link import Superseded, answers, probe, trainer_client
+from node.trainer_link import answers, probe, trainer_client
 from node.trajectory_log import TrajectoryLog
-from node.weights import SpareBuffer, WeightAssembly
 from sandboxes.envs import Environment, PromptEnv, make_env
 from sandboxes.envs.prompt import rewards_metrics
 from sandboxes.pool import SandboxPool, open_pool
@@ -81,17 +71,12 @@ from sandboxes.process import ProcessSandbox
 
 log = logging.getLogger(__name__)
 
-# A fetched version waiting for the batch in progress to end: lineage, version, checksum,
-# its tensors and the buffer they are views of (None: the trainer's memory, mapped).
-ReadyWeights = tuple[protocol.Lineage, int, str, dict[str, torch.Tensor], mmap.mmap | None]
-
-# How often the node asks the trainer for a newer policy version (acks also announce one).
-POLICY_POLL_S = 1.0
 # How often the node asks trainers which of the groups they hold are trained.
 STATUS_POLL_S = 1.0
 # Back-off bounds when the coordinator does not answer.
 RETRY_MIN_S, RETRY_MAX_S = 0.5, 10.0
-# The trainer of a config without --join (there is no directory to name it).
+# The trainer of a config without --join (there is no directory to name it); with
+# [[policies]], "trainer/NAME" is the trainer of policy NAME.
 STATIC_TRAINER = "trainer"
 # While the coordinator is away, each batch first asks it for this long, then goes local.
 FALLBACK_PROBE_S = 1.0
@@ -148,6 +133,7 @@ def build_group(
         created_at=time.time(),
         wall_s=wall_s,
         lineage=lineage,
+        policy=grant.policy,
     )
 
 
@@ -172,13 +158,11 @@ class Rollout:
         # Gone trainers whose groups are not settled yet (no trainer live to read their
         # marks against, or marks undecided), with when each was found gone.
         self.departed: dict[str, float] = {}
-        # The lineage of the engine's weights (protocol.Lineage; "" = the base weights).
-        self.lineage = protocol.Lineage()
+        # Each policy's versions on the engine ("": the swarm's one policy).
+        self.policies: dict[str, PolicySync] = {}
+        self.static_trainers: set[str] = set()  # the trainers of a config without --join
         self.samples_per_s = 0.0
         self.reports: asyncio.Queue[protocol.GroupReport] = asyncio.Queue()
-        # A complete, verified policy version waiting to be loaded between batches.
-        self.ready_weights: ReadyWeights | None = None
-        self.spare_weights = SpareBuffer()  # the buffer of the version loaded last
         self.counts: defaultdict[str, int] = defaultdict(int)
 
     def setup(self, cleanup: ExitStack) -> None:
@@ -186,21 +170,22 @@ class Rollout:
         self.room = asyncio.Event()  # set while unacked groups are below the bound
         self.room.set()
         self.unsent = asyncio.Event()
-        # A trainer reported a version newer than ours (the first directory read may).
-        self.newer_policy = asyncio.Event()
         self.keys = node_keys(cfg.net, self.node_id)
         if self.keys is not None:  # a node's own key file names it
             self.node_id = self.keys.name
         torch.set_num_threads(cfg.rollout.torch_threads)
         s = cfg.rollout.sampling
         path = resolve_model(cfg.model.name, cfg.model.cache_dir)
-        self.engine = open_engine(cfg.model, cfg.rollout, path, cfg.run.seed)
+        views = {name: policy_view(cfg, name) for name in policy_names(cfg)}
+        loras = [view.model for view in views.values()] if cfg.policies else []
+        self.engine = open_engine(cfg.model, cfg.rollout, path, cfg.run.seed, loras)
+        for name, view in views.items():
+            self.policies[name] = PolicySync(
+                name, self.engine, view.model, cfg.net, lambda: self.metrics
+            )
         self.gpu = GpuMonitor.for_devices([self.engine.device])  # NVML; nothing on CPUs
         cleanup.callback(self.gpu.close)
         self.gpus: list[protocol.GpuStats] = []  # the last sample
-        self.merger: AdapterMerger | None = None
-        if cfg.model.lora_rank and not self.engine.takes_adapters:
-            self.merger = AdapterMerger(self.engine.state_dict(), cfg.model)
         self.pool: SandboxPool | None = None
         if any(env.sandboxed() for env in cfg.envs):
             self.pool = open_pool(cfg.sandbox, self.node_id)
@@ -219,7 +204,7 @@ class Rollout:
         for source in self.sources:
             if source.skipped:
                 self.counts[f"tasks_skipped/{source.env}"] = source.skipped
-        self.held_out = HeldOut(cfg)
+        self.held_out = {name: HeldOut(view) for name, view in views.items()}
         self.trajectories = TrajectoryLog(
             cfg.run.dir,
             cfg.rollout.trajectory_share,
@@ -246,14 +231,18 @@ class Rollout:
             cleanup.callback(self.directory.withdraw, self.node_id)
             self.maddrs = visible_maddrs(dht)
             # a peer asking for a newer version than this node holds: fetch it now
-            newer = self.newer_policy.set
+            newer = self.policies[policy_names(cfg)[0]].newer.set
             self.relay = open_relay(cfg.net, self.maddrs, cfg.swarm.run_id, newer)
             if self.relay is not None:
                 cleanup.callback(self.relay.close)
             self._discover_once()
         else:
             self._connect_coordinator(cfg.coordinator.endpoint)
-            self._add_trainer(TrainerPeer(STATIC_TRAINER, cfg.net.trainer_endpoint))
+            for name, view in views.items():
+                node_id = f"{STATIC_TRAINER}/{name}" if name else STATIC_TRAINER
+                self.static_trainers.add(node_id)
+                peer = TrainerPeer(node_id, view.net.trainer_endpoint, policy=name)
+                self._add_trainer(peer)
         self.metrics = MetricsWriter(Path(cfg.run.dir), "rollout", cfg.log)
         cleanup.callback(self.metrics.close)
         self._restore_spool(cleanup)
@@ -343,7 +332,12 @@ class Rollout:
                     "rollout-produce": self._produce(),
                     "rollout-deliver": self._deliver(),
                     "rollout-report": self._report(),
-                    "rollout-weights": self._sync_weights(),
+                    **{
+                        f"rollout-weights{'-' if name else ''}{name}": sync.run(
+                            self.trainers, self.clients, lambda: (self.relay, self.relays)
+                        )
+                        for name, sync in self.policies.items()
+                    },
                     "rollout-heartbeat": self._heartbeat(),
                     **({"rollout-discover": self._discover()} if self.directory else {}),
                     **({"rollout-relay": self.relay.serve()} if self.relay else {}),
@@ -362,21 +356,28 @@ class Rollout:
         while True:
             await self.room.wait()
             grants = await self._request_work()
-            await self._load_ready_weights()
-            if self.held_out.due(self.engine.policy_version):
-                self.metrics.write(await self.held_out.run(self.envs, self.engine))
-            by_env: defaultdict[tuple[str, int], list[protocol.WorkGrant]] = defaultdict(list)
+            for policy_sync in self.policies.values():
+                await policy_sync.load()
+            for name, held_out in self.held_out.items():
+                view = self._generator(name)
+                if held_out.due(view.policy_version):
+                    row = await held_out.run(self.envs, view)
+                    self.metrics.write({**row, **({"policy": name} if name else {})})
+            by_env: defaultdict[tuple[str, int, str], list[protocol.WorkGrant]] = defaultdict(list)
             for grant in grants:
-                by_env[(grant.task.env, grant.group_size)].append(grant)
-            for (env_name, n), env_grants in by_env.items():
+                by_env[(grant.task.env, grant.group_size, grant.policy)].append(grant)
+            for (env_name, n, policy), env_grants in by_env.items():
                 env = self.envs.get(env_name)
-                if env is None:
+                sync = self.policies.get(policy)
+                if env is None or sync is None:
+                    what = f"environment {env_name!r}" if env is None else f"policy {policy!r}"
                     for grant in env_grants:
-                        self._queue_report(grant, [], 0.0, f"no environment {env_name!r} here")
+                        self._queue_report(grant, [], 0.0, f"no {what} here")
                     continue
+                generator = self._generator(policy)
                 start = time.perf_counter()
                 episodes = await env.run_group(
-                    self.engine, [g.task for g in env_grants], n, self.params
+                    generator, [g.task for g in env_grants], n, self.params
                 )
                 wall_s = time.perf_counter() - start
                 tokens = sum(_model_tokens(e) for eps in episodes for e in eps)
@@ -387,7 +388,7 @@ class Rollout:
                         self._queue_report(grant, [], wall_s / len(env_grants), "no episodes")
                         continue
                     group = build_group(
-                        grant, eps, self.node_id, wall_s / len(env_grants), self.lineage.id
+                        grant, eps, self.node_id, wall_s / len(env_grants), sync.lineage.id
                     )
                     played.append((grant, eps, group))
                 teacher_kls: list[float] = []
@@ -420,9 +421,10 @@ class Rollout:
                     {
                         "event": "batch",
                         "env": env_name,
+                        **({"policy": policy} if policy else {}),
                         "group_ids": created,
-                        "policy_version": self.engine.policy_version,
-                        "lineage": self.lineage.id,
+                        "policy_version": generator.policy_version,
+                        "lineage": sync.lineage.id,
                         "charts/reward_mean": sum(rewards) / len(rewards),
                         "perf/gen_tokens_per_s": tokens / wall_s,
                         "perf/samples_per_s": len(rewards) / wall_s,
@@ -455,6 +457,11 @@ class Rollout:
                         spool.directory,
                         spool.nbytes / 2**20,
                     )
+
+    def _generator(self, policy: str) -> Generator:
+        """What an environment samples `policy` with: the engine itself for the swarm's one
+        policy, else a view of it that samples with that policy's adapters."""
+        return PolicyView(self.engine, policy) if policy else self.engine
 
     def _pool_metrics(self) -> dict[str, float]:
         if self.pool is None:
@@ -504,7 +511,9 @@ class Rollout:
         """The local fallback: uniform tasks from this node's own task sources.
 
         Their groups are trained like any other; the coordinator never hears of them (it
-        has no grant to attach them to), so its scheduler learns nothing from them.
+        has no grant to attach them to), so its scheduler learns nothing from them. With
+        [[policies]], each task goes to one of the policies that train its environment, by
+        their weights.
         """
         cfg = self.config
         weights = [e.weight for e in cfg.envs]
@@ -514,11 +523,18 @@ class Rollout:
             protocol.WorkGrant(
                 grant_id=f"{LOCAL_GRANT_PREFIX}{uuid.uuid4().hex}",
                 task=task,
+                policy=self._local_policy(task.env),
                 group_size=cfg.rollout.group_size,
                 lease_s=0.0,
             )
             for task in tasks
         ]
+
+    def _local_policy(self, env: str) -> str:
+        training = [p for p in self.config.policies if not p.envs or env in p.envs]
+        if not training:
+            return ""
+        return self.rng.choices([p.name for p in training], [p.weight for p in training])[0]
 
     def _queue_report(
         self, grant: protocol.WorkGrant, episodes: list[Episode], wall_s: float, error: str
@@ -564,7 +580,7 @@ class Rollout:
             self.counts["groups_resent"] += 1
         # A trainer from the directory is asked by its node id (a trainer restarted on its
         # endpoint is another); the one trainer of a config without --join is unnamed.
-        addressed = "" if trainer.node_id == STATIC_TRAINER else trainer.node_id
+        addressed = "" if trainer.node_id in self.static_trainers else trainer.node_id
         self.ledger.offering(pending, trainer)
         try:
             reply = await self.clients[trainer.node_id].request(
@@ -621,8 +637,9 @@ class Rollout:
 
     def _saw_version(self, trainer: TrainerPeer, version: int) -> None:
         trainer.policy_version = max(trainer.policy_version, version)
-        if version > self.engine.policy_version:
-            self.newer_policy.set()
+        sync = self.policies.get(trainer.policy)
+        if sync is not None:
+            sync.saw(version)
 
     # ── the swarm's directory ────────────────────────────────────────────────────
 
@@ -645,8 +662,9 @@ class Rollout:
                 capacity=self.config.rollout.max_unacked_groups,
                 samples_per_s=self.samples_per_s,
                 time=time.time(),
-                lineage=self.lineage,
+                lineage=next(iter(self.policies.values())).lineage,
                 gpus=self.gpus,
+                policy_versions={n: p.version for n, p in self.policies.items() if n},
             )
         )
         if self.keys is not None:  # this node's DHT peer refuses revoked nodes too
@@ -755,15 +773,16 @@ class Rollout:
         for r in records:
             if r.role != "trainer" or r.protocol_version != protocol.PROTOCOL_VERSION:
                 continue
-            if not is_endpoint(r.endpoint):
-                continue
+            if not is_endpoint(r.endpoint) or r.policy not in self.policies:
+                continue  # (a trainer of a policy this node's config does not hold)
             seen.add(r.node_id)
             trainer = self.trainers.get(r.node_id)
-            if trainer is None or trainer.endpoint != r.endpoint:
+            if trainer is None or trainer.endpoint != r.endpoint or trainer.policy != r.policy:
                 if trainer is not None:
                     self.retired.append(self.clients.pop(r.node_id))
-                log.info("trainer %s at %s joined", r.node_id, r.endpoint)
-                trainer = TrainerPeer(r.node_id, r.endpoint)
+                policy = f" (policy {r.policy})" if r.policy else ""
+                log.info("trainer %s at %s joined%s", r.node_id, r.endpoint, policy)
+                trainer = TrainerPeer(r.node_id, r.endpoint, policy=r.policy)
                 self._add_trainer(trainer)
             trainer.queue, trainer.capacity = max(r.queue, 0), max(r.capacity, 1)
             if trainer.lineage != r.lineage:
@@ -819,119 +838,6 @@ class Rollout:
                 await self.coordinator.request(beat, self._coordinator_timeout())
             except PeerUnavailable:
                 log.warning("coordinator missed a heartbeat")
-
-    # ── policy versions ──────────────────────────────────────────────────────────
-
-    async def _sync_weights(self) -> None:
-        while True:
-            with contextlib.suppress(TimeoutError):
-                await wait_for(self.newer_policy.wait(), POLICY_POLL_S)
-            self.newer_policy.clear()
-            # The newest version, from the least loaded trainer that has it; the next
-            # one when it does not answer (its record can outlive it by record_ttl_s).
-            for source in sorted(
-                self.trainers.values(), key=lambda t: (-t.policy_version, t.queue)
-            ):
-                if await self._fetch_weights(source):
-                    break
-
-    async def _fetch_weights(self, source: TrainerPeer) -> bool:
-        """Fetch `source`'s policy version when it supersedes the newest this node has
-        (`Lineage.supersedes`); False when `source` did not answer."""
-        client = self.clients.get(source.node_id)
-        if client is None:  # gone while an earlier source was asked
-            return False
-        try:
-            lineage, version = self.lineage, self.engine.policy_version
-            if self.ready_weights is not None:
-                lineage, version = self.ready_weights[0], self.ready_weights[1]
-            for manifest in (False, True):  # a poll; the manifest only of a newer version
-                info = await client.request(protocol.PolicyQuery(manifest=manifest))
-                if not isinstance(info, protocol.PolicyInfo):
-                    return True
-                live = [t.lineage for t in self.trainers.values()]
-                if not info.lineage.supersedes(info.version, lineage, version, live):
-                    return True
-            if self.relay is not None:
-                self.relay.drop()  # before its buffer is reused for this version
-            # On the trainer's host its memory is mapped (checked as fetched chunks are).
-            assembly = None
-            if self.config.net.map_local:
-                assembly = await blocking(WeightAssembly.mapped, info)
-            if assembly is None:
-                assembly = WeightAssembly.of(info, self.spare_weights)
-            if self.relay is not None:
-                self.relay.hold(assembly, info.ticket)
-            if assembly.local:
-                fetched = FetchStats()
-            else:
-                fetched = await fetch_relayed(assembly, info, client, self.node_id, self.relays)
-            state = await blocking(assembly.finish)
-            if self.merger is not None:  # LoRA: adapters arrive, this engine takes weights
-                state = await blocking(self.merger.merge, state, self.engine.state_dict())
-        except Superseded:
-            # Two steps overtook this fetch: fetch the newest at once.
-            log.info("policy version %d superseded while fetched", info.version)
-            self.newer_policy.set()
-            return True
-        except (PeerUnavailable, ValueError) as e:
-            log.info("policy fetch from %s interrupted (%s); will retry", source.node_id, e)
-            return False
-        # (a mapping of the trainer's memory is no buffer for a later fetch to write into)
-        buffer = None if assembly.local else assembly.blob
-        self.ready_weights = (info.lineage, info.version, info.sha256, state, buffer)
-        self.metrics.write(
-            {
-                "event": "weights_fetched",
-                "policy_version": info.version,
-                "lineage": info.lineage.id,
-                "mapped": assembly.local,
-                "chunks_from_trainer": fetched.from_trainer,
-                "chunks_from_relays": fetched.from_relays,
-                "relays_given_up": len(fetched.relay_failures),
-                # what this node's relay did for the others, since it started
-                **(
-                    {"relay/served": self.relay.served, "relay/refused": self.relay.refused}
-                    if self.relay
-                    else {}
-                ),
-            }
-        )
-        return True
-
-    async def _load_ready_weights(self) -> None:
-        ready = self.ready_weights
-        if ready is None:
-            return
-        lineage, version, sha256, state, buffer = ready
-        start = time.perf_counter()
-        # Left in `ready_weights` while it loads, so the fetch task, comparing against it,
-        # does not fetch and load the same version again meanwhile.
-        await self.engine.load_state_dict(state, version)
-        if self.ready_weights is ready:
-            self.ready_weights = None  # (one fetched meanwhile is newer: the next batch's)
-        del state, ready
-        if buffer is not None:
-            self.spare_weights.keep(buffer)  # for a next fetch, once no tensor of it lives
-        del buffer  # (a name of it here would keep the next fetch from taking it)
-        if lineage != self.lineage:
-            log.info(
-                "policy lineage %s -> %s (version %d)",
-                self.lineage.id or "base",
-                lineage.id,
-                version,
-            )
-        self.lineage = lineage
-        self.metrics.write(
-            {
-                "event": "weights_loaded",
-                "policy_version": version,
-                "lineage": lineage.id,
-                "policy_sha256": sha256,
-                "perf/load_s": time.perf_counter() - start,
-            }
-        )
-        await blocking(memory.trim)  # what the batches freed
 
 
 def main(config: Config) -> int:

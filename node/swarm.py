@@ -293,8 +293,14 @@ class Directory:
     counted (`keys.membership.refused`: impersonation, forged, ...) like any other refusal."""
 
     def __init__(
-        self, dht: hivemind.DHT, config: SwarmConfig, keys: NodeKeys | None = None
+        self,
+        dht: hivemind.DHT,
+        config: SwarmConfig,
+        keys: NodeKeys | None = None,
+        policy: str = "",
     ) -> None:
+        """`policy`: the policy a trainer trains ([[policies]]): its checkpoints' key is
+        that policy's (the nodes, marks and members keys are the swarm's)."""
         self.dht = dht
         self.keys = keys
         self.initial_peers = list(config.initial_peers)
@@ -307,7 +313,9 @@ class Directory:
         self.intent_prefix = f"{config.run_id}.agentjet.intent."
         self.trained_batch_prefix = f"{config.run_id}.agentjet.trained_batch."
         # Each trainer's newest checkpoint (subkey: its peer id), kept past its death.
-        self.checkpoints_key = f"{config.run_id}.agentjet.checkpoints"
+        self.checkpoints_key = f"{config.run_id}.agentjet.checkpoints" + (
+            f".{policy}" if policy else ""
+        )
         # Revoked nodes (subkey: the node's name; value: the root's signed revocation).
         self.revoked_key = revoked_key(config.run_id)
         # Trainers' hivemind peer ids, each bound to its node's certificate (subkey: the
@@ -1090,7 +1098,16 @@ class _Optimizer(hivemind.Optimizer):  # type: ignore[misc]
         self.intents: tuple[str, list[Any]] = ("", [])
         # Peers' batches the last gradient round vouches for (`vouched_batches`).
         self.peer_batches: tuple[str, ...] = ()
-        super().__init__(*args, **kwargs)
+        try:
+            super().__init__(*args, **kwargs)
+        except BaseException:
+            # hivemind 1.1.12 starts the progress tracker's thread before it makes the
+            # averagers: one that fails (a bad prefix, a port) left that thread running, and
+            # the trainer's process hung at exit instead of ending with its error.
+            tracker = getattr(self, "tracker", None)
+            if tracker is not None:
+                tracker.shutdown()
+            raise
         self.grad_averager.epoch = lambda: self.local_epoch
 
     def _make_progress_tracker(self, target_batch_size: int, **kwargs: Any) -> ProgressTracker:

@@ -47,7 +47,7 @@ import torch
 
 from agentjet import protocol, rl
 from agentjet.bridge import blocking
-from agentjet.config import Config
+from agentjet.config import Config, policy_view
 from agentjet.devices import (
     check_fits,
     learner_bytes,
@@ -106,7 +106,11 @@ SAMPLE_RATE_WINDOW_S = 60.0
 
 
 class Trainer:
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, policy: str = "") -> None:
+        """`policy`: the [[policies]] entry this trainer trains ("" without them); it
+        trains with that policy's view of the config (agentjet/config.py `policy_view`)."""
+        self.policy = policy
+        config = policy_view(config, policy)
         self.config = config
         self.run_dir = Path(config.run.dir)
         self.node_id = f"trainer-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
@@ -160,7 +164,7 @@ class Trainer:
             self._load_params(resume["params"])
         self.dht = start_dht(cfg.swarm, keys)
         cleanup.callback(self.dht.shutdown)
-        self.directory = Directory(self.dht, cfg.swarm, keys)
+        self.directory = Directory(self.dht, cfg.swarm, keys, self.policy)
         cleanup.callback(self.directory.withdraw, self.node_id)
         self.peer_id = self.dht.peer_id.to_base58()
         gate = None
@@ -173,8 +177,11 @@ class Trainer:
             cfg.trainer.informative_samples_per_step
             or cfg.trainer.groups_per_step * cfg.rollout.group_size
         )
+        # Each policy averages in its own hivemind run, with its own trainers only (hivemind
+        # refuses "." in its keys' prefixes).
+        run_id = f"{cfg.swarm.run_id}_policy_{self.policy}" if self.policy else cfg.swarm.run_id
         self.swarm = SwarmOptimizer(
-            cfg.swarm,
+            msgspec.structs.replace(cfg.swarm, run_id=run_id),
             [p for p in self.model.parameters() if p.requires_grad],
             lr=cfg.trainer.lr,
             weight_decay=cfg.trainer.weight_decay,
@@ -311,6 +318,7 @@ class Trainer:
             record = protocol.NodeRecord(
                 node_id=self.node_id,
                 role="trainer",
+                policy=self.policy,
                 endpoint=self.endpoint,
                 maddrs=self.maddrs,
                 policy_version=self.version,
@@ -408,6 +416,11 @@ class Trainer:
 
         if self.book.known(group.group_id):
             return ack("duplicate")
+        if group.policy != self.policy:  # (rollout nodes send a group to its policy's trainers)
+            mine = f"policy {self.policy}" if self.policy else "the swarm's one policy"
+            return ack(
+                "rejected", f"a group of policy {group.policy!r}; this trainer trains {mine}"
+            )
         quarantined = self.quarantine.reason(group.node_id)
         if quarantined is not None:
             self.counts["groups_refused_quarantined"] += 1
@@ -606,6 +619,7 @@ class Trainer:
             r.node_id: r
             for r in records
             if r.role == "trainer"
+            and r.policy == self.policy
             and r.node_id != self.node_id
             and not any(m.endswith(own) for m in r.maddrs)
         }
@@ -935,5 +949,11 @@ class Trainer:
         }
 
 
-def main(config: Config) -> int:
-    return run_role(Trainer(config), "trainer")
+def fewest_trainers(policies: list[str], records: list[protocol.NodeRecord]) -> str:
+    """Of `policies`, the one the fewest trainers in `records` train (the first of a tie)."""
+    counts = Counter(r.policy for r in records if r.role == "trainer")
+    return min(policies, key=lambda name: counts[name])
+
+
+def main(config: Config, policy: str = "") -> int:
+    return run_role(Trainer(config, policy), "trainer")

@@ -186,6 +186,10 @@ def test_trainer_acks_dedupes_rejects_and_serves_weights(trainer: Launched, tiny
         bad.samples[0].completion_ids = pack_ids([7, 10**6])
         refused = await client.request(protocol.SubmitGroup(group=bad))
         assert refused.status == "rejected" and "vocabulary" in refused.reason
+        # a group of a policy this trainer does not train ([[policies]]): refused, not queued
+        other = msgspec.structs.replace(make_group("planner-group"), policy="planner")
+        refused = await client.request(protocol.SubmitGroup(group=other))
+        assert refused.status == "rejected" and "policy 'planner'" in refused.reason
 
         for gid in ("b",):
             assert (

@@ -6,6 +6,7 @@ import sqlite3
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from agentjet.config import EnvConfig
@@ -166,3 +167,57 @@ def test_a_file_that_is_not_a_database_is_refused(tmp_path: Path) -> None:
 def _reason(outcome: Accepted | Refused) -> str:
     assert isinstance(outcome, Refused), outcome
     return outcome.reason
+
+
+def test_a_grant_keeps_its_policy_through_expiry_regrant_report_and_reopening(
+    store: Store, db_path: Path
+) -> None:
+    tasks = Draws().scheduler.choose(3, draw_rng(0, 0))
+    picks = [(tasks[0], "planner"), (tasks[1], "solver"), (tasks[2], "solver")]
+    granted = store.grant("node-a", 3, 0.0, GROUP_SIZE, lambda count, issued: picks[:count])
+    assert [g.policy for g in granted] == ["planner", "solver", "solver"]
+    assert store.grants_by_policy() == {"planner": 1, "solver": 2}
+    store.expire_silent(now=LEASE_S + 1)
+    [again] = grant(store, "node-b", 1, now=LEASE_S + 2)  # the oldest expired: planner's
+    assert (again.task, again.policy) == (tasks[0], "planner")
+    accepted = store.complete(report(again, "node-b"), now=LEASE_S + 3)
+    assert isinstance(accepted, Accepted) and accepted.policy == "planner"
+    store.close()
+    reopened = Store(db_path, lease_s=LEASE_S)
+    try:
+        [(task, policy, _)] = list(reopened.accepted_reports_by_policy())
+        assert (task, policy) == (tasks[0], "planner")
+        assert reopened.recent_tasks(10, "solver") == [tasks[2], tasks[1]]
+    finally:
+        reopened.close()
+
+
+def test_a_history_of_schema_1_gains_the_policy_column_and_keeps_its_grants(
+    db_path: Path,
+) -> None:
+    db_path.parent.mkdir(parents=True)
+    old = sqlite3.connect(db_path)
+    old.executescript(
+        """CREATE TABLE grants (grant_id TEXT PRIMARY KEY, task TEXT NOT NULL, env TEXT NOT NULL,
+        task_id TEXT NOT NULL, node_id TEXT NOT NULL, group_size INTEGER NOT NULL,
+        state TEXT NOT NULL, granted_at REAL NOT NULL, lease_until REAL NOT NULL,
+        done_at REAL, expired_at REAL, regrant_of TEXT REFERENCES grants(grant_id));
+        PRAGMA user_version = 1;"""
+    )
+    task = Draws().scheduler.choose(1, draw_rng(0, 0))[0]
+    old.execute(
+        "INSERT INTO grants VALUES ('g1', ?, ?, ?, 'node-a', 4, 'open', 0, 10, NULL, NULL, NULL)",
+        (msgspec.json.encode(task).decode(), task.env, task.id),
+    )
+    old.commit()
+    old.close()
+    store = Store(db_path, lease_s=LEASE_S)
+    try:
+        assert store.grants_by_policy() == {"": 1}
+        outcome = store.complete(
+            GroupReport(node_id="node-a", grant_id="g1", rewards=[1.0]), now=1.0
+        )
+        assert isinstance(outcome, Accepted) and (outcome.task, outcome.policy) == (task, "")
+    finally:
+        store.close()
+    assert sqlite3.connect(db_path).execute("PRAGMA user_version").fetchone()[0] == 2

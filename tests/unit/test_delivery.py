@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import msgspec
 import pytest
 
 from agentjet import protocol
@@ -118,3 +119,17 @@ def test_backpressure_counts_only_groups_no_trainer_holds() -> None:
     a = TrainerPeer("a", "tcp://h:1")
     ledger.offered(ledger.to_offer()[0], a, ack("g1", "accepted"), now=0.0)
     assert ledger.unplaced() == 2 and len(ledger) == 3
+
+
+def test_a_group_goes_only_to_a_trainer_of_its_policy() -> None:
+    ledger = Ledger(rng=random.Random(0))
+    ledger.add(msgspec.structs.replace(make_group("p"), policy="planner"))
+    ledger.add(make_group("one"))  # the swarm's one policy ("")
+    planner = TrainerPeer("a", "tcp://h:1", policy="planner")
+    solver = TrainerPeer("b", "tcp://h:2", policy="solver", queue=0, capacity=100)
+    trainers = {"a": planner, "b": solver}
+    by_id = {p.group.group_id: p for p in ledger.to_offer()}
+    for _ in range(20):  # however the backlogs compare
+        assert ledger.pick(by_id["p"], trainers, now=0.0) is planner
+    assert ledger.pick(by_id["one"], trainers, now=0.0) is None  # no trainer of "": it waits
+    assert ledger.pick(by_id["p"], {"b": solver}, now=0.0) is None

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from agentjet import protocol
-from agentjet.transport import Client, Server
+from agentjet.transport import Server
 from node import relay as relay_module
-from node.publisher import Publisher
 from node.relay import FetchStats, RelayPeer, RelayServer, fetch_relayed, owners, relay_peers
-from node.weights import WeightAssembly, chunked, to_safetensors
+from node.weights import WeightAssembly
 from tests.hostile_relay import CorruptingRelay
+from tests.version_server import VersionServer
 
 pytestmark = pytest.mark.unit
 
@@ -46,61 +46,15 @@ def test_relays_are_the_other_rollout_nodes_records_that_name_an_endpoint():
     assert relay_peers(records, "me") == [RelayPeer("r1", "tcp://h:2")]
 
 
-class Trainer:
-    """A trainer's two sockets as node/trainer.py serves them, without CURVE: PolicyQuery
-    and chunks on its own socket; sealed chunks for the version's ticket on the other."""
-
-    def __init__(self, seal: bool) -> None:
-        snap = chunked(to_safetensors(TENSORS, {}), 3, CHUNK_BYTES, seal)
-        self.server = Server(HOST, protocol.trainer_request_decoder, MAX_MESSAGE_BYTES)
-        sealed = Server(HOST, protocol.trainer_request_decoder, MAX_MESSAGE_BYTES)
-        self.publisher = Publisher(snap, "run", sealed)
-        self.publisher.announce(self.server.endpoint)
-        self.served = 0  # chunks on its own socket
-        self.tasks = [
-            asyncio.create_task(self._serve()),
-            asyncio.create_task(self.publisher.serve_sealed()),
-        ]
-
-    @property
-    def chunks_sent(self) -> int:
-        return self.served + self.publisher.sealed_served
-
-    async def _serve(self) -> None:
-        while True:
-            envelope, msg = await self.server.recv()
-            reply: protocol.TrainerReply
-            match msg:
-                case protocol.Hello():
-                    reply = protocol.answer_hello(msg, "run")
-                case protocol.PolicyQuery():
-                    reply = self.publisher.info(protocol.Lineage())
-                case protocol.WeightChunkRequest():
-                    reply = self.publisher.chunk(msg)
-                    self.served += isinstance(reply, protocol.WeightChunk)
-                case _:
-                    reply = protocol.Error(code="unknown", message="not here")
-            await self.server.reply(envelope, reply)
-
-    def client(self, name: str) -> Client:
-        hello = protocol.Hello(node_id=name, role="rollout")
-        return Client(
-            self.server.endpoint, protocol.trainer_reply_decoder, hello, MAX_MESSAGE_BYTES, 10.0
-        )
-
-    async def close(self) -> None:
-        for task in self.tasks:
-            task.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
-        self.server.close()
-        assert self.publisher.sealed is not None
-        self.publisher.sealed.close()
+def a_trainer(seal: bool) -> VersionServer:
+    """A trainer serving TENSORS as version 3 (sealed with `seal`)."""
+    return VersionServer(TENSORS, 3, CHUNK_BYTES, MAX_MESSAGE_BYTES, seal)
 
 
 class Node:
     """A rollout node's part in a fetch: its relay, its assembly, its trainer client."""
 
-    def __init__(self, name: str, trainer: Trainer, relay: type[RelayServer] = RelayServer):
+    def __init__(self, name: str, trainer: VersionServer, relay: type[RelayServer] = RelayServer):
         self.name = name
         self.trainer = trainer
         server = Server(HOST, protocol.trainer_request_decoder, MAX_MESSAGE_BYTES)
@@ -140,7 +94,7 @@ def same(weights: dict[str, torch.Tensor]) -> bool:
 @pytest.mark.parametrize("seal", [True, False], ids=["sealed", "plain"])
 def test_three_nodes_end_with_the_trainers_bytes_and_the_trainer_sends_each_chunk_once(seal):
     async def scenario() -> tuple[list[FetchStats], int, int, list[Node]]:
-        trainer = Trainer(seal)
+        trainer = a_trainer(seal)
         nodes = [Node(name, trainer) for name in ("n1", "n2", "n3")]
         peers = [node.peer for node in nodes]
         try:
@@ -162,7 +116,7 @@ def test_three_nodes_end_with_the_trainers_bytes_and_the_trainer_sends_each_chun
 
 def test_a_relay_serving_bad_chunks_costs_a_fetch_from_the_trainer_never_a_wrong_weight():
     async def scenario() -> tuple[FetchStats, Node, int]:
-        trainer = Trainer(seal=True)
+        trainer = a_trainer(seal=True)
         good, bad = Node("good", trainer), Node("bad", trainer, relay=CorruptingRelay)
         me = Node("me", trainer)
         try:
@@ -188,7 +142,7 @@ def test_a_dead_or_silent_relay_costs_a_fetch_from_the_trainer(monkeypatch):
     monkeypatch.setattr(relay_module, "RELAY_STALL_S", 0.3)
 
     async def scenario() -> tuple[FetchStats, Node]:
-        trainer = Trainer(seal=True)
+        trainer = a_trainer(seal=True)
         silent = Node("silent", trainer)  # answers, but never holds the version
         gone = Server(HOST, protocol.trainer_request_decoder, MAX_MESSAGE_BYTES)
         dead = RelayPeer("dead", gone.endpoint)
@@ -212,7 +166,7 @@ def test_a_relay_serves_only_what_it_holds_and_only_for_the_versions_ticket(monk
     monkeypatch.setattr(relay_module, "RELAY_HOLD_S", 0.1)  # "not here yet" after waiting
 
     async def scenario() -> tuple[bytes, list[protocol.TrainerReply]]:
-        trainer = Trainer(seal=True)
+        trainer = a_trainer(seal=True)
         snap = trainer.publisher.published
         info = trainer.publisher.info(protocol.Lineage())
         node = Node("n", trainer)

@@ -18,6 +18,7 @@ from coordinator.scheduler import (
     UniformScheduler,
     draw_rng,
     expired,
+    share_out,
     sweep_interval_s,
 )
 
@@ -92,3 +93,15 @@ def test_silence_counts_from_the_coordinator_start_at_the_earliest() -> None:
 def test_sweeps_run_often_enough_for_short_leases() -> None:
     assert sweep_interval_s(1.0) == 0.25
     assert sweep_interval_s(120.0) == SWEEP_EVERY_S
+
+
+def test_policies_get_grants_by_their_shares_across_requests_and_regrants() -> None:
+    shares = {"a": 1.0, "b": 3.0}
+    granted: dict[str, int] = {}
+    for count in (1, 3, 5, 7):  # requests of any size
+        for policy, k in share_out(count, shares, granted).items():
+            granted[policy] = granted.get(policy, 0) + k
+    assert granted == {"a": 4, "b": 12}
+    # A policy behind its share (its grants went elsewhere, e.g. regrants) catches up first.
+    assert share_out(4, shares, {"a": 0, "b": 12}) == {"a": 4}
+    assert share_out(3, {"": 1.0}, {}) == {"": 3}

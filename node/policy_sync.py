@@ -1,0 +1,241 @@
+"""One policy's versions on a rollout node: fetched from that policy's trainers, checked
+chunk by chunk, loaded into the engine between batches.
+
+    trainers of the policy ──PolicyQuery──▶ newer? (Lineage.supersedes) ──manifest + chunks──▶
+    WeightAssembly (hash per chunk; from relays too) ──▶ `ready` ──load() between batches──▶
+    engine: full weights (`load_state_dict`), or adapters merged into them (`AdapterMerger`),
+            or, with [[policies]], the policy's adapters beside the others (`load_adapters`)
+
+A node of a swarm with one policy holds one `PolicySync` named ""; with `[[policies]]`, one
+per policy, each asking only the trainers whose records name its policy. Relays
+(node/relay.py) pass on the versions of the one policy only: a relay holds one version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import mmap
+import time
+from collections.abc import Callable, Mapping
+
+import torch
+
+from agentjet import protocol
+from agentjet.bridge import blocking
+from agentjet.config import ModelConfig, NetConfig
+from agentjet.episode import Completion, SamplingParams
+from agentjet.metrics import MetricsWriter
+from agentjet.roles import wait_for
+from agentjet.transport import Client, PeerUnavailable
+from node import memory
+from node.delivery import TrainerPeer
+from node.engine import Engine
+from node.lora import AdapterMerger
+from node.relay import FetchStats, RelayPeer, RelayServer, fetch_relayed
+from node.trainer_link import Superseded
+from node.weights import SpareBuffer, WeightAssembly
+
+log = logging.getLogger(__name__)
+
+# How often the node asks the policy's trainers for a newer version (acks also announce one).
+POLICY_POLL_S = 1.0
+
+# A fetched version waiting for the batch in progress to end: lineage, version, checksum,
+# its tensors and the buffer they are views of (None: the trainer's memory, mapped).
+ReadyWeights = tuple[protocol.Lineage, int, str, dict[str, torch.Tensor], mmap.mmap | None]
+
+
+class PolicySync:
+    """The versions of policy `name` ("" = the swarm's one policy) on this node's engine."""
+
+    def __init__(
+        self,
+        name: str,
+        engine: Engine,
+        lora: ModelConfig,
+        net: NetConfig,
+        metrics: Callable[[], MetricsWriter],
+    ) -> None:
+        self.name = name
+        self.engine = engine
+        self.lora = lora  # the policy's model config (its LoRA settings)
+        self.net = net
+        self.metrics = metrics  # (made after this part: the node's writer, when it writes)
+        # The lineage of the policy's weights in the engine (protocol.Lineage; "" = base).
+        self.lineage = protocol.Lineage()
+        # A complete, verified version waiting to be loaded between batches.
+        self.ready: ReadyWeights | None = None
+        self.spare = SpareBuffer()  # the buffer of the version loaded last
+        self.newer = asyncio.Event()  # a trainer of this policy reported a newer version
+        self.merger: AdapterMerger | None = None
+        if not name and lora.lora_rank and not engine.takes_adapters:
+            self.merger = AdapterMerger(engine.state_dict(), lora)
+
+    @property
+    def version(self) -> int:
+        """The version of this policy the engine samples with (0: the base weights)."""
+        if not self.name:
+            return self.engine.policy_version
+        return self.engine.policy_versions.get(self.name, 0)
+
+    def serves(self, trainer: TrainerPeer) -> bool:
+        return trainer.policy == self.name
+
+    def saw(self, version: int) -> None:
+        """A trainer of this policy is at `version`: fetch it if it is newer."""
+        if version > self.version:
+            self.newer.set()
+
+    async def run(
+        self,
+        trainers: Mapping[str, TrainerPeer],
+        clients: Mapping[str, Client],
+        relaying: Callable[[], tuple[RelayServer | None, list[RelayPeer]]],
+    ) -> None:
+        """Fetch each newer version: from the trainer of this policy with the newest version
+        (the least loaded of those), or the next when it does not answer (its record can
+        outlive it by record_ttl_s). `trainers` and `clients` are the node's, kept current
+        by it; `relaying` gives its relay server and the other nodes' relays."""
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await wait_for(self.newer.wait(), POLICY_POLL_S)
+            self.newer.clear()
+            mine = [t for t in trainers.values() if self.serves(t)]
+            for source in sorted(mine, key=lambda t: (-t.policy_version, t.queue)):
+                client = clients.get(source.node_id)
+                if client is None:  # gone while an earlier source was asked
+                    continue
+                live = [t.lineage for t in trainers.values() if self.serves(t)]
+                if await self.fetch(source.node_id, client, live, *relaying()):
+                    break
+
+    async def fetch(
+        self,
+        source: str,
+        client: Client,
+        live: list[protocol.Lineage],
+        relay: RelayServer | None = None,
+        relays: list[RelayPeer] | None = None,
+    ) -> bool:
+        """Fetch the version `client`'s trainer serves when it supersedes the newest this
+        node has (`Lineage.supersedes`, against the `live` trainers' lineages) into `ready`;
+        False when the trainer did not answer."""
+        if self.name:
+            relay, relays = None, []  # (a relay holds one policy's version)
+        try:
+            lineage, version = self.lineage, self.version
+            if self.ready is not None:
+                lineage, version = self.ready[0], self.ready[1]
+            for manifest in (False, True):  # a poll; the manifest only of a newer version
+                info = await client.request(protocol.PolicyQuery(manifest=manifest))
+                if not isinstance(info, protocol.PolicyInfo):
+                    return True
+                if not info.lineage.supersedes(info.version, lineage, version, live):
+                    return True
+            if relay is not None:
+                relay.drop()  # before its buffer is reused for this version
+            # On the trainer's host its memory is mapped (checked as fetched chunks are).
+            assembly = None
+            if self.net.map_local:
+                assembly = await blocking(WeightAssembly.mapped, info)
+            if assembly is None:
+                assembly = WeightAssembly.of(info, self.spare)
+            if relay is not None:
+                relay.hold(assembly, info.ticket)
+            if assembly.local:
+                fetched = FetchStats()
+            else:
+                node_id = client.hello.node_id
+                fetched = await fetch_relayed(assembly, info, client, node_id, relays or [])
+            state = await blocking(assembly.finish)
+            if self.merger is not None:  # LoRA: adapters arrive, this engine takes weights
+                state = await blocking(self.merger.merge, state, self.engine.state_dict())
+        except Superseded:
+            # Two steps overtook this fetch: fetch the newest at once.
+            log.info("policy version %d superseded while fetched", info.version)
+            self.newer.set()
+            return True
+        except (PeerUnavailable, ValueError) as e:
+            log.info("policy fetch from %s interrupted (%s); will retry", source, e)
+            return False
+        # (a mapping of the trainer's memory is no buffer for a later fetch to write into)
+        buffer = None if assembly.local else assembly.blob
+        self.ready = (info.lineage, info.version, info.sha256, state, buffer)
+        self.metrics().write(
+            {
+                "event": "weights_fetched",
+                **({"policy": self.name} if self.name else {}),
+                "policy_version": info.version,
+                "lineage": info.lineage.id,
+                "mapped": assembly.local,
+                "chunks_from_trainer": fetched.from_trainer,
+                "chunks_from_relays": fetched.from_relays,
+                "relays_given_up": len(fetched.relay_failures),
+                # what this node's relay did for the others, since it started
+                **({"relay/served": relay.served, "relay/refused": relay.refused} if relay else {}),
+            }
+        )
+        return True
+
+    async def load(self) -> None:
+        """Load the version fetched, if there is one (between batches, never mid-episode)."""
+        ready = self.ready
+        if ready is None:
+            return
+        lineage, version, sha256, state, buffer = ready
+        start = time.perf_counter()
+        # Left in `ready` while it loads, so the fetch task, comparing against it, does not
+        # fetch and load the same version again meanwhile.
+        if self.name:
+            await self.engine.load_adapters(self.name, state, self.lora, version)
+        else:
+            await self.engine.load_state_dict(state, version)
+        if self.ready is ready:
+            self.ready = None  # (one fetched meanwhile is newer: the next batch's)
+        del state, ready
+        if buffer is not None:
+            self.spare.keep(buffer)  # for a next fetch, once no tensor of it lives
+        del buffer  # (a name of it here would keep the next fetch from taking it)
+        if lineage != self.lineage:
+            log.info(
+                "policy %slineage %s -> %s (version %d)",
+                f"{self.name} " if self.name else "",
+                self.lineage.id or "base",
+                lineage.id,
+                version,
+            )
+        self.lineage = lineage
+        self.metrics().write(
+            {
+                "event": "weights_loaded",
+                **({"policy": self.name} if self.name else {}),
+                "policy_version": version,
+                "lineage": lineage.id,
+                "policy_sha256": sha256,
+                "perf/load_s": time.perf_counter() - start,
+            }
+        )
+        await blocking(memory.trim)  # what the batches freed
+
+
+class PolicyView:
+    """An engine as an environment of one policy sees it (agentjet/episode.py `Generator`):
+    its prompts sampled with that policy's adapters (the base weights until its first
+    version arrives), its samples tagged with that policy's version."""
+
+    def __init__(self, engine: Engine, policy: str) -> None:
+        self.engine = engine
+        self.policy = policy
+        self.tokenizer = engine.tokenizer
+
+    @property
+    def policy_version(self) -> int:
+        return self.engine.policy_versions.get(self.policy, 0)
+
+    async def generate(
+        self, prompts: list[list[int]], n: int, params: SamplingParams
+    ) -> list[list[Completion]]:
+        adapters = self.policy if self.policy in self.engine.policy_versions else None
+        return await self.engine.generate(prompts, n, params, policies=[adapters] * len(prompts))

@@ -51,6 +51,7 @@ class Sequence:
     policy_version: int = 0  # the oldest version that sampled any of its tokens
     calls: int = 0  # model calls merged into it
     finish_reason: str = ""
+    policy: str = ""  # the policy of its calls (`merge_by_policy` keeps policies apart)
 
     @property
     def ids(self) -> list[int]:
@@ -84,7 +85,7 @@ def merge_calls(calls: Iterable[Call], *, merge: bool = True) -> list[Sequence]:
             raise ValueError("a call needs one logprob per completion id")
         parent = _longest_prefix(sequences, call.prompt_ids) if merge else None
         if parent is None:
-            parent = Sequence(prompt_ids=list(call.prompt_ids))
+            parent = Sequence(prompt_ids=list(call.prompt_ids), policy=call.policy)
             sequences.append(parent)
             parent.add([], call)
         else:

@@ -34,7 +34,7 @@ import asyncio
 import inspect
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,8 +45,9 @@ from agentjet.episode import Episode, Generator, SamplingParams
 from agentjet.errors import ConfigError
 from agentjet.protocol import Task
 from agentjet.roles import wait_for
-from agentjet.timeline import Call, merge_calls
+from agentjet.timeline import Call, merge_by_policy
 from node.openai_api import AgentEpisode, EpisodeHub, OpenAIServer
+from node.policy_sync import PolicyView
 from node.tool_templates import Setting
 from sandboxes.base import Sandbox
 from sandboxes.envs.react import ReactAgent, react_judge
@@ -85,7 +86,9 @@ class AgentEnv:
         agent_token: str = "",
         tool_format: Setting = "auto",
         attempts: int = ATTEMPTS,
+        policies: Sequence[str] = (),
     ) -> None:
+        """`policies`: the [[policies]] names a request's `model` may name."""
         if agent is None and not external:
             raise ConfigError(f"environment {name!r} needs an agent, or external = true")
         self.name = name
@@ -100,6 +103,7 @@ class AgentEnv:
         self.agent_token = agent_token
         self.tool_format = tool_format
         self.attempts = attempts
+        self.policies = list(policies)
         self.server: OpenAIServer | None = None
         self._starting = Exclusive()
         self._running: set[asyncio.Task[list[list[Played]]]] = set()
@@ -126,7 +130,10 @@ class AgentEnv:
         evaluation run (`training=False`) honours the agents' own sampling settings (else
         `params`); its episodes are for scoring, never for training."""
         await self.start(generator, params)
-        group = asyncio.ensure_future(self._group(tasks, n, training))
+        # With [[policies]]: the policy whose grant this is (a request's `model` may name
+        # another); its episodes' calls go to it.
+        policy = generator.policy if isinstance(generator, PolicyView) else ""
+        group = asyncio.ensure_future(self._group(tasks, n, training, policy))
         self._running.add(group)
         try:
             return await group
@@ -146,6 +153,7 @@ class AgentEnv:
                     params,
                     agent_token=self.agent_token,
                     tool_format=self.tool_format,
+                    policies=self.policies,
                 )
                 try:
                     url = await server.start(self.host, self.port)
@@ -156,6 +164,8 @@ class AgentEnv:
                          self.name, url, url)  # fmt: skip
                 self.server = server
             self.server.batcher.generator = generator
+            if isinstance(generator, PolicyView):  # each call samples with its own policy
+                self.server.batcher.engine = generator.engine
             self.server.training_params = params
             return self.server.base_url
 
@@ -178,9 +188,15 @@ class AgentEnv:
 
     # ── episodes ──────────────────────────────────────────────────────────────────────
 
-    async def _group(self, tasks: list[Task], n: int, training: bool) -> list[list[Played]]:
+    async def _group(
+        self, tasks: list[Task], n: int, training: bool, policy: str = ""
+    ) -> list[list[Played]]:
         results = await asyncio.gather(
-            *(self._episode_with_retries(task, training) for task in tasks for _ in range(n))
+            *(
+                self._episode_with_retries(task, training, policy)
+                for task in tasks
+                for _ in range(n)
+            )
         )
         groups: list[list[Played]] = []
         for i in range(len(tasks)):
@@ -188,11 +204,13 @@ class AgentEnv:
             groups.append(group if len(group) == n else [])
         return groups
 
-    async def _episode_with_retries(self, task: Task, training: bool) -> Played | None:
+    async def _episode_with_retries(
+        self, task: Task, training: bool, policy: str = ""
+    ) -> Played | None:
         assert self.server is not None
         hub = self.server.hub
         for attempt in range(1, self.attempts + 1):
-            episode = hub.open(task, training=training, external=self.external)
+            episode = hub.open(task, training=training, external=self.external, policy=policy)
             try:
                 reward, error = await self._play_one(episode)
             finally:
@@ -277,7 +295,10 @@ def _transcript(episode: AgentEpisode) -> list[dict[str, Any]]:
 
 
 def _episode(played: Played, merge: bool) -> Episode:
-    sequences = merge_calls(played.calls, merge=merge)
+    # Each policy's calls on a timeline of their own (one policy: `merge_calls`); each
+    # sequence names its policy, and the rollout node makes one group per policy of them.
+    by_policy = merge_by_policy(played.calls, merge=merge)
+    sequences = [seq for own in by_policy.values() for seq in own]
     return Episode(
         prompt_ids=sequences[0].prompt_ids,
         reward=played.reward,
@@ -289,9 +310,13 @@ def _episode(played: Played, merge: bool) -> Episode:
 
 
 def make_agent_env(
-    config: EnvConfig, rollout: RolloutConfig, sandbox_factory: Callable[[], Sandbox]
+    config: EnvConfig,
+    rollout: RolloutConfig,
+    sandbox_factory: Callable[[], Sandbox],
+    policies: Sequence[str] = (),
 ) -> AgentEnv:
-    """The AgentEnv an `[[envs]]` entry names: the built-in react agent, or the user's."""
+    """The AgentEnv an `[[envs]]` entry names: the built-in react agent, or the user's;
+    `policies`: the [[policies]] names its agents may call by the `model` field."""
     agent: Agent | None
     if config.name == "react":
         agent = ReactAgent(
@@ -315,4 +340,5 @@ def make_agent_env(
         listen=rollout.agent_listen,
         agent_token=rollout.agent_token,
         tool_format=rollout.tool_format,
+        policies=policies,
     )

@@ -54,7 +54,7 @@ import re
 import secrets
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -65,6 +65,7 @@ from agentjet.episode import Completion, Generator, SamplingParams
 from agentjet.protocol import Task
 from agentjet.roles import wait_for
 from agentjet.timeline import Call
+from node.engine import Engine
 from node.tool_templates import (
     TAGS,
     Setting,
@@ -333,6 +334,9 @@ class AgentEpisode:
     opened_at: float = field(default_factory=time.monotonic)
     last_active: float = field(default_factory=time.monotonic)
     in_flight: int = 0  # requests being answered: a waiting agent is not a silent one
+    # The policy its calls go to unless a request's `model` names another ([[policies]];
+    # "" = the swarm's one policy): its grant's.
+    policy: str = ""
     # Set once the episode's clock starts (an agent claimed it; in-process: at once), or it
     # closed unclaimed: its episode_timeout_s counts from the claim, not from the open.
     started: asyncio.Event = field(default_factory=asyncio.Event)
@@ -369,10 +373,12 @@ class EpisodeHub:
         self.agents_away = False  # the node has said that no agent claims its episodes
         self.claim_wait_s = 0.0  # external episodes' waits from open to claim, summed
 
-    def open(self, task: Task, training: bool, *, external: bool = False) -> AgentEpisode:
+    def open(
+        self, task: Task, training: bool, *, external: bool = False, policy: str = ""
+    ) -> AgentEpisode:
         episode = AgentEpisode(
             id=f"ep-{uuid.uuid4().hex[:16]}", key=secrets.token_urlsafe(24), task=task,
-            training=training,
+            training=training, policy=policy,
         )  # fmt: skip
         self.by_key[episode.key] = episode
         self.by_id[episode.id] = episode
@@ -478,19 +484,22 @@ class Batcher:
 
     def __init__(self, generator: Generator) -> None:
         self.generator = generator
-        self.queue: asyncio.Queue[tuple[list[int], SamplingParams, asyncio.Future[Any]]] = (
+        # With several policies ([[policies]]): the engine that holds their adapters; each
+        # engine call then samples every request with its own policy's (one mixed batch).
+        self.engine: Engine | None = None
+        self.queue: asyncio.Queue[tuple[list[int], SamplingParams, str, asyncio.Future[Any]]] = (
             asyncio.Queue()
         )
         self.waiting: set[asyncio.Future[Any]] = set()  # requests not answered yet
 
     async def generate(
-        self, prompt_ids: list[int], params: SamplingParams
+        self, prompt_ids: list[int], params: SamplingParams, policy: str = ""
     ) -> tuple[Completion, int]:
-        """A completion of `prompt_ids` and the policy version that sampled it."""
+        """A completion of `prompt_ids` by `policy` and the policy version that sampled it."""
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self.waiting.add(future)
         future.add_done_callback(self.waiting.discard)
-        await self.queue.put((prompt_ids, params, future))
+        await self.queue.put((prompt_ids, params, policy, future))
         return await future  # type: ignore[no-any-return]
 
     def close(self) -> None:
@@ -511,24 +520,40 @@ class Batcher:
                     batch.append(await wait_for(self.queue.get(), left))
                 except TimeoutError:
                     break
-            by_params: dict[SamplingParams, list[tuple[list[int], asyncio.Future[Any]]]] = {}
-            for prompt, params, future in batch:
-                by_params.setdefault(params, []).append((prompt, future))
+            by_params: dict[SamplingParams, list[tuple[list[int], str, asyncio.Future[Any]]]] = {}
+            for prompt, params, policy, future in batch:
+                by_params.setdefault(params, []).append((prompt, policy, future))
             for params, items in by_params.items():
-                live = [(p, f) for p, f in items if not f.done()]
+                live = [(p, policy, f) for p, policy, f in items if not f.done()]
                 if not live:
                     continue
                 try:
-                    completions = await self.generator.generate([p for p, _ in live], 1, params)
-                    version = self.generator.policy_version
+                    completions, versions = await self._sample(live, params)
                 except Exception as e:  # noqa: BLE001 - handed to every waiting request
-                    for _, future in live:
+                    for _, _, future in live:
                         if not future.done():
                             future.set_exception(e)
                     continue
-                for (_, future), samples in zip(live, completions, strict=True):
+                for (_, _, future), samples, version in zip(
+                    live, completions, versions, strict=True
+                ):
                     if not future.done():
                         future.set_result((samples[0], version))
+
+    async def _sample(
+        self, live: list[tuple[list[int], str, asyncio.Future[Any]]], params: SamplingParams
+    ) -> tuple[list[list[Completion]], list[int]]:
+        """One engine call for `live`'s prompts; each one's completions and version."""
+        prompts = [p for p, _, _ in live]
+        engine = self.engine
+        if engine is None:
+            completions = await self.generator.generate(prompts, 1, params)
+            return completions, [self.generator.policy_version] * len(live)
+        loaded = engine.policy_versions
+        # A policy with no version yet samples with the base weights (its version 0).
+        policies = [policy if policy in loaded else None for _, policy, _ in live]
+        completions = await engine.generate(prompts, 1, params, policies=policies)
+        return completions, [loaded.get(policy, 0) for _, policy, _ in live]
 
 
 # ── the server ────────────────────────────────────────────────────────────────────────
@@ -546,7 +571,10 @@ class OpenAIServer:
         model_name: str = "agentjet-policy",
         agent_token: str = "",
         tool_format: Setting = "auto",
+        policies: Sequence[str] = (),
     ) -> None:
+        """`policies`: the [[policies]] names, which a request's `model` may name (then
+        `/v1/models` lists them, and any other name but `model_name` is a 404)."""
         self.tokenizer = generator.tokenizer
         self.user_turn = UserTurn(self.tokenizer)
         self.tool_format = choose_tool_format(self.tokenizer, tool_format)
@@ -555,8 +583,10 @@ class OpenAIServer:
         self.batcher = Batcher(generator)
         self.training_params = training_params
         self.model_name = model_name
+        self.policies = list(policies)
         self.agent_token = agent_token
         self.rejected = 0
+        self.unknown_models = 0  # requests naming a model (policy) this endpoint does not serve
         self.base_url = ""
         self._runner: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -626,13 +656,34 @@ class OpenAIServer:
     async def _models(self, request: web.Request) -> web.Response:
         self.hub.authorize(request.headers.get("Authorization"))
         return web.json_response(
-            {"object": "list", "data": [{"id": self.model_name, "object": "model",
-                                          "created": 0, "owned_by": "agentjet"}]}
+            {"object": "list", "data": [{"id": name, "object": "model", "created": 0,
+                                          "owned_by": "agentjet"}
+                                         for name in self.policies or [self.model_name]]}
         )  # fmt: skip
+
+    def _policy(self, episode: AgentEpisode, model: Any) -> str:
+        """The policy a request's `model` names: one of [[policies]], or the episode's own
+        for none, "" or `model_name`. Without [[policies]] any name is the one policy."""
+        if not self.policies:
+            return episode.policy
+        if model is not None and not isinstance(model, str):
+            raise ApiError(400, "model must be a string", "invalid_model")
+        if model in self.policies:
+            return model
+        if model in (None, "", self.model_name):
+            return episode.policy
+        self.unknown_models += 1
+        raise ApiError(
+            404,
+            f"The model `{model[:200]}` does not exist (this endpoint serves: "
+            f"{', '.join(self.policies)})",
+            "model_not_found",
+        )
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         episode = self.hub.authorize(request.headers.get("Authorization"))
         body = await _json_body(request)
+        policy = self._policy(episode, body.get("model"))
         tools = body.get("tools") or None
         if tools is not None and not isinstance(tools, list):
             raise ApiError(400, "tools must be a list", "invalid_tools")
@@ -655,7 +706,7 @@ class OpenAIServer:
                            "invalid_messages") from None  # fmt: skip
         episode.in_flight += 1
         try:
-            completion, version = await self.batcher.generate(prompt_ids, params)
+            completion, version = await self.batcher.generate(prompt_ids, params, policy)
         finally:
             episode.in_flight -= 1
         if not episode.live:  # finished or aborted while it waited
@@ -672,7 +723,7 @@ class OpenAIServer:
                 messages=messages,
                 reply=assistant_text(reply, 0),
                 call=Call(prompt_ids, completion.token_ids, completion.logprobs, version,
-                          completion.finish_reason),
+                          completion.finish_reason, policy),
                 tools=schemas,
             )
         )  # fmt: skip
@@ -684,13 +735,15 @@ class OpenAIServer:
         }
         ident, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
         if body.get("stream"):
-            return await self._stream(request, ident, created, content, tool_calls, finish, usage)
+            return await self._stream(
+                request, ident, created, content, tool_calls, finish, usage, policy
+            )
         return web.json_response(
             {
                 "id": ident,
                 "object": "chat.completion",
                 "created": created,
-                "model": self.model_name,
+                "model": policy or self.model_name,
                 "choices": [
                     {"index": 0, "message": reply, "finish_reason": finish, "logprobs": None}
                 ],
@@ -707,6 +760,7 @@ class OpenAIServer:
         tool_calls: list[dict[str, Any]],
         finish: str,
         usage: dict[str, int],
+        policy: str = "",
     ) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
@@ -716,7 +770,7 @@ class OpenAIServer:
                 "id": ident,
                 "object": "chat.completion.chunk",
                 "created": created,
-                "model": self.model_name,
+                "model": policy or self.model_name,
                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}],
             }
             await response.write(f"data: {json.dumps(chunk)}\n\n".encode())

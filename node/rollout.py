@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import random
@@ -33,6 +34,7 @@ import socket
 import time
 import uuid
 from collections import Counter, defaultdict
+from collections.abc import Mapping
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -137,6 +139,43 @@ def build_group(
     )
 
 
+def build_groups(
+    grant: protocol.WorkGrant,
+    episodes: list[Episode],
+    node_id: str,
+    wall_s: float,
+    lineages: Mapping[str, str],
+) -> list[protocol.TrajectoryGroup]:
+    """The groups of a grant's episodes: one per policy whose calls they hold (agents may
+    call several policies by the `model` field; node/agents.py). The grant's own policy's
+    group has the grant's id, another's `<grant id>-<policy>`. Each holds that policy's
+    sequences of the episodes it took part in, with their rewards; `lineages`: each
+    policy's lineage id on this node."""
+    called = {seq.policy for e in episodes for seq in e.sequences}
+    if called <= {grant.policy}:  # (also: environments without agents)
+        return [build_group(grant, episodes, node_id, wall_s, lineages.get(grant.policy, ""))]
+    groups = []
+    for policy in [grant.policy, *sorted(called - {grant.policy})]:
+        own = [
+            dataclasses.replace(e, sequences=[q for q in e.sequences if q.policy == policy])
+            for e in episodes
+        ]
+        own = [e for e in own if e.sequences]
+        if not own:
+            continue  # (the agents called only other policies)
+        group = build_group(
+            msgspec.structs.replace(grant, policy=policy),
+            own,
+            node_id,
+            wall_s * len(own) / len(episodes),
+            lineages.get(policy, ""),
+        )
+        if policy != grant.policy:
+            group.group_id = f"{grant.grant_id}-{policy}"
+        groups.append(group)
+    return groups
+
+
 def through_batches(trained: dict[str, str | None]) -> dict[str, str]:
     """Of `Directory.trained`'s answer: the groups known trained only from a peer's mark
     of a batch that held them, each with that batch (for the metrics)."""
@@ -195,7 +234,8 @@ class Rollout:
         for env in cfg.envs:
             if env.name in AGENT_ENVS:
                 factory = ProcessSandbox if self.pool is None else self.pool.lease
-                agent_env = make_agent_env(env, cfg.rollout, factory)
+                names = [p.name for p in cfg.policies]
+                agent_env = make_agent_env(env, cfg.rollout, factory, names)
                 self.agent_envs.append(agent_env)  # closed by `run`, on its loop
                 self.envs[env.name] = agent_env
             else:
@@ -387,10 +427,10 @@ class Rollout:
                     if not eps:  # the environment could not finish this task's episodes
                         self._queue_report(grant, [], wall_s / len(env_grants), "no episodes")
                         continue
-                    group = build_group(
-                        grant, eps, self.node_id, wall_s / len(env_grants), sync.lineage.id
-                    )
-                    played.append((grant, eps, group))
+                    lineages = {name: p.lineage.id for name, p in self.policies.items()}
+                    share_s = wall_s / len(env_grants)
+                    for group in build_groups(grant, eps, self.node_id, share_s, lineages):
+                        played.append((grant, eps, group))
                 teacher_kls: list[float] = []
                 if env_name in self.teachers.envs and played:  # on-policy distillation
                     scored = await self.teachers.score_all([group for _, _, group in played])
@@ -399,7 +439,7 @@ class Rollout:
                     ]
                     teacher_kls = [kl for _, kl in scored]
                     self.counts["groups_held_for_teacher"] = self.teachers.held
-                for grant, eps, group in played:
+                for i, (grant, eps, group) in enumerate(played):
                     try:
                         self.ledger.add(group)
                     except SpoolFull as e:  # the batch ran past the cap: keep it in memory
@@ -408,9 +448,11 @@ class Rollout:
                         self.counts["groups_unspooled"] += 1
                     created.append(group.group_id)
                     self.trajectories.maybe_record(group, self.engine.tokenizer)
-                    self._queue_report(grant, eps, wall_s / len(env_grants), "")
+                    if i + 1 == len(played) or played[i + 1][0] is not grant:
+                        # its groups (one per policy its agents called) are all spooled
+                        self._queue_report(grant, eps, wall_s / len(env_grants), "")
                 self.counts["groups_created"] += len(created)
-                self.counts["groups_failed"] += len(env_grants) - len(created)
+                self.counts["groups_failed"] += sum(1 for eps in episodes if not eps)
                 rewards = [e.reward for eps in episodes for e in eps] or [0.0]
                 self.samples_per_s = len(rewards) / wall_s
                 faults = Counter(f for eps in episodes for e in eps for f in e.faults)
@@ -423,6 +465,12 @@ class Rollout:
                         "env": env_name,
                         **({"policy": policy} if policy else {}),
                         "group_ids": created,
+                        # with [[policies]]: whose each group is (agents may call several)
+                        **(
+                            {"group_policies": {g.group_id: g.policy for _, _, g in played}}
+                            if self.config.policies
+                            else {}
+                        ),
                         "policy_version": generator.policy_version,
                         "lineage": sync.lineage.id,
                         "charts/reward_mean": sum(rewards) / len(rewards),

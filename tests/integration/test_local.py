@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -513,4 +514,78 @@ def test_a_lora_run_ships_adapters_and_checkpoints_merged_weights(
     own = dict(model.named_parameters())
     changed = [n for n, t in base.named_parameters() if not torch.equal(own[n], t)]
     assert changed and set(changed) < set(names)  # adapted layers moved, the rest did not
+    assert [pid for pid in spawned if running(pid)] == []
+
+
+# Two policies (issue 26): the solver trains on arithmetic; the planner on an agent
+# environment whose episodes call the planner, then the solver (tests/agents.py).
+TWO_POLICIES = (
+    'envs.1.name="agent"',
+    'envs.1.agent="tests.agents:planner_and_solver"',
+    'policies.0.name="solver"',
+    'policies.0.envs=["arithmetic"]',
+    "policies.0.lora_rank=4",
+    'policies.1.name="planner"',
+    'policies.1.envs=["agent"]',
+    "policies.1.lora_rank=2",
+    "trainer.max_logprob_gap=0",  # lr 1e-3 moves the tiny model far per version
+)
+
+
+def policy_fates(run_dir: Path, policy: str) -> tuple[dict[str, list[str]], list[dict[str, Any]]]:
+    """`group_fates` of one policy: the groups the rollout node made for it, and where its
+    trainer (metrics under policies/POLICY) put them; and that trainer's rows."""
+    trainer = read_metrics(run_dir / "policies" / policy / "metrics" / "trainer.jsonl")
+    rollout = read_metrics(run_dir / "metrics" / "rollout.jsonl")
+    fates = group_fates(trainer, rollout)
+    mine = {
+        g for r in rollout if r.get("event") == "batch" for g, p in r["group_policies"].items()
+        if p == policy
+    }  # fmt: skip
+    fates["created"] = [g for g in fates["created"] if g in mine]
+    fates["pending"] = [g for g in fates["pending"] if g in mine]
+    return fates, trainer
+
+
+@pytest.mark.integration
+def test_two_policies_train_side_by_side_and_every_group_reaches_its_own_trainer(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """[[policies]]: one trainer per policy, each policy's versions loaded by the rollout
+    node beside the other's (one base), agent episodes that call both policies yield a
+    group for each, and every group made is trained once by its own policy's trainer,
+    stale or still held."""
+    run_dir = tmp_path / "run"
+    code, output, spawned = run_local(tiny_model_dir, run_dir, 3, settings=TWO_POLICIES)
+    logs = "\n".join(p.read_text() for p in (run_dir / "logs").glob("*.log"))
+    assert code == 0, output + logs
+    assert "reached --max-steps 3" in output
+    assert "policy solver v1" in output and "policy planner v1" in output
+    rollout = read_metrics(run_dir / "metrics" / "rollout.jsonl")
+    loaded = [r for r in rollout if r.get("event") == "weights_loaded"]
+    for policy in ("solver", "planner"):
+        fates, trainer = policy_fates(run_dir, policy)
+        steps = [r for r in trainer if r.get("event") == "step"]
+        assert {r["policy_version"] for r in steps if r["optimizer_stepped"]} >= {1, 2, 3}
+        # its versions reached the rollout node, exactly as its trainer published them
+        published = {r["policy_version"]: r["policy_sha256"] for r in steps}
+        mine = [r for r in loaded if r["policy"] == policy]
+        assert mine and all(published[r["policy_version"]] == r["policy_sha256"] for r in mine)
+        assert len(fates["trained"]) == len(set(fates["trained"])), "a group trained twice"
+        assert set(fates["trained"]) <= set(fates["created"])  # its own policy's groups only
+        assert set(fates["created"]) == {
+            g for k in ("trained", "stale", "pending") for g in fates[k]
+        }
+        latest = (run_dir / "policies" / policy / "checkpoints" / "latest").read_text().strip()
+        meta = json.loads(
+            (run_dir / "policies" / policy / "checkpoints" / latest / "agentjet.json").read_text()
+        )
+        assert meta["policy_version"] == 3
+    # the coordinator granted work to both policies (its history keeps each grant's)
+    with contextlib.closing(sqlite3.connect(run_dir / "coordinator.sqlite")) as db:
+        grants = dict(db.execute("SELECT policy, count(*) FROM grants GROUP BY policy"))
+    assert set(grants) == {"solver", "planner"}
+    # the agent's calls to the solver made solver groups of the planner's grants
+    solver_fates, _ = policy_fates(run_dir, "solver")
+    assert any(g.endswith("-solver") for g in solver_fates["trained"])
     assert [pid for pid in spawned if running(pid)] == []

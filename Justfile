@@ -105,6 +105,10 @@ bench-distill *ARGS: ensure
 bench-policies *ARGS: ensure
     {{bin}}/python bench/policies.py {{ARGS}}
 
+# Two LoRA policies trained at once vs each alone on half the box-time: held-out gain ratio (adds to bench/results/policies.json)
+bench-policies-learn *ARGS: ensure
+    {{bin}}/python bench/policies_learn.py {{ARGS}}
+
 # Sandbox benchmark: exec latency warm/cold/process, pool throughput (writes bench/results/sandbox.json)
 bench-sandbox *ARGS: ensure
     {{bin}}/python bench/sandbox.py {{ARGS}}

@@ -186,7 +186,13 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(coord)
 
     ev = sub.add_parser("eval", help="accuracy of a checkpoint on a task file")
-    ev.add_argument("--checkpoint", required=True, help="checkpoint dir, or 'base'")
+    ev.add_argument("--checkpoint", help="checkpoint dir, or 'base'")
+    ev.add_argument(
+        "--policy",
+        metavar="NAME",
+        help="instead of --checkpoint: the newest checkpoint of [[policies]] entry NAME "
+        "in the run dir (--run-dir, RUN_DIR/policies/NAME/checkpoints)",
+    )
     ev.add_argument(
         "--tasks",
         required=True,
@@ -456,9 +462,10 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return coordinator_main(config)
     if args.command == "node" and args.role == "trainer":
+        policy = _trainer_policy(args.policy, config)
         from node.trainer import main as trainer_main
 
-        return trainer_main(config, _trainer_policy(args.policy, config))
+        return trainer_main(config, policy)
     if args.command == "node" and args.role == "teacher":
         from node.teacher_node import main as teacher_main
 
@@ -472,12 +479,29 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         if args.samples < 0 or args.batch_size < 1:
             raise AgentjetError("--samples must be >= 0 and --batch-size >= 1")
+        checkpoint = _eval_checkpoint(args.checkpoint, args.policy, Path(config.run.dir))
         summary = evaluate_checkpoint(
-            config, args.checkpoint, args.tasks, args.env, args.batch_size, args.samples
+            config, checkpoint, args.tasks, args.env, args.batch_size, args.samples
         )
         print(json.dumps(summary, indent=2))
         return 0
     raise AssertionError(args.command)
+
+
+def _eval_checkpoint(checkpoint: str | None, policy: str | None, run_dir: Path) -> str:
+    """What `agentjet eval` scores: --checkpoint, or --policy's newest checkpoint."""
+    if (checkpoint is None) == (policy is None):
+        raise AgentjetError("give --checkpoint DIR (or base), or --policy NAME (one of the two)")
+    if checkpoint is not None:
+        return checkpoint
+    saved = run_dir / "policies" / str(policy) / "checkpoints"
+    latest = saved / "latest"
+    if not latest.is_file():
+        raise AgentjetError(
+            f"--policy {policy}: no checkpoint in {saved} (is --run-dir the run's, and has "
+            "that policy's trainer saved one?)"
+        )
+    return str(saved / latest.read_text().strip())
 
 
 def _check_teacher_placement(config: Config, where: str) -> None:
@@ -767,13 +791,24 @@ def _node_rows(r: NodeRecord, now: float) -> list[tuple[str, ...]]:
         r.role,
         r.node_id,
         r.endpoint or (r.maddrs[0] if r.maddrs else "-"),
-        str(r.policy_version) if r.role in ("trainer", "rollout") else "-",
+        _version_cell(r),
         f"{r.queue}/{r.capacity}" if working else "-",
         f"{r.samples_per_s:.2f}" if working else "-",
         f"{max(now - r.time, 0):.1f} s ago",
         gpus[0],
     )
     return [first, *(("",) * (len(first) - 1) + (gpu,) for gpu in gpus[1:])]
+
+
+def _version_cell(r: NodeRecord) -> str:
+    """The policy version a node trains or samples with; with [[policies]], `NAME:VERSION`
+    (a trainer's policy, each policy a rollout node holds)."""
+    if r.role == "trainer":
+        return f"{r.policy}:{r.policy_version}" if r.policy else str(r.policy_version)
+    if r.role == "rollout":
+        held = " ".join(f"{name}:{v}" for name, v in sorted(r.policy_versions.items()))
+        return held or str(r.policy_version)
+    return "-"
 
 
 def _gpu_cell(gpu: GpuStats) -> str:

@@ -330,7 +330,7 @@ def run_local(config: Config, run_dir: Path, out: TextIO = sys.stdout) -> int:
         for role in ROLES:
             for policy in (policies or [""]) if role == "trainer" else [""]:
                 children.append(spawn(role, config_path, run_dir, policy))
-        trainers = f"{len(policies)} trainers (policies {', '.join(policies)})" if policies else ""
+        trainers = f"a trainer per policy ({', '.join(policies)})" if policies else ""
         print(
             f"started coordinator, {trainers or 'trainer'} and rollout node; the first policy "
             "version appears after the first batch is generated and trained (Ctrl-C stops)",

@@ -196,7 +196,9 @@ class Rollout:
         self.missing_since: dict[str, float] = {}  # trainer id -> when its record vanished
         # Gone trainers whose groups are not settled yet (no trainer live to read their
         # marks against, or marks undecided), with when each was found gone.
-        self.departed: dict[str, float] = {}
+        # (With [[policies]], each with its policy: its groups' marks are read against the
+        # live trainers of that policy only, whose weights alone can hold their steps.)
+        self.departed: dict[str, tuple[float, str]] = {}
         # Each policy's versions on the engine ("": the swarm's one policy).
         self.policies: dict[str, PolicySync] = {}
         self.static_trainers: set[str] = set()  # the trainers of a config without --join
@@ -299,7 +301,9 @@ class Rollout:
         groups = spool.load()
         trained: dict[str, str | None] = {}
         if groups and self.directory is not None:
-            trained = self.directory.trained([g.group_id for g, _ in groups], self._live())
+            for policy in {g.policy for g, _ in groups}:
+                ids = [g.group_id for g, _ in groups if g.policy == policy]
+                trained |= self.directory.trained(ids, self._live(policy))
         for group, holder in groups:
             if group.group_id in trained:
                 spool.remove(group.group_id)
@@ -644,7 +648,7 @@ class Rollout:
                 # settled: this one may sit in its queue too (it stays held by it), so it is
                 # settled the same way. Left alone it waited for that trainer forever, and a
                 # few such groups stopped this node (backpressure) in the fault suite.
-                self.departed.setdefault(trainer.node_id, time.monotonic())
+                self.departed.setdefault(trainer.node_id, (time.monotonic(), trainer.policy))
         outcome = self.ledger.offered(pending, trainer, reply, time.monotonic())
         self.counts[f"groups_{outcome}"] += 1
         match reply:
@@ -751,13 +755,14 @@ class Rollout:
                 continue
             del self.trainers[trainer_id], self.missing_since[trainer_id]
             self.retired.append(self.clients.pop(trainer_id))
-            self.departed[trainer_id] = time.monotonic()
+            self.departed[trainer_id] = (time.monotonic(), trainer.policy)
         await self._settle_departed()
         self._apply_coordinator(records)
 
-    def _live(self) -> list[tuple[protocol.Lineage, int]]:
-        """Each live trainer's lineage and version: what the DHT's marks are read against."""
-        return [(t.lineage, t.policy_version) for t in self.trainers.values()]
+    def _live(self, policy: str) -> list[tuple[protocol.Lineage, int]]:
+        """Each live trainer's of `policy` lineage and version: what the DHT's marks of that
+        policy's groups are read against."""
+        return [(t.lineage, t.policy_version) for t in self.trainers.values() if t.policy == policy]
 
     async def _settle_departed(self) -> None:
         """The groups of gone trainers: trained if a durable mark says so (a live trainer's
@@ -774,13 +779,18 @@ class Rollout:
         # other's record said it held the step it had died with (the fault suite lost 2
         # groups so). A trainer restarted on the same endpoint answers with its new lineage.
         config, keys = self.config, self.keys
+        trainers = list(self.trainers.values())
         answered = await asyncio.gather(
-            *(probe(t.endpoint, self.hello, config, keys) for t in self.trainers.values())
+            *(probe(t.endpoint, self.hello, config, keys) for t in trainers)
         )
-        live = [(s.lineage, s.policy_version) for s in answered if s is not None]
-        if not live:
-            return
-        for trainer_id, since in list(self.departed.items()):
+        live_by_policy: dict[str, list[tuple[protocol.Lineage, int]]] = defaultdict(list)
+        for trainer, status in zip(trainers, answered, strict=True):
+            if status is not None:
+                live_by_policy[trainer.policy].append((status.lineage, status.policy_version))
+        for trainer_id, (since, policy) in list(self.departed.items()):
+            live = live_by_policy.get(policy)
+            if not live:
+                continue  # no trainer of its policy answers: nothing can be told yet
             ids = [p.group.group_id for p in self.ledger.held_by(trainer_id)]
             trained = await blocking(self.directory.trained, ids, live) if ids else {}
             waiting: set[str] = set()

@@ -22,6 +22,7 @@ swarm; its kind (coordinator, trainer, rollout) says which charts its rows feed.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import tomllib
@@ -149,8 +150,17 @@ class RunDirSource:
         ]
         return {"roles": roles, "problems": []}
 
-    def metrics(self, role: str, offset: int) -> dict[str, Any]:
+    def _path(self, role: str) -> Path:
+        """metrics/<role>.jsonl; for "trainer-NAME" without one, the trainer of policy NAME
+        ([[policies]]: its metrics are under policies/NAME/metrics)."""
         path = self.metrics_dir / f"{role}.jsonl"
+        policy = role.removeprefix("trainer-")
+        if not path.exists() and policy != role:
+            return self.run_dir / "policies" / policy / "metrics" / "trainer.jsonl"
+        return path
+
+    def metrics(self, role: str, offset: int) -> dict[str, Any]:
+        path = self._path(role)
         try:
             rows = read_rows(path, offset)
         except BadOffset as e:
@@ -171,7 +181,7 @@ class RunDirSource:
         nodes = []
         for role, _ in self._metric_files():
             try:
-                rows = tail_rows(self.metrics_dir / f"{role}.jsonl")
+                rows = tail_rows(self._path(role))
             except OSError:  # removed since it was listed
                 continue
             shown = {"kind": role_kind(role), "label": role, "source": "metrics", "error": ""}
@@ -254,4 +264,9 @@ class RunDirSource:
         except OSError:
             return []
         found = {p.stem: p.stat().st_size for p in paths if ROLE_PATTERN.fullmatch(p.stem)}
-        return sorted(found.items(), key=lambda item: role_order(item[0], item[0]))
+        with contextlib.suppress(OSError):  # [[policies]]: each policy's trainer
+            for path in (self.run_dir / "policies").glob("*/metrics/trainer.jsonl"):
+                role = f"trainer-{path.parent.parent.name}"
+                if ROLE_PATTERN.fullmatch(role) and role not in found and path.is_file():
+                    found[role] = path.stat().st_size
+        return sorted(found.items(), key=lambda item: role_order(role_kind(item[0]), item[0]))

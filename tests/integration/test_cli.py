@@ -68,7 +68,18 @@ def test_dry_run_writes_resolved_config(tmp_path):
         (["local", "--max-steps", "-1"], "--max-steps must be >= 0"),
         (["tasks", "--count", "3", "--difficulties", "7", "--out", "x"], "--difficulties"),
         (["node", "--role", "judge"], "argument --role: invalid choice: 'judge'"),
-        (["eval", "--tasks", "t.jsonl"], "the following arguments are required: --checkpoint"),
+        (["eval", "--tasks", "t.jsonl"], "give --checkpoint DIR (or base), or --policy NAME"),
+        (["eval", "--tasks", "t.jsonl", "--policy", "a"], "--policy a: no checkpoint in"),
+        (["node", "--role", "rollout", "--policy", "a"], "--policy is for --role trainer"),
+        (
+            ["node", "--role", "trainer", "--set", "net.insecure=true", "--policy", "a"],
+            "--policy a: no such [[policies]] entry (none)",
+        ),
+        (
+            ["node", "--role", "trainer", "--set", "net.insecure=true"]
+            + ["--set", 'policies.0.name="a"', "--set", 'policies.1.name="b"'],
+            "name the one this trainer trains with --policy NAME",
+        ),
         (["train"], "invalid choice: 'train'"),
         (["agent", "--rollout", "http://x", "--agent", "nomodule"], "like module:function"),
         (["agent", "--rollout", "http://x", "--agent", "no_such_mod:f"], "cannot be loaded"),

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from agentjet.lifeline import descendants, running
+from agentjet.metrics import read_metrics
 from tests.integration.test_swarm import REPO_ROOT, Swarm, free_listen, swarm_factory
 
 pytestmark = pytest.mark.integration
@@ -158,3 +159,103 @@ def test_a_lone_trainer_killed_between_checkpoints_resumes_and_loses_nothing(
     log = (swarm.dir / "trainer.log").read_text()
     assert "dial to self" not in log
     assert " ERROR " not in log and "Traceback" not in log, log[-3000:]
+
+
+def test_a_policys_trainer_killed_mid_run_loses_nothing_of_either_policy(
+    swarm_factory: Callable[..., Swarm], tmp_path: Path
+) -> None:
+    """[[policies]] (issue 26): a trainer per policy, the planner's SIGKILLed between
+    checkpoints and started again with the same command. The solver's trainer trains on
+    meanwhile; the rollout node moves to the planner's new lineage; each policy's groups
+    are trained by its own trainer, once in the weights that go on, dropped as stale or
+    still held: nothing of either policy is lost. The agent calls both policies in each
+    episode, so the planner's grants make solver groups too."""
+    swarm = swarm_factory(
+        f"trainer.checkpoint_every={CHECKPOINT_EVERY}",
+        'envs.0.agent="tests.agents:planner_and_solver"',
+        'envs.1.name="arithmetic"',
+        "envs.1.difficulties=[1]",
+        'policies.0.name="planner"',
+        'policies.0.envs=["agent"]',
+        "policies.0.lora_rank=2",
+        'policies.1.name="solver"',
+        'policies.1.envs=["arithmetic"]',
+        "policies.1.lora_rank=2",
+    )
+    swarm.start("coordinator", "coordinator", "--listen", free_listen())
+    join = swarm.join_address()
+    args = {
+        policy: ("node", "--role", "trainer", "--policy", policy, "--join", join,
+                 "--listen", free_listen(), "--identity", str(tmp_path / f"{policy}.identity"))
+        for policy in ("planner", "solver")
+    }  # fmt: skip
+    for policy in args:
+        swarm.start(policy, *args[policy])
+    swarm.start("rollout", "node", "--role", "rollout", "--join", join)
+
+    def policy_rows(policy: str, event: str) -> list[dict[str, Any]]:
+        path = swarm.dir / policy / "policies" / policy / "metrics" / "trainer.jsonl"
+        found = read_metrics(path) if path.exists() else []
+        return [r for r in found if r.get("event") == event]
+
+    def version(policy: str) -> int:
+        return max((r["policy_version"] for r in policy_rows(policy, "step")), default=0)
+
+    swarm.wait_for(
+        "the planner past its first checkpoint, before the next, and the solver stepping",
+        lambda: (
+            version("planner") in (CHECKPOINT_EVERY + 1, CHECKPOINT_EVERY + 2)
+            and version("solver") >= 1
+        ),
+    )
+    planner = swarm.procs["planner"]
+    swarm.spawned |= descendants(planner.pid)
+    os.kill(planner.pid, signal.SIGKILL)
+    planner.wait()
+    killed_at, solver_at_kill = version("planner"), version("solver")
+    first_life = policy_rows("planner", "step")
+    old_lineage = policy_rows("planner", "started")[-1]["lineage"]
+    (swarm.dir / "planner.log").rename(swarm.dir / "planner-first-life.log")
+    swarm.start("planner", *args["planner"])  # the same command
+
+    def moved() -> bool:
+        started = policy_rows("planner", "started")
+        if len(started) < 2 or version("planner") < killed_at + 2:
+            return False
+        new = started[-1]["lineage"]
+        loads = rows(swarm, "rollout", "rollout", "weights_loaded")
+        return any(r["policy"] == "planner" and r["lineage"] == new for r in loads)
+
+    swarm.wait_for("the restarted planner's steps, loaded by the rollout node", moved)
+    swarm.wait_for("the solver training on", lambda: version("solver") >= solver_at_kill + 2)
+    codes = swarm.stop()
+    assert set(codes.values()) <= {0}, swarm.logs()
+
+    restarted = policy_rows("planner", "started")[-1]
+    resumed, new_lineage = restarted["policy_version"], restarted["lineage"]
+    assert new_lineage != old_lineage
+    assert resumed == killed_at - killed_at % CHECKPOINT_EVERY  # its newest checkpoint
+    batches = rows(swarm, "rollout", "rollout", "batch")
+    policy_of = {g: p for b in batches for g, p in b["group_policies"].items()}
+    held = set(rows(swarm, "rollout", "rollout", "stopped")[-1]["unacked_group_ids"])
+    for policy in ("planner", "solver"):
+        steps = policy_rows(policy, "step")
+        if policy == "planner":  # the weights that go on: up to the checkpoint, then anew
+            steps = [r for r in first_life if r["policy_version"] <= resumed] + [
+                r for r in steps if r.get("lineage") == new_lineage
+            ]
+        trained = [g for r in steps for g in r["trained_group_ids"]]
+        assert len(trained) == len(set(trained)), f"a {policy} group was trained twice"
+        assert {policy_of[g] for g in trained} == {policy}  # by its own policy's trainer
+        stale = {g for r in policy_rows(policy, "stale") for g in r["stale_group_ids"]}
+        queued = set(policy_rows(policy, "stopped")[-1]["queued_group_ids"])
+        made = {g for g, p in policy_of.items() if p == policy}
+        assert made - set(trained) - stale - held - queued == set(), f"{policy} lost groups"
+    let_go = {
+        g for r in rows(swarm, "rollout", "rollout", "trainer_gone") for g in r["trained_group_ids"]
+    }
+    durable = {
+        g for r in first_life if r["policy_version"] <= resumed for g in r["trained_group_ids"]
+    }
+    assert let_go <= durable  # what the rollout node let go as trained, the checkpoint holds
+    assert any(p == "solver" and g.endswith("-solver") for g, p in policy_of.items())

@@ -186,6 +186,30 @@ def test_metrics_replies_give_rows_and_the_next_offset(run_dir: Path) -> None:
     served(run_dir, check)
 
 
+def test_each_policys_trainer_is_a_role_of_its_own(run_dir: Path) -> None:
+    """[[policies]]: a policy's trainer writes under policies/NAME/metrics; the dashboard
+    shows it as role trainer-NAME, beside the others."""
+    planner = run_dir / "policies" / "planner" / "metrics"
+    planner.mkdir(parents=True)
+    (planner / "trainer.jsonl").write_bytes(line(step(7)))
+
+    async def check(client: TestClient[Any, Any]) -> None:
+        roles = await get(client, "/api/roles")
+        assert [r["role"] for r in roles["roles"]] == [
+            "coordinator",
+            "trainer",
+            "trainer-planner",
+            "rollout",
+        ]
+        body = await get(client, "/api/metrics?role=trainer-planner&offset=0")
+        assert [r["policy_version"] for r in body["rows"]] == [7]
+        nodes = await get(client, "/api/nodes")
+        assert {n["label"]: n["kind"] for n in nodes["nodes"]}["trainer-planner"] == "trainer"
+        await get(client, "/api/metrics?role=trainer-critic&offset=0", status=404)
+
+    served(run_dir, check)
+
+
 @pytest.mark.parametrize(
     ("url", "status"),
     [

@@ -9,8 +9,10 @@ from typing import Any
 
 import pytest
 
+from agentjet.cli import format_swarm
 from agentjet.config import config_from_dict, load_config, policy_names, policy_view, to_toml
 from agentjet.errors import ConfigError
+from agentjet.protocol import NodeRecord
 
 pytestmark = pytest.mark.unit
 
@@ -111,3 +113,15 @@ def test_each_mistake_is_one_line_naming_its_key(changes: dict[str, Any], messag
 def test_policy_endpoints_need_policies() -> None:
     with pytest.raises(ConfigError, match="there are no \\[\\[policies\\]\\] to serve"):
         config_from_dict({"net": {"policy_endpoints": {"a": "tcp://h:1"}}})
+
+
+def test_status_shows_each_trainers_policy_and_each_policy_a_rollout_node_holds() -> None:
+    records = [
+        NodeRecord(node_id="t1", role="trainer", policy="planner", policy_version=7),
+        NodeRecord(node_id="t0", role="trainer", policy_version=3),  # no [[policies]]
+        NodeRecord(node_id="r1", role="rollout", policy_versions={"solver": 5, "planner": 6}),
+    ]
+    lines = {line.split()[1]: line for line in format_swarm(records, now=0.0).splitlines()[2:]}
+    assert lines["t1"].split()[3] == "planner:7"
+    assert lines["t0"].split()[3] == "3"
+    assert "planner:6 solver:5" in lines["r1"]

@@ -29,7 +29,6 @@ import contextlib
 import importlib
 import inspect
 import logging
-import math
 import os
 import sys
 import sysconfig
@@ -41,6 +40,7 @@ from typing import Any
 
 import msgspec
 
+from agentjet.episode import Reward, as_reward
 from agentjet.errors import AgentjetError, ConfigError
 from agentjet.protocol import Task
 
@@ -187,7 +187,7 @@ class Runner:
                         episode_id, done.status_code, done.text[:200])  # fmt: skip
             self.counts.lost += 1
 
-    async def _run_agent(self, claimed: dict[str, Any], auth: dict[str, str]) -> float:
+    async def _run_agent(self, claimed: dict[str, Any], auth: dict[str, str]) -> Reward:
         import openai
 
         try:
@@ -203,14 +203,10 @@ class Runner:
             raise AgentFailed(f"the agent raised {type(e).__name__}: {e}{_where(e)}") from None
         finally:
             await client.close()
-        if isinstance(reward, bool) or not isinstance(reward, int | float):
-            try:  # numpy and torch scalars are numbers too
-                reward = float(reward)
-            except (TypeError, ValueError):
-                raise AgentFailed(f"the agent returned {reward!r}, not a number") from None
-        if not math.isfinite(reward):
-            raise AgentFailed(f"the agent returned {reward!r}, not a finite number")
-        return float(reward)
+        try:  # numpy and torch scalars are numbers too; or one per policy ([[policies]])
+            return as_reward(reward)
+        except ValueError as e:
+            raise AgentFailed(f"the agent's reward {e}") from None
 
     async def _post(
         self, path: str, body: dict[str, Any], headers: dict[str, str] | None = None

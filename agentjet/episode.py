@@ -12,6 +12,8 @@ bridge to a thread (agentjet/bridge.py).
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -80,6 +82,9 @@ class Episode:
     # Agent episodes (OpenAI endpoint): the model calls merged into training sequences
     # (agentjet.timeline). When set, they are what is trained, not the fields above.
     sequences: list[Sequence] = field(default_factory=list)
+    # With several policies: the reward of each policy the agent scored apart (`reward` is
+    # its grant's policy's); a policy not named here gets `reward`.
+    policy_rewards: dict[str, float] = field(default_factory=dict)
 
     def add_model_turn(self, completion: Completion) -> None:
         self.completion_ids += completion.token_ids
@@ -97,3 +102,35 @@ class Episode:
     @property
     def context_ids(self) -> list[int]:
         return self.prompt_ids + self.completion_ids
+
+
+# An agent's or judge's reward: a number, or with several policies ([[policies]]) one per
+# policy the episode called.
+Reward = float | dict[str, float]
+
+
+def as_reward(value: Any) -> Reward:
+    """`value` as a reward: a finite number (numpy and torch scalars too, never a bool or a
+    string), or a mapping of policy names to finite numbers. ValueError says what is wrong."""
+    if isinstance(value, Mapping):
+        if not value:
+            raise ValueError("is an empty mapping")
+        rewards = {}
+        for name, number in value.items():
+            if not isinstance(name, str):
+                raise ValueError(f"names {name!r}, not a policy")
+            rewards[name] = _finite(number, f"of {name!r} ")
+        return rewards
+    return _finite(value)
+
+
+def _finite(value: Any, of: str = "") -> float:
+    if isinstance(value, bool | str | bytes):
+        raise ValueError(f"{of}{value!r} is not a number")
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{of}{value!r} is not a number") from None
+    if not math.isfinite(number):
+        raise ValueError(f"{of}{value!r} is not a finite number")
+    return number

@@ -63,7 +63,8 @@ def score(scores: dict, env: str) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--minutes", type=float, default=15.0)
-    parser.add_argument("--lr", type=float, default=1e-4)
+    # LoRA r16 on arithmetic, 5.4 min alone: lr 1e-4 26.5% held-out (base 27%), 1e-3 41.5%
+    parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--heldout", type=int, default=200, help="held-out arithmetic tasks")
     parser.add_argument("--config", type=Path, default=ROOT / "configs" / "local.toml")

@@ -33,15 +33,14 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from agentjet.agent_runner import load_callable
 from agentjet.bridge import Exclusive
 from agentjet.config import EnvConfig, RolloutConfig
-from agentjet.episode import Episode, Generator, SamplingParams
+from agentjet.episode import Episode, Generator, Reward, SamplingParams, as_reward
 from agentjet.errors import ConfigError
 from agentjet.protocol import Task
 from agentjet.roles import wait_for
@@ -62,11 +61,13 @@ ATTEMPTS = 2
 
 @dataclass
 class Played:
-    """A finished episode: its reward and its calls as sampled."""
+    """A finished episode: its reward and its calls as sampled; with several policies,
+    `rewards` holds those the agent gave each policy apart (`reward`: its grant's)."""
 
     reward: float
     calls: list[Call]
     error: str = ""
+    rewards: dict[str, float] = field(default_factory=dict)
 
 
 class AgentEnv:
@@ -218,12 +219,16 @@ class AgentEnv:
             if error == "" and not episode.calls:
                 error = "the agent never called the model"
             if error == "":
-                return Played(reward, [r.call for r in episode.calls])
+                calls = [r.call for r in episode.calls]
+                if isinstance(reward, dict):  # one per policy: the grant's is the episode's
+                    own = reward.get(policy, sum(reward.values()) / len(reward))
+                    return Played(own, calls, rewards=reward)
+                return Played(reward, calls)
             log.warning("%s: episode of task %s failed (attempt %d): %s",
                         self.name, task.id, attempt, error)  # fmt: skip
         return None
 
-    async def _play_one(self, episode: AgentEpisode) -> tuple[float, str]:
+    async def _play_one(self, episode: AgentEpisode) -> tuple[Reward, str]:
         """(reward, "") for a finished episode, else (0.0, why it failed)."""
         if self.external:
             await episode.started.wait()  # unbounded: the clock starts at the claim
@@ -266,19 +271,26 @@ class AgentEnv:
             await asyncio.gather(agent, expired, return_exceptions=True)
             await client.close()
 
-    async def _judged(self, episode: AgentEpisode, reward: Any) -> tuple[float, str]:
+    async def _judged(self, episode: AgentEpisode, reward: Any) -> tuple[Reward, str]:
+        """The agent's (or the judge's) reward checked: a finite number, or with
+        [[policies]] a mapping of the episode's called policies to finite numbers."""
         if self.judge is not None:
             try:
                 reward = await _call(self.judge, episode.task, _transcript(episode))
             except Exception as e:  # noqa: BLE001
                 return 0.0, f"the judge raised {type(e).__name__}: {e}"
-        if (
-            isinstance(reward, bool)
-            or not isinstance(reward, int | float)
-            or not math.isfinite(reward)
-        ):
-            return 0.0, f"reward {reward!r} is not a finite number"
-        return float(reward), ""
+        try:
+            checked = as_reward(reward)
+        except ValueError as e:
+            return 0.0, f"reward {e}"
+        if isinstance(checked, dict):
+            called = {r.call.policy for r in episode.calls}
+            if not self.policies:
+                return 0.0, "a reward per policy needs [[policies]]; return a number"
+            if not set(checked) <= called:
+                stray = sorted(set(checked) - called)
+                return 0.0, f"reward names {', '.join(stray)}, which the episode never called"
+        return checked, ""
 
 
 async def _call(fn: Callable[..., Any], *args: Any) -> Any:
@@ -306,6 +318,7 @@ def _episode(played: Played, merge: bool) -> Episode:
         finish_reason=sequences[-1].finish_reason,
         policy_version=min(s.policy_version for s in sequences),
         sequences=sequences,
+        policy_rewards=dict(played.rewards),
     )
 
 

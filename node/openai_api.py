@@ -61,7 +61,7 @@ from typing import Any, Literal
 import msgspec
 from aiohttp import web
 
-from agentjet.episode import Completion, Generator, SamplingParams
+from agentjet.episode import Completion, Generator, Reward, SamplingParams, as_reward
 from agentjet.protocol import Task
 from agentjet.roles import wait_for
 from agentjet.timeline import Call
@@ -329,7 +329,7 @@ class AgentEpisode:
     training: bool
     state: EpisodeState = "open"
     calls: list[Recorded] = field(default_factory=list)
-    reward: float | None = None
+    reward: Reward | None = None
     error: str = ""
     opened_at: float = field(default_factory=time.monotonic)
     last_active: float = field(default_factory=time.monotonic)
@@ -863,12 +863,13 @@ class OpenAIServer:
     async def _finish(self, request: web.Request) -> web.Response:
         episode = self._own_episode(request)
         body = await _json_body(request)
-        reward = body.get("reward")
-        if isinstance(reward, bool) or not isinstance(reward, int | float) or reward != reward:
-            raise ApiError(400, "reward must be a finite number", "invalid_reward")
-        if abs(float(reward)) == float("inf"):
-            raise ApiError(400, "reward must be a finite number", "invalid_reward")
-        episode.reward = float(reward)
+        try:  # (the environment checks a per-policy mapping's names against the calls)
+            reward = as_reward(body.get("reward"))
+        except ValueError as e:
+            raise ApiError(
+                400, f"reward must be a finite number, or one per policy: {e}", "invalid_reward"
+            ) from None
+        episode.reward = reward
         episode.close("finished")
         return web.json_response({"episode_id": episode.id, "state": episode.state})
 

@@ -149,15 +149,20 @@ def build_groups(
     """The groups of a grant's episodes: one per policy whose calls they hold (agents may
     call several policies by the `model` field; node/agents.py). The grant's own policy's
     group has the grant's id, another's `<grant id>-<policy>`. Each holds that policy's
-    sequences of the episodes it took part in, with their rewards; `lineages`: each
-    policy's lineage id on this node."""
+    sequences of the episodes it took part in, with the episode's reward or the one the
+    agent gave that policy (`Episode.policy_rewards`); `lineages`: each policy's lineage id
+    on this node."""
     called = {seq.policy for e in episodes for seq in e.sequences}
     if called <= {grant.policy}:  # (also: environments without agents)
         return [build_group(grant, episodes, node_id, wall_s, lineages.get(grant.policy, ""))]
     groups = []
     for policy in [grant.policy, *sorted(called - {grant.policy})]:
         own = [
-            dataclasses.replace(e, sequences=[q for q in e.sequences if q.policy == policy])
+            dataclasses.replace(
+                e,
+                sequences=[q for q in e.sequences if q.policy == policy],
+                reward=e.policy_rewards.get(policy, e.reward),
+            )
             for e in episodes
         ]
         own = [e for e in own if e.sequences]

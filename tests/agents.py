@@ -31,3 +31,25 @@ async def planner_and_solver(task: Task, client: Any) -> float:
         ],
     )
     return float(len(answer.choices[0].message.content or "") % 2 == 0)
+
+
+async def planner_and_solver_scored_apart(task: Task, client: Any) -> dict[str, float]:
+    """`planner_and_solver`, rewarding each policy apart: the solver as `even_length`,
+    the planner for a plan of an odd number of characters."""
+    plan = await client.chat.completions.create(
+        model="planner", messages=[{"role": "user", "content": f"Plan: {task.prompt}"}]
+    )
+    planned = plan.choices[0].message.content or ""
+    answer = await client.chat.completions.create(
+        model="solver", messages=[{"role": "user", "content": f"{task.prompt}\nPlan: {planned}"}]
+    )
+    solved = float(len(answer.choices[0].message.content or "") % 2 == 0)
+    return {"planner": float(len(planned) % 2 == 1), "solver": solved}
+
+
+async def rewards_a_policy_it_never_called(task: Task, client: Any) -> dict[str, float]:
+    """A per-policy reward naming a policy the episode never called: refused."""
+    await client.chat.completions.create(
+        model="solver", messages=[{"role": "user", "content": str(task.prompt)}]
+    )
+    return {"solver": 1.0, "planner": 0.0}

@@ -300,7 +300,7 @@ def test_the_runner_outlives_its_agents_failures_and_a_node_killed_mid_episode(
                "episode held by the agent")  # fmt: skip
     assert runner.poll() is None, procs.err("runner")
     assert "the agent raised RuntimeError: a bug in the agent (my_agent.py:" in procs.err("runner")
-    assert "the agent returned 'not a number', not a number" in procs.err("runner")
+    assert "the agent's reward 'not a number' is not a number" in procs.err("runner")
 
     # The node dies mid-episode; the agent's next call fails, and so does its abort.
     code, _ = procs.stop(node.name, signal.SIGKILL, NODE_STOP_S)

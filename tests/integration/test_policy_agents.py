@@ -19,7 +19,11 @@ from node.lora import random_adapters
 from node.policy_sync import PolicyView
 from node.rollout import build_groups
 from node.torch_engine import TorchEngine
-from tests.agents import planner_and_solver
+from tests.agents import (
+    planner_and_solver,
+    planner_and_solver_scored_apart,
+    rewards_a_policy_it_never_called,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -98,5 +102,35 @@ def test_an_episode_calling_two_policies_trains_each_on_its_own_calls(
                 server.hub.forget(episode)
         finally:
             await env.close()
+
+    asyncio.run(scenario())
+
+
+def test_an_agent_may_reward_each_policy_apart_but_only_policies_it_called(
+    tiny_model_dir: Path, one_torch_thread: None
+) -> None:
+    engine = TorchEngine(tiny_model_dir, seed=0)
+
+    async def scenario() -> None:
+        apart = AgentEnv("agent", planner_and_solver_scored_apart, policies=list(VERSIONS))
+        stray = AgentEnv(
+            "agent", rewards_a_policy_it_never_called, policies=list(VERSIONS), attempts=1
+        )
+        try:
+            [eps] = await apart.run_group(PolicyView(engine, "solver"), TASKS[:1], 4, PARAMS)
+            for episode in eps:
+                assert set(episode.policy_rewards) == {"planner", "solver"}
+                assert episode.reward == episode.policy_rewards["solver"]  # its grant's
+            grant = WorkGrant(grant_id="g", task=TASKS[0], group_size=4, lease_s=1.0,
+                              policy="solver")  # fmt: skip
+            groups = build_groups(grant, eps, "node", 1.0, {})
+            for group in groups:
+                expected = [e.policy_rewards[group.policy] for e in eps]
+                assert [s.reward for s in group.samples] == expected
+            # A reward for a policy the episode never called: the episode fails.
+            assert await stray.run_group(PolicyView(engine, "solver"), TASKS[:1], 2, PARAMS) == [[]]
+        finally:
+            await apart.close()
+            await stray.close()
 
     asyncio.run(scenario())

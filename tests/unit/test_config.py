@@ -15,6 +15,11 @@ def test_defaults_and_shipped_config_are_valid():
     shipped = load_config("configs/local.toml")
     assert shipped.rollout.group_size == 8
     assert [e.name for e in shipped.envs] == ["arithmetic"]
+    two = load_config("configs/two_policies.toml")
+    assert [(p.name, p.envs, p.lr) for p in two.policies] == [
+        ("arithmetic", ["arithmetic"], 1e-3),
+        ("code", ["python_code"], 1e-3),
+    ]
 
 
 def test_overrides_parse_toml_values_and_bare_strings():

@@ -556,7 +556,15 @@ def test_two_policies_train_side_by_side_and_every_group_reaches_its_own_trainer
     group for each, and every group made is trained once by its own policy's trainer,
     stale or still held."""
     run_dir = tmp_path / "run"
-    code, output, spawned = run_local(tiny_model_dir, run_dir, 3, settings=TWO_POLICIES)
+    held_out = tmp_path / "held_out.jsonl"  # the solver's, scored during training
+    made = subprocess.run(
+        [sys.executable, "-m", "agentjet.cli", "tasks", "--count", "4", "--difficulties", "1",
+         "--out", str(held_out)],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    evals = (f"envs.0.eval_file={json.dumps(str(held_out))}", "rollout.eval_every=2")
+    code, output, spawned = run_local(tiny_model_dir, run_dir, 3, settings=TWO_POLICIES + evals)
     logs = "\n".join(p.read_text() for p in (run_dir / "logs").glob("*.log"))
     assert code == 0, output + logs
     assert "reached --max-steps 3" in output
@@ -581,6 +589,13 @@ def test_two_policies_train_side_by_side_and_every_group_reaches_its_own_trainer
             (run_dir / "policies" / policy / "checkpoints" / latest / "agentjet.json").read_text()
         )
         assert meta["policy_version"] == 3
+    # held-out evaluation of the solver's versions, with the solver's adapters
+    scored = [r for r in rollout if r.get("event") == "eval"]
+    assert {r["policy"] for r in scored} == {"solver"}
+    solver_loaded = {r["policy_version"] for r in loaded if r["policy"] == "solver"}
+    assert 0 in {r["policy_version"] for r in scored}  # the base, before any version
+    assert {r["policy_version"] for r in scored} <= {0} | solver_loaded
+    assert all(r["eval/arithmetic/tasks"] == 4 for r in scored)
     # the coordinator granted work to both policies (its history keeps each grant's)
     with contextlib.closing(sqlite3.connect(run_dir / "coordinator.sqlite")) as db:
         grants = dict(db.execute("SELECT policy, count(*) FROM grants GROUP BY policy"))

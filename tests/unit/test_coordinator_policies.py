@@ -1,0 +1,60 @@
+"""The coordinator with [[policies]] (issue 26): grants go to the policies by their weights,
+each with a task of one of its own environments, and each report teaches the scheduler of
+its grant's policy only. The real Coordinator's request handling and its SQLite history."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from agentjet.config import config_from_dict
+from agentjet.protocol import GroupReport, Ok, WorkGrants, WorkRequest
+from coordinator.service import Coordinator
+from coordinator.store import Store
+
+pytestmark = pytest.mark.unit
+
+
+def test_grants_follow_the_policies_weights_and_reports_their_own_scheduler(
+    tmp_path: Path,
+) -> None:
+    config = config_from_dict(
+        {
+            "envs": [{"name": "arithmetic"}, {"name": "python_code"}],
+            "policies": [
+                {"name": "solver", "envs": ["arithmetic"], "weight": 1.0},
+                {"name": "coder", "envs": ["python_code"], "weight": 3.0},
+            ],
+            "run": {"dir": str(tmp_path)},
+        }
+    )
+    coordinator = Coordinator(config)
+    coordinator.store = Store(tmp_path / "coordinator.sqlite", lease_s=60.0)
+    try:
+        grants = []
+        for now, k in enumerate((1, 5, 2, 8)):  # requests of any size
+            reply = coordinator.handle(WorkRequest(node_id="r", max_groups=k), float(now))
+            assert isinstance(reply, WorkGrants)
+            grants += reply.grants
+        assert Counter(g.policy for g in grants) == {"solver": 4, "coder": 12}
+        assert {g.policy: g.task.env for g in grants} == {
+            "solver": "arithmetic",
+            "coder": "python_code",
+        }
+        solver = next(g for g in grants if g.policy == "solver")
+        report = GroupReport(node_id="r", grant_id=solver.grant_id, rewards=[1.0, 0.0])
+        assert isinstance(coordinator.handle(report, 10.0), Ok)
+        assert coordinator.schedulers["solver"].statistics.tick == 1
+        assert coordinator.schedulers["coder"].statistics.tick == 0
+    finally:
+        coordinator.store.close()
+    # A restarted coordinator rebuilds each policy's statistics from the history.
+    again = Coordinator(config)
+    again.store = Store(tmp_path / "coordinator.sqlite", lease_s=60.0)
+    try:
+        again._replay_reports()
+        assert [again.schedulers[p].statistics.tick for p in ("solver", "coder")] == [1, 0]
+    finally:
+        again.store.close()

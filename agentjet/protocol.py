@@ -46,7 +46,8 @@ import numpy as np
 # 13: teacher nodes (node/teacher_node.py): TeacherScoreRequest / TeacherScores, a
 #    NodeRecord of role "teacher" naming the teachers it serves.
 # 14: several policies (issue 26): WorkGrant.policy, TrajectoryGroup.policy,
-#    NodeRecord.policy (a trainer's) and NodeRecord.policy_versions (a rollout node's).
+#    NodeRecord.policy (a trainer's) and NodeRecord.policy_versions (a rollout node's),
+#    WorkRequest.policies.
 PROTOCOL_VERSION = 14
 
 # Earlier lineages a Lineage remembers (one per trainer restart from a checkpoint).
@@ -158,6 +159,9 @@ class WorkRequest(_Msg, tag="work_request"):
     node_id: str
     max_groups: int
     policy_version: int = 0
+    # With [[policies]]: the policies the node has room for (its groups of the others wait
+    # for their trainers); [] = any.
+    policies: list[str] = msgspec.field(default_factory=list)
 
 
 class WorkGrant(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

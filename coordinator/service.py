@@ -74,6 +74,8 @@ log = logging.getLogger(__name__)
 
 # One WorkRequest asks for at most this many groups (bounds one reply and one transaction).
 MAX_GROUPS_PER_REQUEST = 1024
+# A work request names at most this many policies (the ones its node has room for).
+MAX_POLICIES_PER_REQUEST = 256
 # Longer node ids are refused: they key the nodes table and show up in every status reply.
 MAX_NODE_ID_CHARS = 128
 # Longer role names in heartbeats are refused (real roles are a single short word).
@@ -100,6 +102,8 @@ def request_problem(msg: CoordinatorRequest) -> str | None:
     match msg:
         case WorkRequest(max_groups=n) if not 0 < n <= MAX_GROUPS_PER_REQUEST:
             return f"max_groups is {n}; ask for 1 to {MAX_GROUPS_PER_REQUEST} groups"
+        case WorkRequest(policies=names) if len(names) > MAX_POLICIES_PER_REQUEST:
+            return f"{len(names)} policies; a request names at most {MAX_POLICIES_PER_REQUEST}"
         case WorkRequest(policy_version=v) | Heartbeat(policy_version=v) if v < 0:
             return f"policy_version is {v}; versions start at 0"
         case Heartbeat(role=role) if len(role) > MAX_ROLE_CHARS:
@@ -230,13 +234,19 @@ class Coordinator:
                     self.store.touch(msg.node_id, now, role=msg.role)
                 return welcome
             case WorkRequest():
+                unknown = sorted(set(msg.policies) - set(self.shares))
+                if unknown:
+                    served = ", ".join(p for p in self.shares if p) or "no [[policies]]"
+                    return self._refuse(msg, f"no policy {unknown[0]!r} here ({served})")
+                wanted = msg.policies or list(self.shares)
                 grants = self.store.grant(
                     msg.node_id,
                     msg.max_groups,
                     now,
                     self.config.rollout.group_size,
-                    self._draw_new,
+                    lambda count, issued: self._draw_new(count, issued, wanted),
                     msg.policy_version,
+                    policies=wanted if msg.policies else None,
                 )
                 log.debug("granted %d groups to %s", len(grants), msg.node_id)
                 return WorkGrants(grants=grants)
@@ -297,11 +307,14 @@ class Coordinator:
             refused=self.server.refused,
         )
 
-    def _draw_new(self, count: int, grants_issued: int) -> list[tuple[Task, str]]:
-        """`count` new (task, policy) picks: the policies by their shares, then each
-        policy's scheduler its tasks."""
+    def _draw_new(
+        self, count: int, grants_issued: int, policies: list[str] | None = None
+    ) -> list[tuple[Task, str]]:
+        """`count` new (task, policy) picks: the policies (of `policies`, the ones the node
+        has room for) by their shares, then each policy's scheduler its tasks."""
         rng = draw_rng(self.config.run.seed, grants_issued)
-        split = share_out(count, self.shares, self.store.grants_by_policy())
+        shares = {p: w for p, w in self.shares.items() if policies is None or p in policies}
+        split = share_out(count, shares, self.store.grants_by_policy())
         picks: list[tuple[Task, str]] = []
         for policy, k in split.items():
             scheduler = self._scheduler(policy)

@@ -196,15 +196,19 @@ class Store:
         group_size: int,
         draw_new: DrawNew,
         policy_version: int | None = None,
+        policies: list[str] | None = None,
     ) -> list[WorkGrant]:
-        """Grant `max_groups` tasks to `node_id`: re-queued tasks first (oldest first), then
-        `draw_new(count, grants_issued)`. Each grant gets a fresh id and the store's lease."""
+        """Grant `max_groups` tasks to `node_id`: re-queued tasks first (oldest first; of
+        `policies` only, unless None), then `draw_new(count, grants_issued)`. Each grant gets
+        a fresh id and the store's lease."""
         with self._transaction() as db:
             self._touch(node_id, now, "", policy_version)
+            wanted = json.dumps(policies)  # (JSON null: any policy)
             queued = db.execute(
                 "SELECT q.seq, g.grant_id, g.task, g.policy FROM regrant_queue q "
-                "JOIN grants g ON g.grant_id = q.grant_id ORDER BY q.seq LIMIT ?",
-                (max_groups,),
+                "JOIN grants g ON g.grant_id = q.grant_id WHERE json(?) = 'null' OR g.policy IN"
+                " (SELECT value FROM json_each(?)) ORDER BY q.seq LIMIT ?",
+                (wanted, wanted, max_groups),
             ).fetchall()
             db.executemany("DELETE FROM regrant_queue WHERE seq = ?", [(q[0],) for q in queued])
             issued = self._counter("grants_issued")

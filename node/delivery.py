@@ -88,9 +88,14 @@ class Ledger:
     def __len__(self) -> int:
         return len(self.pending)
 
-    def unplaced(self) -> int:
-        """Groups no trainer has accepted yet (what backpressure counts)."""
-        return sum(1 for p in self.pending.values() if p.state != "held")
+    def unplaced(self, policy: str | None = None) -> int:
+        """Groups (of `policy` only, unless None) no trainer has accepted yet: what
+        backpressure counts."""
+        return sum(
+            1
+            for p in self.pending.values()
+            if p.state != "held" and (policy is None or p.group.policy == policy)
+        )
 
     def to_offer(self) -> list[Pending]:
         return [p for p in self.pending.values() if p.state != "held"]

@@ -344,11 +344,18 @@ class Rollout:
 
     def _has_room(self) -> bool:
         """Backpressure: room for another batch while few groups wait for a trainer and the
-        spool is under its cap."""
+        spool is under its cap; with [[policies]], while some policy has room."""
+        return bool(self._with_room())
+
+    def _with_room(self) -> list[str]:
+        """The policies with room for another batch: fewer than rollout.max_unacked_groups of
+        their groups wait for a trainer (per policy: one whose trainers are all down or
+        done must not stop the others), and the spool under its cap."""
         spool = self.ledger.spool
         if spool is not None and spool.full():
-            return False
-        return self.ledger.unplaced() < self.config.rollout.max_unacked_groups
+            return []
+        bound = self.config.rollout.max_unacked_groups
+        return [name for name in self.policies if self.ledger.unplaced(name) < bound]
 
     def _connect_coordinator(self, endpoint: str) -> None:
         if self.coordinator is not None:
@@ -538,6 +545,7 @@ class Rollout:
             node_id=self.node_id,
             max_groups=self.config.rollout.groups_per_batch,
             policy_version=self.engine.policy_version,
+            policies=self._with_room() if self.config.policies else [],
         )
         delay = RETRY_MIN_S
         while True:
@@ -588,7 +596,10 @@ class Rollout:
         ]
 
     def _local_policy(self, env: str) -> str:
-        training = [p for p in self.config.policies if not p.envs or env in p.envs]
+        room = self._with_room()
+        training = [
+            p for p in self.config.policies if (not p.envs or env in p.envs) and p.name in room
+        ]
         if not training:
             return ""
         return self.rng.choices([p.name for p in training], [p.weight for p in training])[0]

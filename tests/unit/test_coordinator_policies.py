@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from agentjet.config import config_from_dict
-from agentjet.protocol import GroupReport, Ok, WorkGrants, WorkRequest
+from agentjet.protocol import Error, GroupReport, Ok, WorkGrants, WorkRequest
 from coordinator.service import Coordinator
 from coordinator.store import Store
 
@@ -58,3 +58,40 @@ def test_grants_follow_the_policies_weights_and_reports_their_own_scheduler(
         assert [again.schedulers[p].statistics.tick for p in ("solver", "coder")] == [1, 0]
     finally:
         again.store.close()
+
+
+def test_a_node_asks_only_for_the_policies_it_has_room_for(tmp_path: Path) -> None:
+    """A rollout node whose groups of one policy wait for that policy's trainers (down, or
+    done) asks for the others' work only: no grant of the waiting policy, not even a
+    regrant, and a policy the coordinator does not know is refused."""
+    config = config_from_dict(
+        {
+            "envs": [{"name": "arithmetic"}, {"name": "python_code"}],
+            "policies": [
+                {"name": "solver", "envs": ["arithmetic"]},
+                {"name": "coder", "envs": ["python_code"]},
+            ],
+            "run": {"dir": str(tmp_path)},
+            "coordinator": {"lease_s": 10.0},
+        }
+    )
+    coordinator = Coordinator(config)
+    coordinator.store = Store(tmp_path / "coordinator.sqlite", lease_s=10.0)
+    try:
+        first = coordinator.handle(WorkRequest(node_id="gone", max_groups=4), 0.0)
+        assert isinstance(first, WorkGrants)
+        assert coordinator.store.expire_silent(now=20.0)  # its grants wait for a regrant
+        reply = coordinator.handle(WorkRequest(node_id="r", max_groups=6, policies=["coder"]), 21.0)
+        assert isinstance(reply, WorkGrants) and len(reply.grants) == 6
+        assert {g.policy for g in reply.grants} == {"coder"}
+        regranted = {g.task.id for g in first.grants if g.policy == "coder"}
+        assert regranted <= {g.task.id for g in reply.grants}  # its own policy's regrants
+        refused = coordinator.handle(
+            WorkRequest(node_id="r", max_groups=1, policies=["critic"]), 22.0
+        )
+        assert isinstance(refused, Error) and "no policy 'critic' here" in refused.message
+        solver = coordinator.handle(WorkRequest(node_id="r", max_groups=2), 23.0)
+        assert isinstance(solver, WorkGrants)
+        assert [g.policy for g in solver.grants] == ["solver", "solver"]  # the regrants
+    finally:
+        coordinator.store.close()

@@ -133,3 +133,7 @@ def test_a_group_goes_only_to_a_trainer_of_its_policy() -> None:
         assert ledger.pick(by_id["p"], trainers, now=0.0) is planner
     assert ledger.pick(by_id["one"], trainers, now=0.0) is None  # no trainer of "": it waits
     assert ledger.pick(by_id["p"], {"b": solver}, now=0.0) is None
+    # backpressure counts each policy's waiting groups apart
+    assert (ledger.unplaced("planner"), ledger.unplaced(""), ledger.unplaced()) == (1, 1, 2)
+    ledger.offered(by_id["p"], planner, ack("p", "accepted"), now=0.0)
+    assert (ledger.unplaced("planner"), ledger.unplaced()) == (0, 1)

@@ -309,7 +309,8 @@ def _wait_gone(pids: set[int], pgids: set[int], timeout_s: float) -> None:
 
 def run_local(config: Config, run_dir: Path, out: TextIO = sys.stdout) -> int:
     config_path = prepare_run(config, run_dir)
-    print(f"run dir: {run_dir}  (config.toml, metrics/, logs/, checkpoints/)", file=out)
+    saved = "policies/NAME/ (each policy's checkpoints)" if config.policies else "checkpoints/"
+    print(f"run dir: {run_dir}  (config.toml, metrics/, logs/, {saved})", file=out)
     print(describe_placement(load_config(config_path)), file=out)
     children: list[Child] = []
     dashboard: Child | None = None  # watched apart: its end stops no training

@@ -72,6 +72,8 @@ TAIL_ROWS = 200
 MAX_ROW_CHARS = 1 << 20
 # What a node id may hold to be shown (protocol.MAX_NODE_ID_CHARS, printable).
 NODE_ID_PATTERN = re.compile(r"[!-~]{1,256}")
+# A trainer's policy ([[policies]]: agentjet/config.py checks its names the same way).
+POLICY_PATTERN = re.compile(r"([A-Za-z0-9][\w-]{0,63})?")
 
 
 class RecordReader(Protocol):
@@ -90,7 +92,14 @@ def record_problem(record: protocol.NodeRecord) -> str | None:
         return f"endpoint {record.endpoint[:80]!r} is not tcp://HOST:PORT or ipc://PATH"
     if not math.isfinite(record.time):
         return "a heartbeat time that is not a number"
+    if not POLICY_PATTERN.fullmatch(record.policy):
+        return "a policy name that is not a word of up to 64 characters"
     return None
+
+
+def label(record: protocol.NodeRecord) -> str:
+    """How the page names a node: its id, and a trainer's policy ([[policies]])."""
+    return f"{record.node_id} ({record.policy})" if record.policy else record.node_id
 
 
 def node_key(node_id: str) -> str:
@@ -254,7 +263,7 @@ class SwarmSource:
             {
                 "role": n.key,
                 "kind": n.record.role,
-                "label": n.record.node_id,
+                "label": label(n.record),
                 "rows": n.mirror.written,
                 "bytes": None,
             }
@@ -290,7 +299,7 @@ class SwarmSource:
         record = node.record
         shown |= {
             "kind": record.role,
-            "label": record.node_id,
+            "label": label(record),
             "endpoint": record.endpoint,
             "time": record.time,  # its heartbeat: newer than its rows
             "source": "metrics" if node.client is not None else "directory",

@@ -291,6 +291,7 @@ def test_the_live_source_shows_good_records_and_leaves_out_bad_ones(
             time=1000.0,
             endpoint="tcp://127.0.0.1:1",  # nothing listens: shown as unreachable
             quarantined=["rollout-evil"],
+            policy="planner",  # [[policies]]: named with its policy
         ),
     ]
     bad = [
@@ -299,6 +300,7 @@ def test_the_live_source_shows_good_records_and_leaves_out_bad_ones(
         rollout(""),
         rollout("rollout-c", endpoint="http://evil.example:80"),
         msgspec.structs.replace(rollout("rollout-d"), time=math.nan),
+        NodeRecord(node_id="trainer-x", role="trainer", time=1000.0, policy="<b>x</b>"),
     ]
     directory = Directory(good + bad)
     source = SwarmSource(directory, "swarm-test", read_node_keys(keys_file, "dashboard"))
@@ -312,11 +314,11 @@ def test_the_live_source_shows_good_records_and_leaves_out_bad_ones(
             listed = {r["label"]: r for r in roles["roles"]}
             assert list(listed) == [
                 "coordinator-box-1",
-                "trainer-quiet",
+                "trainer-quiet (planner)",
                 "rollout-a",
                 "rollout-b.example.com-7",
             ]
-            assert "5 records of the last directory read were left out" in roles["problems"][0]
+            assert "6 records of the last directory read were left out" in roles["problems"][0]
             key = listed["rollout-b.example.com-7"]["role"]
             assert key == node_key("rollout-b.example.com-7") and "." not in key
 
@@ -325,8 +327,8 @@ def test_the_live_source_shows_good_records_and_leaves_out_bad_ones(
             assert nodes["rollout-a"]["memory"]["gpu/0/util_pct"] == 87.0
             assert nodes["rollout-a"]["source"] == "directory"
             assert nodes["rollout-b.example.com-7"]["samples_per_s"] is None
-            assert nodes["trainer-quiet"]["quarantined"] == ["rollout-evil"]
-            assert "no reply" in nodes["trainer-quiet"]["error"]
+            assert nodes["trainer-quiet (planner)"]["quarantined"] == ["rollout-evil"]
+            assert "no reply" in nodes["trainer-quiet (planner)"]["error"]
 
             rows = await get(client, "/api/metrics?role=coordinator-box-1")
             assert rows["rows"][-1]["coordinator/leases_open"] == 5 and not rows["more"]

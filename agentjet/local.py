@@ -324,12 +324,13 @@ def run_local(config: Config, run_dir: Path, out: TextIO = sys.stdout) -> int:
     signal.signal(signal.SIGINT, request_stop)
     signal.signal(signal.SIGTERM, request_stop)
     policies = [p.name for p in config.policies]
-    progress = Progress(out, policies or [""])
+    trained = policies or [""]  # one trainer each ("": the one policy without [[policies]])
+    progress = Progress(out, trained)
     progress.skip_existing(run_dir)
     code = 0
     try:
         for role in ROLES:
-            for policy in (policies or [""]) if role == "trainer" else [""]:
+            for policy in trained if role == "trainer" else [""]:
                 children.append(spawn(role, config_path, run_dir, policy))
         trainers = f"a trainer per policy ({', '.join(policies)})" if policies else ""
         print(
@@ -362,7 +363,7 @@ def run_local(config: Config, run_dir: Path, out: TextIO = sys.stdout) -> int:
             if not failed:
                 # Every trainer at --max-steps: done. One policy's trainer done before the
                 # others: the others go on.
-                if len(trainers_done) < len(policies or [""]):
+                if len(trainers_done) < len(trained):
                     continue
                 print(f"reached --max-steps {config.run.max_steps}", file=out)
             else:
@@ -378,7 +379,7 @@ def run_local(config: Config, run_dir: Path, out: TextIO = sys.stdout) -> int:
         print("stopping all roles ...", file=out, flush=True)
         stop_children(children + ([dashboard] if dashboard is not None else []), seen)
         progress.poll(run_dir)
-    for policy in policies or [""]:
+    for policy in trained:
         checkpoints = (run_dir / "policies" / policy if policy else run_dir) / "checkpoints"
         latest = checkpoints / "latest"
         if latest.exists():

@@ -315,10 +315,10 @@ class Coordinator:
         rng = draw_rng(self.config.run.seed, grants_issued)
         shares = {p: w for p, w in self.shares.items() if policies is None or p in policies}
         split = share_out(count, shares, self.store.grants_by_policy())
+        open_by_env = self.store.open_by_env()
         picks: list[tuple[Task, str]] = []
         for policy, k in split.items():
-            scheduler = self._scheduler(policy)
-            tasks = scheduler.choose(k, rng, self.store.open_by_env(), grants_issued)
+            tasks = self._scheduler(policy).choose(k, rng, open_by_env, grants_issued)
             picks += [(task, policy) for task in tasks]
         return picks
 

@@ -66,6 +66,7 @@ from agentjet.protocol import Task
 from agentjet.roles import wait_for
 from agentjet.timeline import Call
 from node.engine import Engine
+from node.policy_sync import adapters_for
 from node.tool_templates import (
     TAGS,
     Setting,
@@ -549,11 +550,10 @@ class Batcher:
         if engine is None:
             completions = await self.generator.generate(prompts, 1, params)
             return completions, [self.generator.policy_version] * len(live)
-        loaded = engine.policy_versions
-        # A policy with no version yet samples with the base weights (its version 0).
-        policies = [policy if policy in loaded else None for _, policy, _ in live]
-        completions = await engine.generate(prompts, 1, params, policies=policies)
-        return completions, [loaded.get(policy, 0) for _, policy, _ in live]
+        policies = [policy for _, policy, _ in live]
+        versions = [engine.policy_versions.get(policy, 0) for policy in policies]
+        sampled = adapters_for(engine, policies)
+        return await engine.generate(prompts, 1, params, policies=sampled), versions
 
 
 # ── the server ────────────────────────────────────────────────────────────────────────

@@ -237,5 +237,12 @@ class PolicyView:
     async def generate(
         self, prompts: list[list[int]], n: int, params: SamplingParams
     ) -> list[list[Completion]]:
-        adapters = self.policy if self.policy in self.engine.policy_versions else None
-        return await self.engine.generate(prompts, n, params, policies=[adapters] * len(prompts))
+        policies = adapters_for(self.engine, [self.policy] * len(prompts))
+        return await self.engine.generate(prompts, n, params, policies=policies)
+
+
+def adapters_for(engine: Engine, policies: list[str]) -> list[str | None]:
+    """The adapters each policy samples with: its own once a version of it is loaded, else
+    None (the base weights: its version 0, LoRA's B starting at zero)."""
+    loaded = engine.policy_versions
+    return [policy if policy in loaded else None for policy in policies]

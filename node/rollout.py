@@ -238,10 +238,10 @@ class Rollout:
             cleanup.callback(self.pool.close)
         self.envs: dict[str, Environment] = {}
         self.agent_envs: list[AgentEnv] = []
+        names = [p.name for p in cfg.policies]  # the policies agents may call by name
         for env in cfg.envs:
             if env.name in AGENT_ENVS:
                 factory = ProcessSandbox if self.pool is None else self.pool.lease
-                names = [p.name for p in cfg.policies]
                 agent_env = make_agent_env(env, cfg.rollout, factory, names)
                 self.agent_envs.append(agent_env)  # closed by `run`, on its loop
                 self.envs[env.name] = agent_env
@@ -439,12 +439,12 @@ class Rollout:
                 tokens = sum(_model_tokens(e) for eps in episodes for e in eps)
                 created: list[str] = []
                 played = []
+                lineages = {name: p.lineage.id for name, p in self.policies.items()}
+                share_s = wall_s / len(env_grants)
                 for grant, eps in zip(env_grants, episodes, strict=True):
                     if not eps:  # the environment could not finish this task's episodes
-                        self._queue_report(grant, [], wall_s / len(env_grants), "no episodes")
+                        self._queue_report(grant, [], share_s, "no episodes")
                         continue
-                    lineages = {name: p.lineage.id for name, p in self.policies.items()}
-                    share_s = wall_s / len(env_grants)
                     for group in build_groups(grant, eps, self.node_id, share_s, lineages):
                         played.append((grant, eps, group))
                 teacher_kls: list[float] = []
@@ -466,7 +466,7 @@ class Rollout:
                     self.trajectories.maybe_record(group, self.engine.tokenizer)
                     if i + 1 == len(played) or played[i + 1][0] is not grant:
                         # its groups (one per policy its agents called) are all spooled
-                        self._queue_report(grant, eps, wall_s / len(env_grants), "")
+                        self._queue_report(grant, eps, share_s, "")
                 self.counts["groups_created"] += len(created)
                 self.counts["groups_failed"] += sum(1 for eps in episodes if not eps)
                 rewards = [e.reward for eps in episodes for e in eps] or [0.0]
@@ -584,19 +584,20 @@ class Rollout:
         weights = [e.weight for e in cfg.envs]
         tasks = draw_tasks(self.rng, self.sources, weights, cfg.rollout.groups_per_batch)
         self.counts["local_grants"] += len(tasks)
+        room = self._with_room()
         return [
             protocol.WorkGrant(
                 grant_id=f"{LOCAL_GRANT_PREFIX}{uuid.uuid4().hex}",
                 task=task,
-                policy=self._local_policy(task.env),
+                policy=self._local_policy(task.env, room),
                 group_size=cfg.rollout.group_size,
                 lease_s=0.0,
             )
             for task in tasks
         ]
 
-    def _local_policy(self, env: str) -> str:
-        room = self._with_room()
+    def _local_policy(self, env: str, room: list[str]) -> str:
+        """A policy with room that trains `env`, by weight ("": none, or no [[policies]])."""
         training = [
             p for p in self.config.policies if (not p.envs or env in p.envs) and p.name in room
         ]

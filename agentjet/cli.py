@@ -173,10 +173,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     node.add_argument(
         "--policy",
-        default="",
+        action="append",
+        default=[],
         metavar="NAME",
-        help="with --role trainer and [[policies]]: the policy to train (default with "
-        "--join: the one with the fewest trainers in the swarm)",
+        help="with --role trainer and [[policies]]: a policy to train (repeatable, or "
+        "NAME,NAME; default: every policy, or with --join the --policy-count policies with "
+        "the fewest trainers in the swarm)",
+    )
+    node.add_argument(
+        "--policy-count",
+        type=int,
+        default=1,
+        metavar="N",
+        help="with --role trainer, --join and no --policy: how many policies to train (those "
+        "with the fewest trainers; default 1)",
     )
     _swarm_args(node)
     _config_args(node)
@@ -447,8 +457,8 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "node":
         if args.teacher and args.role != "teacher":
             raise AgentjetError("--teacher is for --role teacher")
-        if args.policy and args.role != "trainer":
-            raise AgentjetError("--policy is for --role trainer")
+        if (args.policy or args.policy_count != 1) and args.role != "trainer":
+            raise AgentjetError("--policy and --policy-count are for --role trainer")
         if args.role == "rollout":
             _check_teacher_placement(config, "a rollout node without --join")
         if args.role == "teacher":
@@ -462,10 +472,10 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return coordinator_main(config)
     if args.command == "node" and args.role == "trainer":
-        policy = _trainer_policy(args.policy, config)
-        from node.trainer import main as trainer_main
+        policies = _trainer_policies(args.policy, args.policy_count, config)
+        from node.trainer_host import main as trainer_main
 
-        return trainer_main(config, policy)
+        return trainer_main(config, policies)
     if args.command == "node" and args.role == "teacher":
         from node.teacher_node import main as teacher_main
 
@@ -757,29 +767,34 @@ def format_swarm(records: list[NodeRecord], now: float) -> str:
     return "\n".join([f"swarm: {counts}", *table, *teachers, *quarantines, *refusals])
 
 
-def _trainer_policy(asked: str, config: Config) -> str:
-    """The policy a trainer trains: --policy, or with --join the one of [[policies]] that
-    has the fewest trainers in the swarm's directory ("" without [[policies]])."""
+def _trainer_policies(asked: list[str], count: int, config: Config) -> list[str]:
+    """The policies a trainer trains: --policy (repeated or NAME,NAME); without it every
+    policy, or with --join the `count` of [[policies]] with the fewest trainers in the
+    swarm's directory. [""] without [[policies]]."""
     names = [p.name for p in config.policies]
-    if asked:
-        if asked not in names:
-            configured = ", ".join(names) or "none"
-            raise AgentjetError(f"--policy {asked}: no such [[policies]] entry ({configured})")
-        return asked
-    if not names:
-        return ""
-    if not config.swarm.initial_peers:
+    named = list(dict.fromkeys(n.strip() for text in asked for n in text.split(",")))
+    configured = ", ".join(names) or "none"
+    for name in named:
+        if name not in names:
+            raise AgentjetError(f"--policy {name}: no such [[policies]] entry ({configured})")
+    if not 1 <= count <= max(len(names), 1):
         raise AgentjetError(
-            "this config trains several policies ([[policies]]): name the one this trainer "
-            "trains with --policy NAME, or --join a swarm to take the one with the fewest "
-            "trainers"
+            f"--policy-count {count}: between 1 and the number of policies ({configured})"
         )
+    if named:
+        return named
+    if not names:
+        return [""]
+    if not config.swarm.initial_peers:
+        print(f"training every policy: {configured}", flush=True)
+        return names
     from node.swarm import read_directory
     from node.trainer import fewest_trainers
 
-    policy = fewest_trainers(names, read_directory(config.swarm, node_keys(config.net, "trainer")))
-    print(f"training policy {policy} (the one with the fewest trainers)", flush=True)
-    return policy
+    records = read_directory(config.swarm, node_keys(config.net, "trainer"))
+    policies = fewest_trainers(names, records, count)
+    print(f"training {', '.join(policies)} (the fewest trainers in the swarm)", flush=True)
+    return policies
 
 
 def _node_rows(r: NodeRecord, now: float) -> list[tuple[str, ...]]:

@@ -468,8 +468,9 @@ class CoordinatorConfig(_Section):
 class NetConfig(_Section):
     # ZMQ endpoint the trainer binds (trajectories in, policy weights out).
     trainer_endpoint: str = "tcp://127.0.0.1:5556"
-    # Without --join, each [[policies]] entry's trainer endpoint, by policy name
-    # (`agentjet local` fills it; trainer_endpoint is the first policy's).
+    # Each [[policies]] entry's trainer endpoint, by policy name (`agentjet local` fills
+    # it). A policy it leaves out binds trainer_endpoint; in a trainer process serving
+    # several policies, the first policy does, the others any free port on its host.
     policy_endpoints: dict[str, str] = msgspec.field(default_factory=dict)
     # ZMQ endpoint a teacher node binds (`agentjet node --role teacher`; port 0: any free
     # one). Rollout nodes find it in the swarm's directory.

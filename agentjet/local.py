@@ -206,7 +206,7 @@ def prepare_run(config: Config, run_dir: Path) -> Path:
         net=msgspec.structs.replace(
             config.net,
             trainer_endpoint=f"tcp://127.0.0.1:{free_port()}",
-            # one trainer per policy, each on its own port
+            # each policy's trainer on its own port
             policy_endpoints={p.name: f"tcp://127.0.0.1:{free_port()}" for p in config.policies},
             keys=keys,
         ),
@@ -226,14 +226,12 @@ def _die_with_launcher() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def spawn(role: str, config_path: Path, run_dir: Path, policy: str = "") -> Child:
-    """Start a role; `policy`: the policy a trainer trains (its log is trainer-POLICY.log)."""
+def spawn(role: str, config_path: Path, run_dir: Path) -> Child:
+    """Start a role (its log: logs/ROLE.log)."""
     argv = [sys.executable, "-m", "agentjet.cli"]
     argv += ["coordinator"] if role == "coordinator" else ["node", "--role", role]
     argv += ["--config", str(config_path)]
-    if policy:
-        argv += ["--policy", policy]
-    return _start(f"{role}-{policy}" if policy else role, argv, run_dir)
+    return _start(role, argv, run_dir)
 
 
 def spawn_dashboard(config: Config, run_dir: Path) -> tuple[Child, str]:
@@ -324,18 +322,17 @@ def run_local(config: Config, run_dir: Path, out: TextIO = sys.stdout) -> int:
     signal.signal(signal.SIGINT, request_stop)
     signal.signal(signal.SIGTERM, request_stop)
     policies = [p.name for p in config.policies]
-    trained = policies or [""]  # one trainer each ("": the one policy without [[policies]])
+    trained = policies or [""]  # "": the one policy of a config without [[policies]]
     progress = Progress(out, trained)
     progress.skip_existing(run_dir)
     code = 0
     try:
-        for role in ROLES:
-            for policy in trained if role == "trainer" else [""]:
-                children.append(spawn(role, config_path, run_dir, policy))
-        trainers = f"a trainer per policy ({', '.join(policies)})" if policies else ""
+        for role in ROLES:  # the trainer trains every policy (node/trainer_host.py)
+            children.append(spawn(role, config_path, run_dir))
+        trainer = f"trainer (policies {', '.join(policies)})" if policies else "trainer"
         print(
-            f"started coordinator, {trainers or 'trainer'} and rollout node; the first policy "
-            "version appears after the first batch is generated and trained (Ctrl-C stops)",
+            f"started coordinator, {trainer} and rollout node; the first policy version "
+            "appears after the first batch is generated and trained (Ctrl-C stops)",
             file=out,
             flush=True,
         )
@@ -356,15 +353,12 @@ def run_local(config: Config, run_dir: Path, out: TextIO = sys.stdout) -> int:
             finished = [c for c in children if c.process.poll() is not None]
             if not finished:
                 continue
-            trainers_done = [
-                c for c in finished if c.role.startswith("trainer") and c.process.returncode == 0
+            failed = [
+                c
+                for c in finished
+                if c.role != "trainer" or c.process.returncode != 0 or not config.run.max_steps
             ]
-            failed = [c for c in finished if c not in trainers_done or not config.run.max_steps]
-            if not failed:
-                # Every trainer at --max-steps: done. One policy's trainer done before the
-                # others: the others go on.
-                if len(trainers_done) < len(trained):
-                    continue
+            if not failed:  # the trainer ends once every policy is at --max-steps
                 print(f"reached --max-steps {config.run.max_steps}", file=out)
             else:
                 for c in failed:

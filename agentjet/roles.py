@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import faulthandler
 import logging
 import signal
@@ -41,13 +42,28 @@ class Role(Protocol):
     async def run(self, stop: asyncio.Event) -> None: ...
 
 
+# What part of a role a log line comes from, where one process runs several (a trainer
+# serving several policies: its lines read `trainer[POLICY]`). Tasks and bridge calls
+# inherit it from the code that started them.
+log_context: contextvars.ContextVar[str] = contextvars.ContextVar("log_context", default="")
+
+
+class _LogContext(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        context = log_context.get()
+        record.context = f"[{context}]" if context else ""
+        return True
+
+
 def setup_logging(name: str) -> None:
     logging.basicConfig(
         level=logging.INFO,
-        format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s",
+        format=f"%(asctime)s {name}%(context)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
         force=True,
     )
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_LogContext())
 
 
 # A stop still under way after this long writes what it waits on to the log (once).

@@ -284,13 +284,20 @@ def visible_maddrs(dht: hivemind.DHT) -> list[str]:
     return [str(m) for m in dht.get_visible_maddrs()]
 
 
+def node_of(node_id: str) -> str:
+    """The node whose keys sign `node_id`'s record: `node_id` itself, or NODE for the
+    NODE/POLICY of a trainer process serving several policies (node/trainer_host.py)."""
+    return node_id.partition("/")[0]
+
+
 class Directory:
     """The swarm's phone book: one short-lived NodeRecord per live node, in the DHT.
 
     With `keys` (every swarm but a net.insecure one) a node's record is signed by the node
     (identity.SignedRecord) and a record is read only if a member signed it under its own
-    name: one signed by another node than the one it describes, or by none, is refused and
-    counted (`keys.membership.refused`: impersonation, forged, ...) like any other refusal."""
+    name (`node_of`: a trainer serving several policies signs NODE/POLICY as NODE): one
+    signed by another node than the one it describes, or by none, is refused and counted
+    (`keys.membership.refused`: impersonation, forged, ...) like any other refusal."""
 
     def __init__(
         self,
@@ -384,7 +391,7 @@ class Directory:
         if signed is None:
             return None
         certificate, payload = signed
-        if certificate.name != subkey:
+        if node_of(str(subkey)) != certificate.name:
             membership.refuse(
                 "impersonation",
                 f"a directory record for {subkey!r} signed by {certificate.name!r}",

@@ -33,35 +33,30 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import socket
 import time
-import uuid
 from collections import Counter
 from collections.abc import Coroutine
 from contextlib import ExitStack, suppress
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import torch
 
 from agentjet import protocol, rl
 from agentjet.bridge import blocking
-from agentjet.config import Config, policy_view
+from agentjet.config import Config
 from agentjet.devices import (
     check_fits,
     learner_bytes,
     limit_memory,
     memory_share,
     peak_memory,
-    resolve_device,
-    resolve_dtype,
 )
 from agentjet.errors import ModelError
-from agentjet.identity import node_keys
 from agentjet.lifeline import CLEANUP_AFTER_CHILD_DEATH_S, watch_children
 from agentjet.metrics import MetricsWriter, Rate
-from agentjet.roles import print_join_command, run_role, supervise, wait_for
+from agentjet.roles import supervise, wait_for
 from agentjet.tasks import TaskSource
 from agentjet.transport import Server
 from node import memory
@@ -69,12 +64,11 @@ from node.gpu_monitor import GpuMonitor
 from node.gpu_monitor import metrics as gpu_metrics
 from node.groups import Filling, GroupBook, StepGroups, doubt_wait_s, oldest_version
 from node.learner import Learner, StepResult, teacher_coefs
-from node.lora import add_adapters, merged_weights
+from node.lora import merged_weights
 from node.members import MemberGate
-from node.model import DTYPES, load_causal_lm, resolve_model
 from node.publisher import Publisher, sealed_bind_endpoint
 from node.replay import Replay
-from node.swarm import Directory, Mark, SwarmOptimizer, start_dht, visible_maddrs
+from node.swarm import Directory, Mark, SwarmOptimizer
 from node.teacher import open_teacher_check
 from node.verify import (
     Quarantine,
@@ -92,6 +86,9 @@ from node.weights import (
     snapshot,
 )
 
+if TYPE_CHECKING:
+    from node.trainer_host import TrainerHost
+
 log = logging.getLogger(__name__)
 
 # Trained groups rollout nodes must keep (spooled) until a checkpoint holds their steps:
@@ -107,13 +104,14 @@ SAMPLE_RATE_WINDOW_S = 60.0
 
 class Trainer:
     def __init__(self, config: Config, policy: str = "") -> None:
-        """`policy`: the [[policies]] entry this trainer trains ("" without them); it
-        trains with that policy's view of the config (agentjet/config.py `policy_view`)."""
+        """`policy`: the [[policies]] entry this trainer trains ("" without them);
+        `config`: that policy's view of the config (agentjet/config.py `policy_view`). Its
+        process (node/trainer_host.py) makes the view, names the trainer and lends it what
+        the policies it serves share: node keys, the DHT, the base model."""
         self.policy = policy
-        config = policy_view(config, policy)
         self.config = config
         self.run_dir = Path(config.run.dir)
-        self.node_id = f"trainer-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.node_id = ""  # set by the host at setup
         self.book = GroupBook()
         self.replay = Replay(config.trainer)
         self.lineage = protocol.Lineage()
@@ -134,22 +132,15 @@ class Trainer:
         self.version = 0
         self.step_task: asyncio.Task[float] | None = None
 
-    def setup(self, cleanup: ExitStack) -> None:
+    def setup(self, cleanup: ExitStack, host: TrainerHost) -> None:
         cfg = self.config
-        keys = node_keys(cfg.net, self.node_id)
-        if keys is not None:  # a node's own key file names it
-            self.node_id = keys.name
-        torch.set_num_threads(cfg.trainer.torch_threads)
-        torch.manual_seed(cfg.run.seed)
-        self.device = resolve_device(cfg.trainer.device, "trainer.device")
-        self.compute_dtype = DTYPES[resolve_dtype(cfg.model.dtype, self.device)]
-        path = resolve_model(cfg.model.name, cfg.model.cache_dir)
-        # float32 weights and optimizer state on any device; compute in compute_dtype.
-        model, self.tokenizer = load_causal_lm(path, "float32")
-        self.model: Any = model
-        self.vocab_size = int(model.config.vocab_size)
-        if cfg.model.lora_rank:
-            self.model = add_adapters(self.model, cfg.model)
+        self.node_id = host.node_id(self.policy)
+        keys = host.keys
+        self.device = host.device
+        self.compute_dtype = host.compute_dtype
+        self.model: Any = host.model_for(cfg.model)
+        self.tokenizer = host.tokenizer
+        self.vocab_size = int(self.model.config.vocab_size)
         share = memory_share(cfg.trainer.gpu_memory_share, shared=False)
         check_fits(
             "the learner", learner_bytes(self.model), self.device, share, "trainer.gpu_memory_share"
@@ -162,8 +153,7 @@ class Trainer:
         resume = read_resume_state(self.run_dir / "checkpoints")
         if resume is not None:
             self._load_params(resume["params"])
-        self.dht = start_dht(cfg.swarm, keys)
-        cleanup.callback(self.dht.shutdown)
+        self.dht = host.dht
         self.directory = Directory(self.dht, cfg.swarm, keys, self.policy)
         cleanup.callback(self.directory.withdraw, self.node_id)
         self.peer_id = self.dht.peer_id.to_base58()
@@ -266,7 +256,7 @@ class Trainer:
         self.connected.set()
         self.endpoint = cfg.swarm.announce_endpoint or self.server.endpoint
         self.publisher.announce(self.endpoint)
-        self.maddrs = visible_maddrs(self.dht)
+        self.maddrs = host.maddrs
         self.metrics.write(
             {
                 "event": "started",
@@ -287,8 +277,6 @@ class Trainer:
             self.run_dir.resolve(),
             " ".join(self.maddrs),
         )
-        if not cfg.swarm.initial_peers:
-            print_join_command(self.maddrs, cfg.net.keys)
 
     async def run(self, stop: asyncio.Event) -> None:
         sealed: dict[str, Coroutine[Any, Any, None]] = {}
@@ -949,11 +937,9 @@ class Trainer:
         }
 
 
-def fewest_trainers(policies: list[str], records: list[protocol.NodeRecord]) -> str:
-    """Of `policies`, the one the fewest trainers in `records` train (the first of a tie)."""
-    counts = Counter(r.policy for r in records if r.role == "trainer")
-    return min(policies, key=lambda name: counts[name])
-
-
-def main(config: Config, policy: str = "") -> int:
-    return run_role(Trainer(config, policy), "trainer")
+def fewest_trainers(
+    policies: list[str], records: list[protocol.NodeRecord], count: int = 1
+) -> list[str]:
+    """The `count` of `policies` the fewest trainers in `records` train (ties: in order)."""
+    trainers = Counter(r.policy for r in records if r.role == "trainer")
+    return sorted(policies, key=lambda name: trainers[name])[:count]

@@ -70,15 +70,23 @@ def test_dry_run_writes_resolved_config(tmp_path):
         (["node", "--role", "judge"], "argument --role: invalid choice: 'judge'"),
         (["eval", "--tasks", "t.jsonl"], "give --checkpoint DIR (or base), or --policy NAME"),
         (["eval", "--tasks", "t.jsonl", "--policy", "a"], "--policy a: no checkpoint in"),
-        (["node", "--role", "rollout", "--policy", "a"], "--policy is for --role trainer"),
+        (
+            ["node", "--role", "rollout", "--policy", "a"],
+            "--policy and --policy-count are for --role trainer",
+        ),
         (
             ["node", "--role", "trainer", "--set", "net.insecure=true", "--policy", "a"],
             "--policy a: no such [[policies]] entry (none)",
         ),
         (
-            ["node", "--role", "trainer", "--set", "net.insecure=true"]
+            ["node", "--role", "trainer", "--set", "net.insecure=true", "--policy", "a,zz"]
             + ["--set", 'policies.0.name="a"', "--set", 'policies.1.name="b"'],
-            "name the one this trainer trains with --policy NAME",
+            "--policy zz: no such [[policies]] entry (a, b)",
+        ),
+        (
+            ["node", "--role", "trainer", "--set", "net.insecure=true", "--policy-count", "3"]
+            + ["--set", 'policies.0.name="a"', "--set", 'policies.1.name="b"'],
+            "--policy-count 3: between 1 and the number of policies (a, b)",
         ),
         (["train"], "invalid choice: 'train'"),
         (["agent", "--rollout", "http://x", "--agent", "nomodule"], "like module:function"),

@@ -161,15 +161,24 @@ def test_a_lone_trainer_killed_between_checkpoints_resumes_and_loses_nothing(
     assert " ERROR " not in log and "Traceback" not in log, log[-3000:]
 
 
+@pytest.mark.parametrize(
+    "processes",
+    [(("planner",), ("solver",)), (("planner", "solver"),)],
+    ids=["a trainer process per policy", "one trainer process serving both"],
+)
 def test_a_policys_trainer_killed_mid_run_loses_nothing_of_either_policy(
-    swarm_factory: Callable[..., Swarm], tmp_path: Path
+    processes: tuple[tuple[str, ...], ...],
+    swarm_factory: Callable[..., Swarm],
+    tmp_path: Path,
 ) -> None:
-    """[[policies]] (issue 26): a trainer per policy, the planner's SIGKILLed between
-    checkpoints and started again with the same command. The solver's trainer trains on
-    meanwhile; the rollout node moves to the planner's new lineage; each policy's groups
-    are trained by its own trainer, once in the weights that go on, dropped as stale or
-    still held: nothing of either policy is lost. The agent calls both policies in each
-    episode, so the planner's grants make solver groups too."""
+    """[[policies]] (issue 26): the trainer process serving the planner is SIGKILLed
+    between the planner's checkpoints and started again with the same command. A solver
+    trained by another process trains on meanwhile; one trained by the killed process
+    resumes too. The rollout node, which finds each policy's trainer in the directory
+    (NODE/POLICY for a process serving both), moves to each restarted policy's new
+    lineage; each policy's groups are trained by its own trainer, once in the weights that
+    go on, dropped as stale or still held: nothing of either policy is lost. The agent
+    calls both policies in each episode, so the planner's grants make solver groups too."""
     swarm = swarm_factory(
         f"trainer.checkpoint_every={CHECKPOINT_EVERY}",
         'envs.0.agent="tests.agents:planner_and_solver"',
@@ -184,17 +193,19 @@ def test_a_policys_trainer_killed_mid_run_loses_nothing_of_either_policy(
     )
     swarm.start("coordinator", "coordinator", "--listen", free_listen())
     join = swarm.join_address()
+    process_of = {policy: "-".join(served) for served in processes for policy in served}
     args = {
-        policy: ("node", "--role", "trainer", "--policy", policy, "--join", join,
-                 "--listen", free_listen(), "--identity", str(tmp_path / f"{policy}.identity"))
-        for policy in ("planner", "solver")
+        "-".join(served): ("node", "--role", "trainer", "--policy", ",".join(served),
+                           "--join", join, "--listen", free_listen(),
+                           "--identity", str(tmp_path / f"{'-'.join(served)}.identity"))
+        for served in processes
     }  # fmt: skip
-    for policy in args:
-        swarm.start(policy, *args[policy])
+    for name in args:
+        swarm.start(name, *args[name])
     swarm.start("rollout", "node", "--role", "rollout", "--join", join)
 
     def policy_rows(policy: str, event: str) -> list[dict[str, Any]]:
-        path = swarm.dir / policy / "policies" / policy / "metrics" / "trainer.jsonl"
+        path = swarm.dir / process_of[policy] / "policies" / policy / "metrics" / "trainer.jsonl"
         found = read_metrics(path) if path.exists() else []
         return [r for r in found if r.get("event") == event]
 
@@ -208,42 +219,49 @@ def test_a_policys_trainer_killed_mid_run_loses_nothing_of_either_policy(
             and version("solver") >= 1
         ),
     )
-    planner = swarm.procs["planner"]
-    swarm.spawned |= descendants(planner.pid)
-    os.kill(planner.pid, signal.SIGKILL)
-    planner.wait()
-    killed_at, solver_at_kill = version("planner"), version("solver")
-    first_life = policy_rows("planner", "step")
-    old_lineage = policy_rows("planner", "started")[-1]["lineage"]
-    (swarm.dir / "planner.log").rename(swarm.dir / "planner-first-life.log")
-    swarm.start("planner", *args["planner"])  # the same command
+    killed = process_of["planner"]
+    restarting = [p for p, name in process_of.items() if name == killed]
+    process = swarm.procs[killed]
+    swarm.spawned |= descendants(process.pid)
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    killed_at = {p: version(p) for p in process_of}
+    first_life = {p: policy_rows(p, "step") for p in restarting}
+    old_lineage = {p: policy_rows(p, "started")[-1]["lineage"] for p in restarting}
+    (swarm.dir / f"{killed}.log").rename(swarm.dir / f"{killed}-first-life.log")
+    swarm.start(killed, *args[killed])  # the same command
 
-    def moved() -> bool:
-        started = policy_rows("planner", "started")
-        if len(started) < 2 or version("planner") < killed_at + 2:
+    def moved(policy: str) -> bool:
+        started = policy_rows(policy, "started")
+        if len(started) < 2 or version(policy) < killed_at[policy] + 2:
             return False
         new = started[-1]["lineage"]
         loads = rows(swarm, "rollout", "rollout", "weights_loaded")
-        return any(r["policy"] == "planner" and r["lineage"] == new for r in loads)
+        return any(r["policy"] == policy and r["lineage"] == new for r in loads)
 
-    swarm.wait_for("the restarted planner's steps, loaded by the rollout node", moved)
-    swarm.wait_for("the solver training on", lambda: version("solver") >= solver_at_kill + 2)
+    for policy in restarting:
+        swarm.wait_for(
+            f"the restarted {policy}'s steps, loaded by the rollout node",
+            lambda policy=policy: moved(policy),  # type: ignore[misc]
+        )
+    swarm.wait_for("the solver training on", lambda: version("solver") >= killed_at["solver"] + 2)
     codes = swarm.stop()
     assert set(codes.values()) <= {0}, swarm.logs()
 
-    restarted = policy_rows("planner", "started")[-1]
-    resumed, new_lineage = restarted["policy_version"], restarted["lineage"]
-    assert new_lineage != old_lineage
-    assert resumed == killed_at - killed_at % CHECKPOINT_EVERY  # its newest checkpoint
     batches = rows(swarm, "rollout", "rollout", "batch")
     policy_of = {g: p for b in batches for g, p in b["group_policies"].items()}
     held = set(rows(swarm, "rollout", "rollout", "stopped")[-1]["unacked_group_ids"])
+    durable: set[str] = set()
     for policy in ("planner", "solver"):
         steps = policy_rows(policy, "step")
-        if policy == "planner":  # the weights that go on: up to the checkpoint, then anew
-            steps = [r for r in first_life if r["policy_version"] <= resumed] + [
-                r for r in steps if r.get("lineage") == new_lineage
-            ]
+        if policy in restarting:  # the weights that go on: up to the checkpoint, then anew
+            restarted = policy_rows(policy, "started")[-1]
+            resumed, new_lineage = restarted["policy_version"], restarted["lineage"]
+            assert new_lineage != old_lineage[policy]
+            assert resumed == killed_at[policy] - killed_at[policy] % CHECKPOINT_EVERY
+            kept = [r for r in first_life[policy] if r["policy_version"] <= resumed]
+            durable |= {g for r in kept for g in r["trained_group_ids"]}
+            steps = kept + [r for r in steps if r.get("lineage") == new_lineage]
         trained = [g for r in steps for g in r["trained_group_ids"]]
         assert len(trained) == len(set(trained)), f"a {policy} group was trained twice"
         assert {policy_of[g] for g in trained} == {policy}  # by its own policy's trainer
@@ -254,8 +272,5 @@ def test_a_policys_trainer_killed_mid_run_loses_nothing_of_either_policy(
     let_go = {
         g for r in rows(swarm, "rollout", "rollout", "trainer_gone") for g in r["trained_group_ids"]
     }
-    durable = {
-        g for r in first_life if r["policy_version"] <= resumed for g in r["trained_group_ids"]
-    }
-    assert let_go <= durable  # what the rollout node let go as trained, the checkpoint holds
+    assert let_go <= durable  # what the rollout node let go as trained, a checkpoint holds
     assert any(p == "solver" and g.endswith("-solver") for g, p in policy_of.items())

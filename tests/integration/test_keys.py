@@ -134,12 +134,17 @@ def test_the_swarm_dht_admits_only_peers_with_the_keys(keys_file: Path) -> None:
     try:
         record = protocol.NodeRecord(node_id="trainer-x", role="trainer", time=time.time())
         assert Directory(first, config, keys).publish(record)
+        # A trainer serving several policies signs each policy's record, NODE/POLICY, as
+        # NODE (node/trainer_host.py).
+        planner = msgspec.structs.replace(record, node_id="trainer-x/planner", policy="planner")
+        assert Directory(first, config, keys).publish(planner)
         # A member may store anything (the DHT admits members), but a record is read only
-        # if the node it names signed it: not one mallory signed for trainer-y, nor one
-        # nobody signed for trainer-z.
+        # if the node it names signed it: not one mallory signed for trainer-y or for
+        # trainer-x/solver, nor one nobody signed for trainer-z.
         mallory = read_node_keys(keys_file, "mallory")
-        posing = msgspec.structs.replace(record, node_id="trainer-y")
-        assert Directory(first, config, mallory).publish(posing)
+        for posed in ("trainer-y", "trainer-x/solver"):
+            posing = msgspec.structs.replace(record, node_id=posed)
+            assert Directory(first, config, mallory).publish(posing)
         unsigned = msgspec.structs.replace(record, node_id="trainer-z")
         assert Directory(first, config).publish(unsigned)
         joining = msgspec.structs.replace(config, initial_peers=visible_maddrs(first))
@@ -147,8 +152,9 @@ def test_the_swarm_dht_admits_only_peers_with_the_keys(keys_file: Path) -> None:
             with pytest.raises(AgentjetError, match="could not start the swarm's DHT"):
                 start_dht(joining, stranger).shutdown()  # shut down only if it wrongly joined
         reader = read_node_keys(keys_file, "reader")
-        assert [r.node_id for r in read_directory(joining, reader)] == ["trainer-x"]
-        assert reader.membership.refused == {"impersonation": 1, "forged": 1}
+        read = sorted(r.node_id for r in read_directory(joining, reader))
+        assert read == ["trainer-x", "trainer-x/planner"]
+        assert reader.membership.refused == {"impersonation": 2, "forged": 1}
     finally:
         first.shutdown()
 

@@ -9,7 +9,8 @@
                    ──▶ checkpoint every N versions ──▶ metrics/trainer.jsonl
     heartbeat:     NodeRecord (endpoint, lineage, version, queue, quarantined) ──▶ the DHT directory
 
-Run with `agentjet node --role trainer [--join MULTIADDR]`. A trainer that joins a running
+Run with `agentjet node --role trainer [--policy NAME] [--join MULTIADDR]`: its process
+(node/trainer_host.py) runs one Trainer per policy it serves. A trainer that joins a running
 swarm loads the swarm's weights, optimizer state and version before its first step; one
 started on a run dir with checkpoints (and no peer to load from) resumes from the newest,
 in a new policy lineage (protocol.Lineage): versions it had published past that checkpoint

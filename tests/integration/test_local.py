@@ -551,10 +551,11 @@ def policy_fates(run_dir: Path, policy: str) -> tuple[dict[str, list[str]], list
 def test_two_policies_train_side_by_side_and_every_group_reaches_its_own_trainer(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    """[[policies]]: one trainer per policy, each policy's versions loaded by the rollout
-    node beside the other's (one base), agent episodes that call both policies yield a
-    group for each, and every group made is trained once by its own policy's trainer,
-    stale or still held."""
+    """[[policies]]: one trainer process serving both policies (one base, each policy's
+    own optimizer and endpoint), each policy's versions loaded by the rollout node beside
+    the other's (one base), agent episodes that call both policies yield a group for each,
+    and every group made is trained once by its own policy's trainer, stale or still
+    held."""
     run_dir = tmp_path / "run"
     held_out = tmp_path / "held_out.jsonl"  # the solver's, scored during training
     made = subprocess.run(
@@ -569,6 +570,9 @@ def test_two_policies_train_side_by_side_and_every_group_reaches_its_own_trainer
     assert code == 0, output + logs
     assert "reached --max-steps 3" in output
     assert "policy solver v1" in output and "policy planner v1" in output
+    # one trainer process, whose two trainers read each other's NODE/POLICY records
+    assert sorted(p.name for p in (run_dir / "logs").glob("trainer*.log")) == ["trainer.log"]
+    assert "serving 2 policies: solver at tcp://" in logs
     rollout = read_metrics(run_dir / "metrics" / "rollout.jsonl")
     loaded = [r for r in rollout if r.get("event") == "weights_loaded"]
     for policy in ("solver", "planner"):
@@ -589,6 +593,8 @@ def test_two_policies_train_side_by_side_and_every_group_reaches_its_own_trainer
             (run_dir / "policies" / policy / "checkpoints" / latest / "agentjet.json").read_text()
         )
         assert meta["policy_version"] == 3
+        [stopped] = [r for r in trainer if r.get("event") == "stopped"]
+        assert "counts/refused_impersonation" not in stopped
     # held-out evaluation of the solver's versions, with the solver's adapters
     scored = [r for r in rollout if r.get("event") == "eval"]
     assert {r["policy"] for r in scored} == {"solver"}

@@ -105,6 +105,10 @@ bench-distill *ARGS: ensure
 bench-policies *ARGS: ensure
     {{bin}}/python bench/policies.py {{ARGS}}
 
+# A trainer process serving 1, 2, 4 policies vs a process per policy: trainer PSS (adds to bench/results/policies.json)
+bench-trainer-host *ARGS: ensure
+    {{bin}}/python bench/trainer_host.py {{ARGS}}
+
 # Two LoRA policies trained at once vs each alone on half the box-time: held-out gain ratio (adds to bench/results/policies.json)
 bench-policies-learn *ARGS: ensure
     {{bin}}/python bench/policies_learn.py {{ARGS}}

@@ -273,11 +273,14 @@ class SandboxConfig(_Section):
 class ReplayConfig(_Section):
     """Replay (node/replay.py): recently trained groups trained again while their policy
     lag stays bounded, so each generated token teaches more when generation is the
-    bottleneck. Off unless `share` > 0."""
+    bottleneck. Off unless `share` or `extra` > 0."""
 
     # Share of each step's groups that may be replays (rounded down; 0 = no replay). A
     # step takes fresh groups first and waits only for the fresh rest of its batch.
     share: Annotated[float, Meta(ge=0, lt=1)] = 0.0
+    # Replays a step takes on top of its fresh batch, however full (ReFlow's reading: each
+    # step trains recent groups again as well); 0 = replays only fill the share above.
+    extra: NonNegInt = 0
     # Times a group is trained at most, its first included (2: one replay).
     max_uses: Annotated[int, Meta(ge=2)] = 2
     # A group is replayed only while sampled at most this many versions before the step's
@@ -666,7 +669,8 @@ def _fields_at(path: str) -> list[str]:
 def _check(config: Config) -> None:
     """Cross-field rules that types alone cannot state."""
     trainer = config.trainer
-    if trainer.replay.share > 0 and trainer.replay.max_lag > trainer.max_policy_lag:
+    replaying = trainer.replay.share > 0 or trainer.replay.extra > 0
+    if replaying and trainer.replay.max_lag > trainer.max_policy_lag:
         raise ConfigError(
             f"config error at trainer.replay.max_lag: {trainer.replay.max_lag} is more than "
             f"trainer.max_policy_lag ({trainer.max_policy_lag}); a replayed group is a "

@@ -11,6 +11,8 @@ generation-bound set-up of the scheduling benchmark (dynamic sampling, arithmeti
     ──▶ bench/results/replay.json
 
 Run: `just bench-replay` (or `.venv/bin/python bench/replay.py --minutes 5 --seeds 0,1,2`).
+`--on-set KEY=VALUE` (repeatable) gives the on arm other replay settings: for ReFlow's
+reading, replays on top of every full fresh step, `--on-set trainer.replay.extra=4`.
 
 Replay lets a step wait only for the fresh part of its batch, the rest being groups trained
 before (node/replay.py). Under dynamic sampling the trainer waits on generation, so replay
@@ -105,7 +107,14 @@ def main() -> int:
     parser.add_argument("--config", type=Path, default=ROOT / "configs" / "local.toml")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "replay.json")
     parser.add_argument("--set", action="append", default=[], help="for both arms")
+    parser.add_argument(
+        "--on-set",
+        action="append",
+        default=[],
+        help="the on arm's replay settings instead of ARMS['on'] (e.g. trainer.replay.extra=4)",
+    )
     args = parser.parse_args()
+    arms = {"off": ARMS["off"], "on": tuple(args.on_set) or ARMS["on"]}
     seeds = [int(seed) for seed in args.seeds.split(",")]
     # checkpoints every 2 versions: the on arm's curve has points to read the samples off
     settings = [*SHARED_SETTINGS, "trainer.checkpoint_every=2", *args.set]
@@ -120,11 +129,11 @@ def main() -> int:
         "heldout_tasks": args.heldout,
         "heldout_seed": HELDOUT_SEED,
         "settings": settings,
-        "arms": {arm: list(extra) for arm, extra in ARMS.items()},
+        "arms": {arm: list(extra) for arm, extra in arms.items()},
         "runs": runs,
     }
     for seed in seeds:
-        for arm, extra in ARMS.items():
+        for arm, extra in arms.items():
             run_dir = root / f"{arm}-seed{seed}"
             overrides = [f"run.seed={seed}", *settings, *extra]
             started = time.time()

@@ -5,6 +5,8 @@ each batch for several epochs, and ReFlow reuses recent trajectories across vers
 their lag stays bounded (DESIGN.md §10). With `trainer.replay.share` > 0, each step of
 `groups_per_step` groups may hold up to that share of replays, and waits only for the
 fresh rest; fresh groups keep priority (a step with enough fresh groups holds no replay).
+With `trainer.replay.extra` > 0, every step also takes up to that many replays on top of
+its fresh groups, however many: the trained samples per generated sample grow.
 
     step trained (applied) ──▶ Replay.add ──▶ buffer ──Replay.take──▶ next steps' batches
                                    ▲ bounded: uses, lag, groups, bytes
@@ -84,7 +86,7 @@ class Replay:
 
     @property
     def on(self) -> bool:
-        return self.slots > 0
+        return self.slots > 0 or self.config.extra > 0
 
     def add(self, groups: Iterable[protocol.TrajectoryGroup]) -> None:
         """Groups a step just trained (applied): their first use."""
@@ -116,7 +118,7 @@ class Replay:
     def fresh_needed(self, version: int, lineage: protocol.Lineage) -> int:
         """Fresh groups a step at `version` waits for: its batch less the replays that can
         fill it now."""
-        if not self.on:
+        if not self.slots:
             return self.groups_per_step
         return self.groups_per_step - min(self.slots, len(self._eligible(version, lineage)))
 
@@ -124,10 +126,11 @@ class Replay:
         self, fresh: int, version: int, lineage: protocol.Lineage
     ) -> list[protocol.TrajectoryGroup]:
         """Replays to join `fresh` fresh groups in a step at `version`: the batch's rest,
-        at most its replay share. They stay in the buffer; `used` counts the use."""
+        at most its replay share, and `extra` more. They stay in the buffer; `used` counts
+        the use."""
         if not self.on:
             return []
-        room = min(self.slots, max(0, self.groups_per_step - fresh))
+        room = min(self.slots, max(0, self.groups_per_step - fresh)) + self.config.extra
         return [e.group for e in self._eligible(version, lineage)[:room]]
 
     def used(self, group_ids: Iterable[str], version: int) -> ReplayStats:

@@ -55,6 +55,18 @@ def test_replays_fill_a_steps_share_and_fresh_groups_keep_priority():
     assert buffer.take(4, 0, ROOT) == []  # a full fresh batch holds no replay
 
 
+def test_extra_replays_join_every_step_however_full_its_fresh_batch():
+    buffer = replay(share=0.0, extra=2)
+    assert buffer.on and buffer.fresh_needed(0, ROOT) == 4  # a step still waits for 4 fresh
+    buffer.add([make_group("a"), make_group("b"), make_group("c")])
+    assert buffer.fresh_needed(0, ROOT) == 4
+    assert ids(buffer.take(4, 0, ROOT)) == ["a", "b"]  # on top of a full fresh batch
+    both = replay(share=0.5, extra=1)
+    both.add([make_group("a"), make_group("b"), make_group("c"), make_group("d")])
+    assert ids(both.take(2, 0, ROOT)) == ["a", "b", "c"]  # the rest of the batch, and 1 more
+    assert ids(both.take(4, 0, ROOT)) == ["a"]
+
+
 def test_a_group_is_trained_at_most_max_uses_times():
     buffer = replay(max_uses=3)
     buffer.add([make_group("a"), make_group("b")])  # first use: the fresh step
@@ -119,7 +131,10 @@ def test_replay_settings_are_checked(tmp_path: Path):
     # replay off: its lag bound is not checked (the default 2 with a lag bound of 1)
     path.write_text("[trainer]\nmax_policy_lag = 1\n")
     assert load_config(path).trainer.replay.share == 0
-    for bad in ("share = 1.0", "max_uses = 1", "max_groups = 0"):
+    path.write_text("[trainer]\nmax_policy_lag = 1\n[trainer.replay]\nextra = 2\n")
+    with pytest.raises(ConfigError, match="trainer.replay.max_lag: 2 is more than"):
+        load_config(path)
+    for bad in ("share = 1.0", "max_uses = 1", "max_groups = 0", "extra = -1"):
         path.write_text(f"[trainer.replay]\n{bad}\n")
         with pytest.raises(ConfigError, match="replay"):
             load_config(path)

@@ -69,7 +69,7 @@ from node.lora import merged_weights
 from node.members import MemberGate
 from node.publisher import Publisher, sealed_bind_endpoint
 from node.replay import Replay
-from node.swarm import Directory, Mark, SwarmOptimizer
+from node.swarm import Directory, Mark, SwarmOptimizer, node_of
 from node.teacher import open_teacher_check
 from node.verify import (
     Quarantine,
@@ -331,7 +331,10 @@ class Trainer:
                 )
             if any(r.node_id == self.node_id for r in records):  # else: a read to distrust
                 self.other_trainers = self._other_trainers_in(records)
-                self._set_connected(any(r.node_id != self.node_id for r in records))
+                # Another node's record: not one of this process's other policies, whose
+                # records its own DHT peer holds even when cut off from the swarm.
+                me = node_of(self.node_id)
+                self._set_connected(any(node_of(r.node_id) != me for r in records))
                 reads += 1
                 if reads == 2:
                     # Our record was up for a heartbeat before this read: every trainer

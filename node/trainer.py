@@ -61,7 +61,6 @@ from agentjet.roles import supervise, wait_for
 from agentjet.tasks import TaskSource
 from agentjet.transport import Server
 from node import memory
-from node.gpu_monitor import GpuMonitor
 from node.gpu_monitor import metrics as gpu_metrics
 from node.groups import Filling, GroupBook, StepGroups, doubt_wait_s, oldest_version
 from node.learner import Learner, StepResult, teacher_coefs
@@ -148,8 +147,7 @@ class Trainer:
         )
         limit_memory(self.device, share)
         self.model.to(self.device)
-        self.gpu = GpuMonitor.for_devices([self.device])  # NVML; reports nothing on CPUs
-        cleanup.callback(self.gpu.close)
+        self.gpu = host.gpu
         self.gpus: list[protocol.GpuStats] = []  # the last sample
         resume = read_resume_state(self.run_dir / "checkpoints")
         if resume is not None:
@@ -157,12 +155,10 @@ class Trainer:
         self.dht = host.dht
         self.directory = Directory(self.dht, cfg.swarm, keys, self.policy)
         cleanup.callback(self.directory.withdraw, self.node_id)
-        self.peer_id = self.dht.peer_id.to_base58()
         gate = None
         if keys is not None:
-            # Only members average with this trainer or download its state; it is one
-            # before its optimizer starts (which may download state from peers that check).
-            self.directory.declare_member(keys.identity, self.peer_id)
+            # Only members average with this trainer or download its state (the host made
+            # this node one before any optimizer starts).
             gate = MemberGate(self.dht, cfg.swarm.run_id, keys.membership.root_public)
         self.local_batch = local_batch = (
             cfg.trainer.informative_samples_per_step
@@ -324,11 +320,6 @@ class Trainer:
             if not await blocking(self.directory.publish, record):
                 log.warning("could not store this trainer's record in the DHT")
             records = await blocking(self.directory.records_seen_by, self.node_id)
-            if self.server.keys is not None:  # revoked nodes: refused from the next request
-                await blocking(self.directory.sync_revocations, self.server.keys.membership)
-                await blocking(
-                    self.directory.declare_member, self.server.keys.identity, self.peer_id
-                )
             if any(r.node_id == self.node_id for r in records):  # else: a read to distrust
                 self.other_trainers = self._other_trainers_in(records)
                 # Another node's record: not one of this process's other policies, whose

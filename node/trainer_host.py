@@ -2,7 +2,8 @@
 the policies share.
 
     agentjet node --role trainer [--policy NAME ...]
-      TrainerHost: node keys, one DHT, the base model's weights loaded once
+      TrainerHost: node keys (membership renewed, revocations taken in, once per
+                   heartbeat), one DHT, the GPU monitor, the base weights loaded once
         ├─ Trainer(planner): its LoRA adapters over the shared base weights, its optimizer,
         │    its hivemind run (RUN_ID_policy_planner), its endpoint, its run dir
         │    (RUN_DIR/policies/planner), its directory record NODE/planner
@@ -34,14 +35,16 @@ from typing import Any, cast
 import msgspec
 import torch
 
+from agentjet.bridge import blocking
 from agentjet.config import Config, ModelConfig, policy_view
 from agentjet.devices import resolve_device, resolve_dtype
 from agentjet.errors import ConfigError
 from agentjet.identity import node_keys
 from agentjet.roles import log_context, print_join_command, run_role
+from node.gpu_monitor import GpuMonitor
 from node.lora import add_adapters
 from node.model import DTYPES, load_causal_lm, resolve_model
-from node.swarm import start_dht, visible_maddrs
+from node.swarm import Directory, start_dht, visible_maddrs
 from node.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -74,6 +77,14 @@ class TrainerHost:
         self.dht = start_dht(cfg.swarm, self.keys)
         cleanup.callback(self.dht.shutdown)
         self.maddrs = visible_maddrs(self.dht)
+        self.directory = Directory(self.dht, cfg.swarm, self.keys)  # (its members, revocations)
+        self.peer_id = self.dht.peer_id.to_base58()
+        if self.keys is not None:
+            # Only members average with a trainer or download its state: this node is one
+            # before any policy's optimizer starts (which may download state from peers).
+            self.directory.declare_member(self.keys.identity, self.peer_id)
+        self.gpu = GpuMonitor.for_devices([self.device])  # NVML; reports nothing on CPUs
+        cleanup.callback(self.gpu.close)
         for trainer in self.trainers:
             token = log_context.set(trainer.policy)
             try:
@@ -131,7 +142,14 @@ class TrainerHost:
                     other.set()
                 raise
 
+        def stop_all(task: asyncio.Task[None]) -> None:
+            if not task.cancelled() and task.exception() is not None:
+                for own in stops:
+                    own.set()
+
         relay = asyncio.create_task(relay_stop(), name="trainer-stop")
+        membership = asyncio.create_task(self._membership(), name="trainer-membership")
+        membership.add_done_callback(stop_all)
         try:
             results = await asyncio.gather(
                 *(one(t, own) for t, own in zip(self.trainers, stops, strict=True)),
@@ -139,9 +157,23 @@ class TrainerHost:
             )
         finally:
             relay.cancel()
+            membership.cancel()
+        if membership.done() and not membership.cancelled():
+            results.append(membership.exception())
         for result in results:
             if isinstance(result, BaseException):
                 raise result
+
+    async def _membership(self) -> None:
+        """The node's part of a closed swarm, once per heartbeat for all its policies (one
+        identity, one DHT peer): take in revocations (revoked nodes are refused from their
+        next request) and renew this node's binding as a member."""
+        if self.keys is None:
+            return
+        while True:
+            await blocking(self.directory.sync_revocations, self.keys.membership)
+            await blocking(self.directory.declare_member, self.keys.identity, self.peer_id)
+            await asyncio.sleep(self.config.swarm.heartbeat_s)
 
 
 def served_view(config: Config, policy: str, first: bool) -> Config:

@@ -394,6 +394,13 @@ class SwarmConfig(_Section):
     # and takes its state, rather than train the older weights on (both killed at once:
     # the newer steps were already reported trained). 0 = do not wait.
     rejoin_wait_s: NonNegFloat = 60.0
+    # When a trainer starts hivemind's two averager processes (100-200 MB each):
+    # "with_peers", once another trainer of its run is about (a lone trainer, local mode's
+    # included, never does); "at_start", at once (it then serves a joiner without delay).
+    averagers: Literal["with_peers", "at_start"] = "with_peers"
+    # A trainer joining a swarm whose trainers are ahead of it asks for their state for up
+    # to this long (a lone trainer starts serving it once it sees the joiner).
+    state_wait_s: PositiveFloat = 60.0
     # Samples (counted as the trainer counts them) in one global step across all trainers;
     # 0 = one trainer's local batch (trainer.groups_per_step groups, or
     # trainer.informative_samples_per_step).

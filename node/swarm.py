@@ -79,6 +79,7 @@ from hivemind.utils.logging import use_hivemind_log_handler
 from hivemind.utils.timed_storage import get_dht_time
 
 from agentjet import protocol
+from agentjet.bridge import blocking
 from agentjet.config import SwarmConfig
 from agentjet.errors import AgentjetError
 from agentjet.identity import (
@@ -113,6 +114,8 @@ INTENT_WAIT_S = 1.0
 WITHDRAW_TIMEOUT_S = 3.0
 # Seconds between attempts to start the DHT (doubled each time).
 STARTUP_BACKOFF_S = 2.0
+# How long an averager's process may take to start serving (`_MembersOnly.attach`).
+ATTACH_TIMEOUT_S = 60.0
 # A peer's DHT access token lasts this long and is renewed this long before it expires
 # (a token only binds the peer's signing key to the swarm; it costs nothing to renew).
 TOKEN_LIFETIME = timedelta(hours=24)
@@ -722,16 +725,60 @@ class _MembersOnly(DecentralizedAverager):  # type: ignore[misc]
     empty, as a peer that does not share state answers. (hivemind reads the handlers'
     stream types from `typing.AsyncIterator` hints only: ServicerBase._strip_iterator_hint.)"""
 
-    def __init__(self, *args: Any, gate: MemberGate | None = None, **kwargs: Any) -> None:
+    attached = False  # its process was started (`start`)
+
+    def __init__(
+        self,
+        *args: Any,
+        gate: MemberGate | None = None,
+        attach_at_start: bool = True,
+        start: bool = True,
+        **kwargs: Any,
+    ) -> None:
         self.gate = gate
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, start=start and attach_at_start, **kwargs)
 
     def start(self) -> None:
         """Fork the averager's process without the trainer's own tensors (node/memory.py):
         it works on copies in shared memory. Checked against hivemind 1.1.12, where
-        DecentralizedAverager is an `mp.Process` started from its constructor."""
+        DecentralizedAverager is an `mp.Process` started from its constructor (unless
+        `attach_at_start` is False: then by `attach`)."""
         with memory.left_behind():
             super().start()
+        self.attached = True
+
+    def attach(self, timeout_s: float) -> None:
+        """Start the averager's process, if it is not running yet, and wait until it
+        serves: it then declares this peer's state for download and joins rounds. Any
+        thread may call it: hivemind's `run_in_background` sets a signal handler, which
+        only the main thread can (the process ignores SIGINT itself: `run`)."""
+        if not self.attached:
+            self.start()
+            self.wait_until_ready(timeout_s)
+
+    def run(self) -> None:
+        """The averager's process: Ctrl-C is for the trainer, which shuts it down. (hivemind
+        ignores SIGINT in the parent around the fork instead, which only works from the main
+        thread; the process keeps the trainer's handler otherwise.)"""
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        super().run()
+
+    @property
+    def state_sharing_priority(self) -> float:
+        return float(self._state_sharing_priority.value)
+
+    @state_sharing_priority.setter
+    def state_sharing_priority(self, value: float) -> None:
+        self._share_with_priority(value)
+
+    def _share_with_priority(self, value: float) -> None:
+        """hivemind's setter, which asks the averager's process to declare it again; before
+        the process runs it is only kept, and declared when it starts (each message would
+        wait in the pipe meanwhile, and a full pipe blocks the trainer)."""
+        if self.attached:
+            DecentralizedAverager.state_sharing_priority.fset(self, value)
+        else:
+            self._state_sharing_priority.value = value
 
     async def rpc_join_group(
         self, request: averaging_pb2.JoinRequest, context: P2PContext
@@ -1017,13 +1064,13 @@ class _WholeStateAverager(_MembersOnly, TrainingStateAverager, _AveragerWatch): 
 
     @property
     def state_sharing_priority(self) -> float:
-        return float(DecentralizedAverager.state_sharing_priority.fget(self))
+        return float(self._state_sharing_priority.value)
 
     @state_sharing_priority.setter
     def state_sharing_priority(self, value: float) -> None:
         # Peers download from the highest first (hivemind sets the epoch after each step).
         ranked = value - 0.5 if self._own.is_set() else value
-        DecentralizedAverager.state_sharing_priority.fset(self, ranked)
+        self._share_with_priority(ranked)
 
     def get_current_state(self) -> Any:
         if self._loading.is_set():
@@ -1092,9 +1139,11 @@ class _Optimizer(hivemind.Optimizer):  # type: ignore[misc]
         *args: Any,
         other_trainers: Callable[[], int],
         gate: MemberGate | None = None,
+        attach_at_start: bool = True,
         **kwargs: Any,
     ) -> None:
         self.gate = gate  # read by _make_state_averager, which hivemind calls in __init__
+        self.attach_at_start = attach_at_start  # likewise
         self.step_lock = threading.Lock()  # held by SwarmOptimizer for each whole step
         self.loading = threading.Event()  # set while this trainer downloads the swarm's state
         # Set while this trainer's version is withheld (`StepOutcome.withheld`): the
@@ -1139,6 +1188,7 @@ class _Optimizer(hivemind.Optimizer):  # type: ignore[misc]
             # A peer answers a state download between steps; a step takes up to a
             # matchmaking time and an averaging timeout for each of its two rounds.
             state_chunk_timeout_s=2 * (self.matchmaking_time + self.averaging_timeout),
+            attach_at_start=self.attach_at_start,
             dht=self.dht,
             prefix=f"{self.run_id}_state_averager",
             min_matchmaking_time=self.matchmaking_time,
@@ -1154,6 +1204,20 @@ class _Optimizer(hivemind.Optimizer):  # type: ignore[misc]
             **kwargs,
         )
 
+    @property
+    def attached(self) -> bool:
+        """Whether both averagers' processes run (`attach`)."""
+        return bool(self.state_averager.attached and self.grad_averager.attached)
+
+    def attach(self) -> None:
+        """Start the averagers' processes if they are not running (made with
+        `attach_at_start=False`): a trainer alone has no rounds to join and nobody to serve
+        its state to, and each process costs 100-200 MB. Call it between steps."""
+        if not self.attached:
+            log.info("starting hivemind's averagers: another trainer of this run is about")
+            for averager in (self.state_averager, self.grad_averager):
+                averager.attach(ATTACH_TIMEOUT_S)
+
     def load_state_from_peers(self, **kwargs: Any) -> None:
         """hivemind calls this inside `step()` when out of sync: the gradients are lost."""
         self.take_swarm_state(**kwargs)
@@ -1161,6 +1225,7 @@ class _Optimizer(hivemind.Optimizer):  # type: ignore[misc]
 
     def take_swarm_state(self, **kwargs: Any) -> None:
         """Download the state of the newest peer, serving none meanwhile."""
+        self.attach()
         epoch = self.local_epoch
         self.state_averager.downloaded = False
         self.loading.set()
@@ -1349,6 +1414,19 @@ class _Optimizer(hivemind.Optimizer):  # type: ignore[misc]
         tracker.fetched_global_progress_this_epoch.wait(timeout)
 
 
+async def attach_when_peered(swarm: SwarmOptimizer, period_s: float) -> None:
+    """A trainer's loop: start hivemind's averagers (made with `attach_at_start=False`)
+    once another trainer of its run is about, looked for every `period_s`; then idle, as
+    a role's loops do until the role stops. (A step starts them too, if it finds a peer
+    first.)"""
+    while not swarm.attached:
+        if await blocking(swarm.peered):
+            await blocking(swarm.attach)
+        else:
+            await asyncio.sleep(period_s)
+    await asyncio.Event().wait()
+
+
 def _ended(control: Any) -> bool:
     return control is not None and control.done() and not control.cancelled()
 
@@ -1426,12 +1504,16 @@ class SwarmOptimizer:
         other_trainers: Callable[[], int] = lambda: 0,
         gate: MemberGate | None = None,
         directory: Directory | None = None,
+        attach_at_start: bool = True,
     ) -> None:
         """Train over `dht` (shared with the node's `directory`, which signs the batches'
         intents with the node's keys), or a DHT of its own. `other_trainers()`: how many
         other live trainers the directory lists now. `gate`: who may call this trainer's
-        averaging handlers (None: anyone, without keys)."""
+        averaging handlers (None: anyone, without keys). `attach_at_start=False`: start
+        hivemind's averager processes only once a peer appears (`peered`, `attach`)."""
         self.gate = gate
+        self.config = config
+        self.other_trainers = other_trainers
         self.owns_dht = dht is None
         self.dht = dht or start_dht(config, keys=None)  # in-process use (tests, bench)
         self.directory = directory or Directory(self.dht, config)
@@ -1443,6 +1525,7 @@ class SwarmOptimizer:
             self.optimizer = _Optimizer(
                 other_trainers=other_trainers,
                 gate=gate,
+                attach_at_start=attach_at_start,
                 dht=self.dht,
                 run_id=config.run_id,
                 target_batch_size=target_batch_size,
@@ -1464,7 +1547,10 @@ class SwarmOptimizer:
                 # default, 60 s, would fail every round with it for a minute).
                 tracker_opts={"metadata_expiration": config.record_ttl_s},
                 grad_averager_factory=partial(
-                    _ExactGradientAverager, request_timeout=config.request_timeout_s, gate=gate
+                    _ExactGradientAverager,
+                    request_timeout=config.request_timeout_s,
+                    gate=gate,
+                    attach_at_start=attach_at_start,
                 ),
                 # hivemind offloads the optimizer by default, and then averages parameters in
                 # place: the averager's process writes each averaged part straight into the
@@ -1504,9 +1590,40 @@ class SwarmOptimizer:
             self.optimizer.intents = (batch_id, stores)
             return batch_id
 
+    @property
+    def attached(self) -> bool:
+        """Whether hivemind's averager processes run: from the start (`attach_at_start`),
+        or since this trainer first had a peer."""
+        return self.optimizer.attached
+
+    def peered(self) -> bool:
+        """Whether another trainer of this run is about (so this one must serve its state
+        and join rounds): the directory lists one, hivemind's progress tracker counts one,
+        or a peer's state averager is declared in the DHT, as a joining trainer's is before
+        it asks for state (a DHT read)."""
+        if self.other_trainers() > 0 or self.optimizer.tracker.global_progress.num_peers > 1:
+            return True
+        key = f"{self.optimizer.state_averager.prefix}.all_averagers"
+        found = self.dht.get(key, latest=True)
+        declared = found.value if found is not None else None
+        own = self.dht.peer_id.to_bytes()
+        return isinstance(declared, dict) and any(
+            peer != own and isinstance(getattr(info, "value", None), (int, float))
+            for peer, info in declared.items()
+        )
+
+    def attach(self) -> None:
+        """Start hivemind's averager processes, if they are not running: between steps."""
+        with self.optimizer.step_lock:
+            self.optimizer.attach()
+
     def step_outcome(self, batch_size: int) -> StepOutcome:
         """Like `step`, and say whether the gradients were applied, kept or thrown away."""
         with self.optimizer.step_lock:
+            if not self.attached and (
+                self.other_trainers() > 0 or self.optimizer.tracker.global_progress.num_peers > 1
+            ):
+                self.optimizer.attach()
             epoch, discards = self.epoch, self.optimizer.discards
             if self.optimizer.tracker.global_epoch > epoch:
                 # hivemind would step a peer one epoch behind on its own older weights
@@ -1595,11 +1712,30 @@ class SwarmOptimizer:
         swarm's: not to checkpoint or publish (`StepOutcome.withheld`)."""
         return self.optimizer.own.is_set()
 
-    def load_state_from_peers(self) -> bool:
+    def load_state_from_peers(
+        self, wait_s: float = 0.0, while_true: Callable[[], bool] = lambda: False
+    ) -> bool:
         """Take the swarm's current weights, optimizer state and epoch (a joining trainer);
-        False if no peer sent its state. It can be a version a peer withholds (`withheld`)."""
+        False if no peer sent its state. It can be a version a peer withholds (`withheld`).
+        If none did, ask again every heartbeat for up to `wait_s` while `while_true()` (a
+        live trainer is listed: a lone one starts serving once it sees this one,
+        `attach_at_start`)."""
+        deadline = time.monotonic() + wait_s
         with self.optimizer.step_lock:
             self.optimizer.load_state_from_peers()
+            asked = False
+            while (
+                not self.optimizer.state_averager.downloaded
+                and time.monotonic() < deadline
+                and while_true()
+            ):
+                if not asked:
+                    log.info(
+                        "no trainer has sent its state yet; asking again for up to %.0f s", wait_s
+                    )
+                    asked = True
+                time.sleep(min(self.config.heartbeat_s, max(0.0, deadline - time.monotonic())))
+                self.optimizer.take_swarm_state()
             return bool(self.optimizer.state_averager.downloaded)
 
     def optimizer_state(self) -> dict[str, Any]:
@@ -1628,9 +1764,10 @@ class SwarmOptimizer:
     def shutdown(self) -> None:
         """Optimizer first (says goodbye, stops averagers), then a DHT of its own."""
         for averager in (self.optimizer.grad_averager, self.optimizer.state_averager):
-            if averager is not None and averager.exitcode is not None:
-                # It died (the role stops for that: `processes`). hivemind would log its
-                # death again, with the traceback of the error the role stops on.
+            if averager is not None and (averager.exitcode is not None or not averager.attached):
+                # It died (the role stops for that: `processes`), or never started. hivemind
+                # would log either as an error, a death with the traceback of the error the
+                # role stops on.
                 averager.shutdown = lambda: None
         try:
             self.optimizer.shutdown()

@@ -68,7 +68,7 @@ from node.lora import merged_weights
 from node.members import MemberGate
 from node.publisher import Publisher, sealed_bind_endpoint
 from node.replay import Replay
-from node.swarm import Directory, Mark, SwarmOptimizer, node_of
+from node.swarm import Directory, Mark, SwarmOptimizer, attach_when_peered, node_of
 from node.teacher import open_teacher_check
 from node.verify import (
     Quarantine,
@@ -177,6 +177,7 @@ class Trainer:
             other_trainers=lambda: len(self.other_trainers),
             gate=gate,
             directory=self.directory,
+            attach_at_start=cfg.swarm.averagers == "at_start",
         )
         cleanup.callback(self.swarm.shutdown)
         loaded = False
@@ -185,9 +186,12 @@ class Trainer:
             mine = int(resume["policy_version"]) if resume is not None else 0
             records = self._wait_for_newer_checkpoint(mine)
             self.other_trainers = self._other_trainers_in(records)
-            if resume is None or max(self._other_versions(), default=-1) > mine:
+            behind = resume is None or max(self._other_versions(), default=-1) > mine
+            if behind and self.swarm.peered():  # (else alone: nobody to load from)
                 log.info("joined the swarm; loading its state from peers")
-                loaded = self.swarm.load_state_from_peers()
+                loaded = self.swarm.load_state_from_peers(
+                    wait_s=cfg.swarm.state_wait_s, while_true=self._others_listed
+                )
         resumed = -1
         if loaded:
             self.lineage = self._swarm_lineage()
@@ -286,6 +290,7 @@ class Trainer:
                 "trainer-serve": self._serve(),
                 "trainer-learn": self._learn(stop),
                 "trainer-heartbeat": self._heartbeat(),
+                "trainer-averagers": attach_when_peered(self.swarm, self.config.swarm.heartbeat_s),
                 # A step would wait forever on a dead hivemind process (the OOM killer's
                 # pick is the largest): the trainer stops, with one line that says so.
                 "trainer-children": watch_children(
@@ -299,6 +304,7 @@ class Trainer:
     async def _heartbeat(self) -> None:
         cfg = self.config
         reads = 0
+        unseen_since: float | None = None  # since when no read has held this trainer's record
         while True:
             record = protocol.NodeRecord(
                 node_id=self.node_id,
@@ -320,7 +326,15 @@ class Trainer:
             if not await blocking(self.directory.publish, record):
                 log.warning("could not store this trainer's record in the DHT")
             records = await blocking(self.directory.records_seen_by, self.node_id)
-            if any(r.node_id == self.node_id for r in records):  # else: a read to distrust
+            if not any(r.node_id == self.node_id for r in records):
+                # A read to distrust (a DHT lookup that missed), unless it stays so for a
+                # record's whole life: through a cut link, reads time out or find nothing,
+                # and others no longer see this trainer either.
+                unseen_since = unseen_since or time.monotonic()
+                if time.monotonic() - unseen_since >= cfg.swarm.record_ttl_s:
+                    self._set_connected(False)
+            else:
+                unseen_since = None
                 self.other_trainers = self._other_trainers_in(records)
                 # Another node's record: not one of this process's other policies, whose
                 # records its own DHT peer holds even when cut off from the swarm.
@@ -444,6 +458,11 @@ class Trainer:
         if len(self.book.queue) >= self.replay.fresh_needed(self.version, self.lineage):
             self.batch_ready.set()
         return ack("accepted")
+
+    def _others_listed(self) -> bool:
+        """Whether the directory lists another trainer of this policy now (and note them)."""
+        self.other_trainers = self._other_trainers_in(self.directory.records())
+        return bool(self.other_trainers)
 
     def _swarm_lineage(self) -> protocol.Lineage:
         """The lineage of the swarm's weights just downloaded: the newest trainer's (this

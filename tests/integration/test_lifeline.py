@@ -134,9 +134,9 @@ class Trainer:
 
 @pytest.fixture
 def trainer(tiny_model_dir: Path, tmp_path: Path, keys_file: Path) -> Iterator[Trainer]:
-    """`agentjet node --role trainer` of the tiny model, alone (the first node of a swarm),
-    its log (stdout and stderr) in tmp_path/trainer.log; everything it started is reaped
-    by PID at the end."""
+    """`agentjet node --role trainer` of the tiny model, alone (the first node of a swarm)
+    with its averagers started at once, its log (stdout and stderr) in
+    tmp_path/trainer.log; everything it started is reaped by PID at the end."""
     socket_dir = Path(tempfile.mkdtemp(prefix="aj-", dir="/tmp"))  # ipc paths must be short
     config = load_config(
         None,
@@ -145,6 +145,7 @@ def trainer(tiny_model_dir: Path, tmp_path: Path, keys_file: Path) -> Iterator[T
             f'net.trainer_endpoint="ipc://{socket_dir}/trainer.ipc"',
             f'net.keys="{keys_file}"',
             f'run.dir="{tmp_path / "run"}"',
+            'swarm.averagers="at_start"',  # alone, it would start them only with a peer
         ],
     )
     config_path = tmp_path / "trainer.toml"

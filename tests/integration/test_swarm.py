@@ -28,7 +28,7 @@ import pytest
 
 from agentjet.config import load_config, to_toml
 from agentjet.keys import DEFAULT_KEYS_FILE, write_keys
-from agentjet.lifeline import descendants, running
+from agentjet.lifeline import descendants, process_table, running
 from agentjet.metrics import read_metrics
 from agentjet.ports import free_port
 from tests.netns import Node, Swarmnet, require_netns
@@ -216,6 +216,23 @@ def swarm_factory(tmp_path: Path, tiny_model_dir: Path) -> Iterator[Callable[...
     yield make
     for swarm in made:
         swarm.reap()
+
+
+def forks(pid: int) -> set[int]:
+    """The live children of `pid` forked from it (hivemind's DHT and averager processes:
+    their command line is its own)."""
+    table = process_table()
+    return {
+        child
+        for child, info in table.items()
+        if info.ppid == pid and running(child) and command_line(child) == command_line(pid)
+    }
+
+
+def command_line(pid: int) -> bytes:
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    return b""
 
 
 def start_trainer(swarm: Swarm, name: str, join: str, module: str = "agentjet.cli") -> None:
@@ -566,6 +583,8 @@ def test_a_joining_trainer_catches_up_and_a_killed_one_loses_nothing(
     swarm = swarm_factory()
     join = start_swarm(swarm, ["trainer-a"])
     swarm.wait_for("trainer-a at version 3", lambda: swarm.version("trainer-a") >= 3)
+    # alone, trainer-a runs hivemind's DHT process and no averager processes
+    alone = forks(swarm.procs["trainer-a"].pid)
 
     # a trainer joining mid-run starts from the swarm's weights, not from the base model
     start_trainer(swarm, "trainer-b", join)
@@ -580,6 +599,9 @@ def test_a_joining_trainer_catches_up_and_a_killed_one_loses_nothing(
     assert started["joined"] and started["policy_version"] >= 3
     b = checkpoints(swarm, "trainer-b")
     assert min(b) >= 3  # the joiner's versions continue the swarm's, not the base model's
+    # trainer-a started its two averagers when the joiner appeared, and served it its state
+    joined = forks(swarm.procs["trainer-a"].pid)
+    assert alone < joined and len(joined - alone) == 2, (alone, joined)
 
     # SIGKILL it mid-run: trainer-a goes on, and what trainer-b held is trained there
     swarm.kill("trainer-b")

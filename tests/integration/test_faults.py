@@ -453,21 +453,23 @@ def account(swarm: FaultySwarm, trainers: list[str]) -> dict[str, Any]:
     def goes_on(lineage: str, version: int) -> bool:
         return any(last.holds(lineage, version, newest) for last, newest in final)
 
-    # The weights of the versions that go on, by hash. A trainer restarted at its peer's
-    # version opens a lineage of its own and steps in lock step with that peer, making the
-    # same weights under another lineage's name: what its steps trained is in the weights
-    # that go on all the same, should its lineage end with it.
-    kept_weights = {
-        (r["policy_version"], r["policy_sha256"])
-        for r in (r for t in trainers for r in rows[t])
-        if r.get("event") == "step"
-        and r.get("policy_sha256")
-        and goes_on(r["lineage"], r["policy_version"])
-    }
+    # The versions that go on, by their weights' hash: the groups their steps trained. A
+    # trainer restarted at its peer's version opens a lineage of its own and steps in lock
+    # step with that peer, making the same weights under another lineage's name: what its
+    # steps trained is in the weights that go on all the same, should its lineage end with
+    # it. (A step redone after a restart, on the same groups from the same weights, makes
+    # the same hash too: its groups are the ones the step that goes on trained.)
+    kept_steps: dict[tuple[int, str], set[str]] = {}
+    for r in (r for t in trainers for r in rows[t]):
+        if r.get("event") == "step" and goes_on(r["lineage"], r["policy_version"]):
+            key = (r["policy_version"], r.get("policy_sha256") or "")
+            kept_steps.setdefault(key, set()).update(r["trained_group_ids"])
 
-    def kept(r: dict[str, Any]) -> bool:
-        same = (r["policy_version"], r.get("policy_sha256")) in kept_weights
-        return goes_on(r["lineage"], r["policy_version"]) or same
+    def in_kept_weights(r: dict[str, Any], group: str) -> bool:
+        if goes_on(r["lineage"], r["policy_version"]):
+            return True
+        same = kept_steps.get((r["policy_version"], r.get("policy_sha256") or "-"))
+        return same is not None and group not in same
 
     trained: list[str] = []
     lost_with_lineage: list[str] = []
@@ -477,7 +479,8 @@ def account(swarm: FaultySwarm, trainers: list[str]) -> dict[str, Any]:
         if r.get("event") not in ("step", "trained_by_peer"):
             continue
         ids = r["trained_group_ids"]
-        (trained if kept(r) else lost_with_lineage).extend(ids)
+        for g in ids:
+            (trained if in_kept_weights(r, g) else lost_with_lineage).append(g)
         trainer_lineage = lineages[r["lineage"]]
         for g in ids:
             lineage, version = sampled.get(g, ("", 0))

@@ -9,6 +9,7 @@ waiting for the first one's state; both timed out, every step, for minutes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import threading
@@ -19,7 +20,7 @@ import pytest
 import torch
 
 from agentjet.config import SwarmConfig
-from node.swarm import StepOutcome, SwarmOptimizer, visible_maddrs
+from node.swarm import StepOutcome, SwarmOptimizer, attach_when_peered, visible_maddrs
 
 pytestmark = pytest.mark.integration
 
@@ -32,6 +33,61 @@ def _fake_gradients(model: torch.nn.Module, seed: int) -> None:
     generator = torch.Generator().manual_seed(seed)
     for p in model.parameters():
         p.grad = torch.randn(p.shape, generator=generator) * 0.1
+
+
+@pytest.mark.timeout(180)
+def test_a_lone_trainer_starts_its_averagers_for_a_joiner_and_serves_it() -> None:
+    """`attach_at_start=False`: alone, a trainer steps without hivemind's averager
+    processes; a joiner's declared state averager is what its loop (`attach_when_peered`)
+    sees, and the joiner, asking again, takes its state bit for bit."""
+    run = SwarmConfig(
+        run_id=f"test-attach-{time.monotonic_ns()}", averaging_timeout_s=5.0,
+        request_timeout_s=0.5, heartbeat_s=0.5,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model_a, model_b = torch.nn.Linear(64, 32), torch.nn.Linear(64, 32)
+    a = SwarmOptimizer(
+        run, model_a.parameters(), lr=1e-2, weight_decay=0.0, target_batch_size=1,
+        attach_at_start=False,
+    )  # fmt: skip
+    b: SwarmOptimizer | None = None
+
+    async def watch() -> None:  # the trainer's loop, until cancelled
+        with contextlib.suppress(asyncio.CancelledError):
+            await attach_when_peered(a, run.heartbeat_s)
+
+    loop = asyncio.new_event_loop()
+    watching = loop.create_task(watch())
+    watcher = threading.Thread(target=loop.run_until_complete, args=(watching,))
+    try:
+        averagers = (a.optimizer.grad_averager, a.optimizer.state_averager)
+        for seed in (1, 2):  # alone in the swarm: two versions
+            _fake_gradients(model_a, seed)
+            assert a.step_outcome(batch_size=1).applied
+        assert a.epoch == 2 and not a.attached and not a.peered()
+        assert not any(averager.is_alive() for averager in averagers)
+        ahead = _weights(model_a)
+        watcher.start()
+
+        joined = msgspec.structs.replace(run, initial_peers=visible_maddrs(a.dht))
+        b = SwarmOptimizer(
+            joined, model_b.parameters(), lr=1e-2, weight_decay=0.0, target_batch_size=1,
+            attach_at_start=False,
+        )  # fmt: skip
+        assert b.load_state_from_peers(wait_s=60.0, while_true=lambda: True)
+
+        assert a.attached and all(averager.is_alive() for averager in averagers)
+        assert b.epoch == 2
+        for got, want in zip(_weights(model_b), ahead, strict=True):
+            assert torch.equal(got, want)
+    finally:
+        if watcher.is_alive():
+            loop.call_soon_threadsafe(watching.cancel)
+            watcher.join(30)
+        loop.close()
+        a.shutdown()
+        if b is not None:
+            b.shutdown()
 
 
 @pytest.mark.timeout(180)

@@ -1601,7 +1601,7 @@ class SwarmOptimizer:
         and join rounds): the directory lists one, hivemind's progress tracker counts one,
         or a peer's state averager is declared in the DHT, as a joining trainer's is before
         it asks for state (a DHT read)."""
-        if self.other_trainers() > 0 or self.optimizer.tracker.global_progress.num_peers > 1:
+        if self._peer_in_view():
             return True
         key = f"{self.optimizer.state_averager.prefix}.all_averagers"
         found = self.dht.get(key, latest=True)
@@ -1612,6 +1612,10 @@ class SwarmOptimizer:
             for peer, info in declared.items()
         )
 
+    def _peer_in_view(self) -> bool:
+        """`peered` without its DHT read: what the directory and the tracker show now."""
+        return self.other_trainers() > 0 or self.optimizer.tracker.global_progress.num_peers > 1
+
     def attach(self) -> None:
         """Start hivemind's averager processes, if they are not running: between steps."""
         with self.optimizer.step_lock:
@@ -1620,9 +1624,7 @@ class SwarmOptimizer:
     def step_outcome(self, batch_size: int) -> StepOutcome:
         """Like `step`, and say whether the gradients were applied, kept or thrown away."""
         with self.optimizer.step_lock:
-            if not self.attached and (
-                self.other_trainers() > 0 or self.optimizer.tracker.global_progress.num_peers > 1
-            ):
+            if not self.attached and self._peer_in_view():
                 self.optimizer.attach()
             epoch, discards = self.epoch, self.optimizer.discards
             if self.optimizer.tracker.global_epoch > epoch:

@@ -190,7 +190,8 @@ class Trainer:
             if behind and self.swarm.peered():  # (else alone: nobody to load from)
                 log.info("joined the swarm; loading its state from peers")
                 loaded = self.swarm.load_state_from_peers(
-                    wait_s=cfg.swarm.state_wait_s, while_true=self._others_listed
+                    wait_s=cfg.swarm.state_wait_s,  # while another trainer is listed:
+                    while_true=lambda: bool(self._other_trainers_in(self.directory.records())),
                 )
         resumed = -1
         if loaded:
@@ -458,11 +459,6 @@ class Trainer:
         if len(self.book.queue) >= self.replay.fresh_needed(self.version, self.lineage):
             self.batch_ready.set()
         return ack("accepted")
-
-    def _others_listed(self) -> bool:
-        """Whether the directory lists another trainer of this policy now (and note them)."""
-        self.other_trainers = self._other_trainers_in(self.directory.records())
-        return bool(self.other_trainers)
 
     def _swarm_lineage(self) -> protocol.Lineage:
         """The lineage of the swarm's weights just downloaded: the newest trainer's (this

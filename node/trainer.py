@@ -186,7 +186,11 @@ class Trainer:
             mine = int(resume["policy_version"]) if resume is not None else 0
             records = self._wait_for_newer_checkpoint(mine)
             self.other_trainers = self._other_trainers_in(records)
-            behind = resume is None or max(self._other_versions(), default=-1) > mine
+            # A peer at this checkpoint's very version counts too: resumed on its own, this
+            # trainer would name the weights it then makes in lock step with that peer a
+            # lineage of its own, and groups trained under either name would be sent again
+            # when that name's trainer dies (the fault suite saw both).
+            behind = resume is None or max(self._other_versions(), default=-1) >= mine
             if behind and self.swarm.peered():  # (else alone: nobody to load from)
                 log.info("joined the swarm; loading its state from peers")
                 loaded = self.swarm.load_state_from_peers(

@@ -25,6 +25,7 @@ import pytest
 
 from agentjet.config import load_config, to_toml
 from agentjet.lifeline import descendants, marked_processes, running
+from tests.procs import command_line
 
 pytestmark = pytest.mark.integration
 
@@ -50,12 +51,6 @@ def reap(pids: set[int]) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-
-
-def command_line(pid: int) -> str:
-    with contextlib.suppress(OSError):
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    return ""
 
 
 @pytest.mark.parametrize("end", ["sigkill", "clean"])

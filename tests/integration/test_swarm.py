@@ -32,6 +32,7 @@ from agentjet.lifeline import descendants, process_table, running
 from agentjet.metrics import read_metrics
 from agentjet.ports import free_port
 from tests.netns import Node, Swarmnet, require_netns
+from tests.procs import command_line
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -227,12 +228,6 @@ def forks(pid: int) -> set[int]:
         for child, info in table.items()
         if info.ppid == pid and running(child) and command_line(child) == command_line(pid)
     }
-
-
-def command_line(pid: int) -> bytes:
-    with contextlib.suppress(OSError):
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    return b""
 
 
 def start_trainer(swarm: Swarm, name: str, join: str, module: str = "agentjet.cli") -> None:

@@ -207,6 +207,13 @@ class EnvConfig(_Section):
     # tokenizer. Environments may name different teachers (multi-teacher distillation).
     teacher: str = ""
     teacher_coef: PositiveFloat = 1.0
+    # 0: the teacher's signal is its logprob of each sampled token (above). k > 0: the
+    # teacher also sends, at each of the model's tokens, the logprobs of its k likeliest
+    # next tokens, and the trainer trains the model's distribution there toward them (a
+    # cross-entropy to the teacher's top k, weighted by teacher_coef: agentjet/rl.py
+    # `topk_distill_loss`) in place of the sampled-token advantage term. Denser: every
+    # position teaches k tokens, not one, for 8 bytes a token a k on the wire.
+    teacher_top_k: Annotated[int, Meta(ge=0, le=64)] = 0
 
     def sandboxed(self) -> bool:
         """Whether its episodes (or its reward) run programs in sandboxes."""

@@ -48,7 +48,12 @@ import numpy as np
 # 14: several policies (issue 26): WorkGrant.policy, TrajectoryGroup.policy,
 #    NodeRecord.policy (a trainer's) and NodeRecord.policy_versions (a rollout node's),
 #    WorkRequest.policies.
-PROTOCOL_VERSION = 14
+# 15: a teacher's top k (envs[].teacher_top_k): Sample.teacher_top_ids / teacher_top_logprobs,
+#    TeacherScoreRequest.top_k, TeacherScores.top_ids / top_logprobs.
+PROTOCOL_VERSION = 15
+
+# Most teacher tokens a position may carry (envs[].teacher_top_k's bound).
+MAX_TOP_K = 64
 
 # Earlier lineages a Lineage remembers (one per trainer restart from a checkpoint).
 MAX_ANCESTORS = 16
@@ -254,7 +259,10 @@ class Sample(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     fed back between them; `loss_mask` is 1 on the model's own tokens only, and
     `logprobs` is the sampler's logprob there (0 elsewhere). `teacher_logprobs`, in
     environments with a teacher (on-policy distillation), the teacher's logprob of the same
-    tokens (0 where the mask is 0); empty otherwise.
+    tokens (0 where the mask is 0); empty otherwise. `teacher_top_ids` and
+    `teacher_top_logprobs`, with a teacher's top k (envs[].teacher_top_k): at each
+    completion token, the teacher's k likeliest tokens there and their logprobs, row-major
+    [completion tokens, k] (0 where the mask is 0); empty otherwise.
     """
 
     prompt_ids: bytes  # int32
@@ -274,6 +282,8 @@ class Sample(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # episode. Advantages are per episode.
     episode: int = -1
     teacher_logprobs: bytes = b""  # float32
+    teacher_top_ids: bytes = b""  # int32
+    teacher_top_logprobs: bytes = b""  # float32
 
 
 class TrajectoryGroup(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -540,19 +550,24 @@ class TeacherInput(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 class TeacherScoreRequest(_Msg, tag="teacher_score_request"):
     """Score these samples with the teacher named `teacher` (as the environments' config
-    names it), at the sampler's temperature (node/teacher_node.py)."""
+    names it), at the sampler's temperature (node/teacher_node.py), with its `top_k`
+    likeliest tokens at each of the model's tokens when top_k > 0."""
 
     node_id: str
     teacher: str
     temperature: float
     samples: list[TeacherInput]
+    top_k: int = 0
 
 
 class TeacherScores(_Msg, tag="teacher_scores"):
     """Per sample, the teacher's logprob of each completion token (float32; 0 where the
-    loss mask is 0)."""
+    loss mask is 0), and when the request asked for a top k, its top k there (as
+    Sample.teacher_top_ids / teacher_top_logprobs)."""
 
     logprobs: list[bytes]
+    top_ids: list[bytes] = msgspec.field(default_factory=list)
+    top_logprobs: list[bytes] = msgspec.field(default_factory=list)
 
 
 TeacherRequest = Hello | TeacherScoreRequest
@@ -632,6 +647,28 @@ def check_logprobs(data: bytes, n: int, what: str) -> str | None:
     return None
 
 
+def top_k_of(ids: bytes, n: int) -> int:
+    """The k of a top-k array of `ids` for n completion tokens (0 when it is not k x n
+    whole int32 values for a k in 1..MAX_TOP_K)."""
+    k, rest = divmod(len(ids), 4 * n) if n else (0, 1)
+    return k if not rest and 1 <= k <= MAX_TOP_K else 0
+
+
+def check_top(ids: bytes, logprobs: bytes, n: int, vocab_size: int) -> str | None:
+    """Why `ids` and `logprobs` are not a teacher's top k at each of n completion tokens
+    (k in 1..MAX_TOP_K token ids of the vocabulary, k logprobs finite and <= 0 each), or
+    None."""
+    k = top_k_of(ids, n)
+    if not k:
+        return f"teacher top ids are not k x {n} token ids for a k in 1..{MAX_TOP_K}"
+    if len(logprobs) != len(ids):
+        return "teacher top logprobs and ids differ in length"
+    values = unpack_ids(ids)
+    if values.min() < 0 or values.max() >= vocab_size:
+        return f"teacher top id outside the vocabulary (size {vocab_size})"
+    return check_logprobs(logprobs, k * n, "teacher top logprobs")
+
+
 def check_group(group: TrajectoryGroup, vocab_size: int, max_tokens: int) -> str | None:
     """Why a decoded group cannot be trained, or None when it is well formed."""
     if not group.samples:
@@ -648,6 +685,8 @@ def check_group(group: TrajectoryGroup, vocab_size: int, max_tokens: int) -> str
         wrong = check_logprobs(s.logprobs, n, "logprobs")
         if wrong is None and s.teacher_logprobs:
             wrong = check_logprobs(s.teacher_logprobs, n, "teacher logprobs")
+        if wrong is None and (s.teacher_top_ids or s.teacher_top_logprobs):
+            wrong = check_top(s.teacher_top_ids, s.teacher_top_logprobs, n, vocab_size)
         if wrong is not None:
             return f"sample {i}: {wrong}"
         if not (np.isfinite(s.reward) and np.isfinite(s.advantage)):

@@ -24,6 +24,19 @@ so a token the teacher finds likelier than the student did is pushed up, one it 
 less likely is pushed down; coef (`envs[].teacher_coef`) weighs the teacher against the
 reward. The same clipped loss trains it: `advantages` may be per sample [B] or per token
 [B, T].
+
+With a teacher's top k (`envs[].teacher_top_k`), the teacher sends, at each trained
+position t, its k likeliest next tokens K_t and their logprobs, and the sampled-token term
+above gives way to a loss on the model's whole distribution there:
+
+    loss_t = -coef * sum_{v in K_t} pi_teacher(v) * log pi_theta(v)
+
+the cross-entropy to the teacher's top k (the forward KL to it, less the teacher's entropy
+over K_t, which has no gradient): every position moves k tokens toward the teacher, where
+the sampled term moves the one token sampled, by a one-sample estimate. It is minimised by
+the teacher's distribution renormalised over K_t. It needs no importance weight: it is a
+divergence at the positions the sampler visited, not a policy gradient. Added to the
+policy loss and taken as the same token-level mean.
 """
 
 from __future__ import annotations
@@ -81,6 +94,25 @@ def distill_advantages(
     a sample without a teacher has coef 0 (its teacher logprobs are not read)."""
     term = (teacher_logprobs - sampler_logprobs) * mask.to(sampler_logprobs.dtype)
     return advantages.unsqueeze(1) + coef.unsqueeze(1) * term
+
+
+def topk_distill_loss(
+    logprobs_at_top: torch.Tensor, teacher_top_logprobs: torch.Tensor, coef: torch.Tensor
+) -> torch.Tensor:
+    """Summed over positions, coef times the cross-entropy to the teacher's top k:
+    `logprobs_at_top` [N, k] the learner's logprobs of the teacher's top-k tokens at N
+    trained positions, `teacher_top_logprobs` [N, k] the teacher's, `coef` [N] each
+    position's weight (0: no teacher there)."""
+    ce = -(teacher_top_logprobs.exp() * logprobs_at_top).sum(-1)
+    return (coef * ce).sum()
+
+
+def topk_kl(logprobs_at_top: torch.Tensor, teacher_top_logprobs: torch.Tensor) -> float:
+    """Mean per position of the KL from the teacher's top k to the learner over those k
+    tokens, sum_v pi_teacher(v) (log pi_teacher(v) - log pi_theta(v)) (a metric)."""
+    p = teacher_top_logprobs.exp()
+    per = (p * (teacher_top_logprobs - logprobs_at_top)).sum(-1)
+    return float(per.mean()) if per.numel() else 0.0
 
 
 def teacher_kl(

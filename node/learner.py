@@ -31,7 +31,7 @@ from transformers import DynamicCache
 from agentjet import rl
 from agentjet.config import EnvConfig, TrainerConfig
 from agentjet.devices import out_of_memory
-from agentjet.protocol import TrajectoryGroup, unpack_floats, unpack_ids, unpack_mask
+from agentjet.protocol import TrajectoryGroup, top_k_of, unpack_floats, unpack_ids, unpack_mask
 from node.swarm import StepOutcome, SwarmOptimizer
 from node.teacher import TeacherCheck
 from node.verify import over_gap
@@ -48,6 +48,23 @@ class _Row:
     # On-policy distillation: the teacher's logprobs and their weight (0: no teacher).
     teacher_logprobs: torch.Tensor | None = None
     teacher_coef: float = 0.0
+    # With a teacher's top k (envs[].teacher_top_k): its top ids and logprobs, [T, k].
+    teacher_top_ids: torch.Tensor | None = None
+    teacher_top_logprobs: torch.Tensor | None = None
+
+
+@dataclass
+class _Forward:
+    """A micro-batch's forward pass: the learner's logprobs, the sampler's, the loss mask
+    (all [B, T]), the advantages ([B], or [B, T] with a sampled-token teacher term), and with
+    a teacher's top k the summed `rl.topk_distill_loss` and its KL metric."""
+
+    logprobs: torch.Tensor
+    old_logprobs: torch.Tensor
+    mask: torch.Tensor
+    advantages: torch.Tensor
+    topk_loss: torch.Tensor | None = None
+    topk_kl: float = 0.0
 
 
 @dataclass
@@ -58,6 +75,7 @@ class _Pass:
     stats: dict[str, float]  # rl.policy_loss's statistics, averaged over micro-batches
     gaps: list[float]  # per row: rl.logprob_gap
     num_tokens: int
+    topk_kl: float | None = None  # mean over micro-batches with a teacher's top k
 
 
 @dataclass(frozen=True)
@@ -191,6 +209,7 @@ class Learner:
                 "charts/samples": num_samples,
                 "charts/trained_samples": len(rows),
                 "charts/trained_tokens": done.num_tokens,
+                **({"charts/teacher_topk_kl": done.topk_kl} if done.topk_kl is not None else {}),
                 **(
                     {
                         "charts/teacher_samples": len(taught),
@@ -238,6 +257,7 @@ class Learner:
         loss_sum, micro = 0.0, 0
         stats_sum = {"ratio_mean": 0.0, "clip_frac": 0.0, "sampler_kl": 0.0}
         gaps: list[float] = []
+        topk_kls: list[float] = []
         size = self.config.micro_batch_samples
         for i in range(0, len(rows), size):
             with torch.autocast(
@@ -245,19 +265,28 @@ class Learner:
                 dtype=self.compute_dtype,
                 enabled=self.compute_dtype != torch.float32,
             ):
-                logprobs, old_logprobs, mask, advantages = self._forward(rows[i : i + size])
+                out = self._forward(rows[i : i + size])
             loss, stats = rl.policy_loss(
-                logprobs, old_logprobs, advantages, mask, self.config.clip_eps, num_tokens
+                out.logprobs,
+                out.old_logprobs,
+                out.advantages,
+                out.mask,
+                self.config.clip_eps,
+                num_tokens,
             )
+            if out.topk_loss is not None:
+                loss = loss + out.topk_loss / max(num_tokens, 1)
+                topk_kls.append(out.topk_kl)
             loss.backward()
-            gaps += rl.logprob_gap(logprobs.detach(), old_logprobs, mask).tolist()
+            gaps += rl.logprob_gap(out.logprobs.detach(), out.old_logprobs, out.mask).tolist()
             loss_sum += float(loss.detach())
             micro += 1
             for k, v in stats.items():
                 stats_sum[k] += v
         self.model.eval()
         stats = {k: v / max(micro, 1) for k, v in stats_sum.items()}
-        return _Pass(loss_sum, stats, gaps, num_tokens)
+        topk_kl = sum(topk_kls) / len(topk_kls) if topk_kls else None
+        return _Pass(loss_sum, stats, gaps, num_tokens, topk_kl)
 
     @staticmethod
     def _group_gaps(rows: list[_Row], gaps: list[float]) -> dict[str, float]:
@@ -277,9 +306,18 @@ class Learner:
             coef = self.teacher_coefs.get(group.env, 0.0)
             for sample, advantage in zip(group.samples, advantages, strict=True):
                 mask = torch.from_numpy(unpack_mask(sample.loss_mask).astype("int64"))
-                teacher = None
+                teacher: torch.Tensor | None = None
+                top_ids: torch.Tensor | None = None
+                top_logprobs: torch.Tensor | None = None
                 if coef and sample.teacher_logprobs:  # a teacher's signal: every token has one
                     teacher = torch.from_numpy(unpack_floats(sample.teacher_logprobs).copy())
+                    n = len(mask)
+                    k = top_k_of(sample.teacher_top_ids, n)
+                    if k:
+                        ids = unpack_ids(sample.teacher_top_ids).astype("int64").reshape(n, k)
+                        top_ids = torch.from_numpy(ids)
+                        values = unpack_floats(sample.teacher_top_logprobs).reshape(n, k)
+                        top_logprobs = torch.from_numpy(values.copy())
                 if (advantage == 0.0 and teacher is None) or int(mask.sum()) == 0:
                     continue
                 rows.append(
@@ -294,16 +332,17 @@ class Learner:
                         advantage=advantage,
                         teacher_logprobs=teacher,
                         teacher_coef=coef if teacher is not None else 0.0,
+                        teacher_top_ids=top_ids,
+                        teacher_top_logprobs=top_logprobs,
                     )
                 )
         return rows
 
-    def _forward(
-        self, rows: list[_Row]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _forward(self, rows: list[_Row]) -> _Forward:
         """A micro-batch's logprobs under the current weights, the sampler's, the loss mask
-        (all [B, T]) and the advantages ([B], or [B, T] when a row has a teacher), with each
-        distinct prompt prefilled once.
+        (all [B, T]), the advantages ([B], or [B, T] when a row has a teacher) and the top-k
+        distillation loss of rows with a teacher's top k, with each distinct prompt
+        prefilled once.
 
         The n samples of a group share their prompt (44 tokens for SmolLM2's chat template,
         more than the completion), so the prompt runs once with gradient and its KV cache is
@@ -353,17 +392,36 @@ class Learner:
         # in multi-turn sequences most completion positions are tool output and prompts.
         trained = mask.bool()
         logits = self.model.get_output_embeddings()(hidden[trained]).float() / self.temperature
-        picked = torch.log_softmax(logits, dim=-1).gather(1, c_ids[trained].unsqueeze(-1))
+        all_logprobs = torch.log_softmax(logits, dim=-1)
+        picked = all_logprobs.gather(1, c_ids[trained].unsqueeze(-1))
         logprobs = torch.zeros(mask.shape, dtype=picked.dtype, device=device).masked_scatter(
             trained, picked
         )
         old_logprobs = torch.stack([_right(r.sampler_logprobs, width) for r in rows]).to(device)
         advantages = torch.tensor([r.advantage for r in rows], device=device)
-        if any(r.teacher_logprobs is not None for r in rows):
+        out = _Forward(logprobs, old_logprobs, mask, advantages)
+        # A row with a teacher's top k learns from it; one with only the sampled tokens'
+        # teacher logprobs, from the advantage term.
+        topped = [r.teacher_top_ids is not None for r in rows]
+        if any(r.teacher_logprobs is not None and not t for r, t in zip(rows, topped, strict=True)):
             teacher = torch.stack([_right(_teacher_or_zeros(r), width) for r in rows]).to(device)
-            coef = torch.tensor([r.teacher_coef for r in rows], device=device)
-            advantages = rl.distill_advantages(advantages, old_logprobs, teacher, mask, coef)
-        return logprobs, old_logprobs, mask, advantages
+            coef = torch.tensor(
+                [0.0 if t else r.teacher_coef for r, t in zip(rows, topped, strict=True)],
+                device=device,
+            )
+            out.advantages = rl.distill_advantages(advantages, old_logprobs, teacher, mask, coef)
+        if any(topped):
+            top_ids, top_logprobs = _tops(rows, width)
+            at_top = all_logprobs.gather(1, top_ids.to(device)[trained])
+            teacher_top = top_logprobs.to(device)[trained]
+            coef = torch.tensor(
+                [r.teacher_coef if t else 0.0 for r, t in zip(rows, topped, strict=True)]
+            )
+            per_position = coef.to(device)[:, None].expand(mask.shape)[trained]
+            out.topk_loss = rl.topk_distill_loss(at_top, teacher_top, per_position)
+            taught = per_position > 0
+            out.topk_kl = rl.topk_kl(at_top[taught].detach(), teacher_top[taught])
+        return out
 
 
 def _pad(
@@ -378,6 +436,25 @@ def _pad(
         ids[i, span] = torch.tensor(seq, dtype=torch.long)
         mask[i, span] = 1
     return ids.to(device), mask.to(device)
+
+
+def _tops(rows: list[_Row], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows' teacher top ids and logprobs, [B, width, k] for the largest k among them:
+    padded with token 0 at logprob NO_TOKEN (weight exp(NO_TOKEN) = 0), as a row without a
+    top k is whole."""
+    k = max(r.teacher_top_ids.shape[1] for r in rows if r.teacher_top_ids is not None)
+    ids = torch.zeros((len(rows), width, k), dtype=torch.long)
+    logprobs = torch.full((len(rows), width, k), NO_TOKEN)
+    for i, r in enumerate(rows):
+        if r.teacher_top_ids is not None and r.teacher_top_logprobs is not None:
+            n, kr = r.teacher_top_ids.shape
+            ids[i, :n, :kr] = r.teacher_top_ids
+            logprobs[i, :n, :kr] = r.teacher_top_logprobs
+    return ids, logprobs
+
+
+# The logprob of a padding entry of a top k: exp() is 0 in float32, and it stays finite.
+NO_TOKEN = -1e4
 
 
 def _teacher_or_zeros(row: _Row) -> torch.Tensor:

@@ -265,7 +265,12 @@ class Rollout:
         )
         self.hello = protocol.Hello(node_id=self.node_id, role="rollout")
         self.teachers = open_teachers(
-            cfg, self.engine.tokenizer, self.engine.device, self.hello, self.keys
+            cfg,
+            self.engine.tokenizer,
+            self.engine.device,
+            self.hello,
+            self.keys,
+            self.engine.vocab_size,
         )
         cleanup.callback(self._close_clients)
         self.directory: Directory | None = None

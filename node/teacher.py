@@ -4,10 +4,13 @@ has every sample scored by it before the group leaves the rollout node.
     engine plays a group ──▶ teachers.score(group): per sample, one prefill of prompt +
                              completion through the teacher (no generation) ──▶ the
                              teacher's logprob of each sampled token (Sample.teacher_logprobs)
+                             and, with envs[].teacher_top_k = k, its k likeliest tokens and
+                             their logprobs at each (Sample.teacher_top_ids / _logprobs)
                              ──▶ spooled and sent with the group, as the sampler's are
 
 The trainer turns them into a per-token advantage term (agentjet/rl.py,
-`distill_advantages`). Where teachers run (`rollout.teachers`):
+`distill_advantages`), or with a top k into a cross-entropy to the teacher's top k at each
+trained position (`topk_distill_loss`). Where teachers run (`rollout.teachers`):
 
 - "local" (`LocalTeachers`): in the rollout node, loaded once however many environments
   name them, in the engine's dtype on its device (memory: one more model each; prefill
@@ -29,11 +32,13 @@ What the trainer trusts: the teacher logprobs a rollout node sends are checked f
 and range (agentjet/protocol.py `check_group`); with `trainer.teacher_check_fraction` > 0
 the trainer also recomputes them for that share of groups with its own copy of the teacher
 (`TeacherCheck`, in the learner's thread before the step) and rejects a group whose
-reported logprobs are off by more than `trainer.max_logprob_gap`, held against its node as
-any failed check (node/verify.py). Unchecked groups' teacher signal is trusted, as a
-node's reward for a task it made up would be. A rollout node trusts the teacher nodes of
-its swarm (members, by certificate) as far as the shape and range of their scores, which
-it checks.
+reported logprobs (of the sampled tokens, and of the top-k tokens it names) are off by more
+than `trainer.max_logprob_gap`, held against its node as any failed check
+(node/verify.py). That checks the top k's values, not that its tokens are the teacher's
+likeliest: a node naming other tokens, with their true logprobs, teaches less, not wrong.
+Unchecked groups' teacher signal is trusted, as a node's reward for a task it made up would
+be. A rollout node trusts the teacher nodes of its swarm (members, by certificate) as far as
+the shape and range of their scores, which it checks.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +75,17 @@ SCORE_BATCH = 8
 Scores = list[np.ndarray[Any, np.dtype[np.float32]]]
 
 
+@dataclass(frozen=True)
+class Score:
+    """A teacher's scores of one sample of n completion tokens: its logprob of each
+    ([n]), and with a top k its k likeliest tokens and their logprobs at each ([n, k]; None
+    without). 0 where the loss mask is 0."""
+
+    logprobs: np.ndarray[Any, np.dtype[np.float32]]
+    top_ids: np.ndarray[Any, np.dtype[np.int32]] | None = None
+    top_logprobs: np.ndarray[Any, np.dtype[np.float32]] | None = None
+
+
 def teacher_path(name: str, model: ModelConfig) -> Path:
     """A teacher's folder: a folder with config.json as it is (a model or a checkpoint of
     this project), else the name resolved as the model's is (embedded, HF cache)."""
@@ -89,20 +106,38 @@ class Teacher:
         self.device = device
         self._pad_id = int(self.tokenizer.pad_token_id or 0)
 
-    @torch.no_grad()
     def logprobs(
         self, samples: Sequence[protocol.Sample | protocol.TeacherInput], temperature: float
     ) -> Scores:
         """Per sample, log softmax(teacher logits / temperature) of each completion token
         where its loss mask is 1, 0 elsewhere (float32, one per completion token)."""
-        out: Scores = []
+        return [score.logprobs for score in self.scores(samples, temperature)]
+
+    @torch.no_grad()
+    def scores(
+        self,
+        samples: Sequence[protocol.Sample | protocol.TeacherInput],
+        temperature: float,
+        top_k: int = 0,
+        at: Sequence[np.ndarray] | None = None,
+    ) -> list[Score]:
+        """Per sample, `logprobs`, and with `top_k` > 0 the `top_k` likeliest tokens of
+        log softmax(teacher logits / temperature) at each completion token where its loss
+        mask is 1, with their logprobs (0 elsewhere). `at`, per sample, [n, k] tokens
+        instead of the top k: the logprobs of those (the trainer's check of a top k)."""
+        out: list[Score] = []
         for i in range(0, len(samples), SCORE_BATCH):
-            out += self._batch(samples[i : i + SCORE_BATCH], temperature)
+            some = at[i : i + SCORE_BATCH] if at is not None else None
+            out += self._batch(samples[i : i + SCORE_BATCH], temperature, top_k, some)
         return out
 
     def _batch(
-        self, samples: Sequence[protocol.Sample | protocol.TeacherInput], temperature: float
-    ) -> Scores:
+        self,
+        samples: Sequence[protocol.Sample | protocol.TeacherInput],
+        temperature: float,
+        top_k: int,
+        at: Sequence[np.ndarray] | None,
+    ) -> list[Score]:
         seqs = [
             (protocol.unpack_ids(s.prompt_ids), protocol.unpack_ids(s.completion_ids))
             for s in samples
@@ -122,14 +157,31 @@ class Teacher:
         for row, ((prompt, completion), sample) in enumerate(zip(seqs, samples, strict=True)):
             mask = protocol.unpack_mask(sample.loss_mask).astype(bool)
             scores = np.zeros(len(completion), dtype=np.float32)
+            top_ids: np.ndarray | None = None
+            top_logprobs: np.ndarray | None = None
+            if at is not None:
+                top_ids = at[row].astype(np.int32)
+                top_logprobs = np.zeros(top_ids.shape, dtype=np.float32)
+            elif top_k:
+                top_ids = np.zeros((len(completion), top_k), dtype=np.int32)
+                top_logprobs = np.zeros((len(completion), top_k), dtype=np.float32)
             if mask.any():
                 # Completion token t is predicted by the hidden state before it.
-                at = torch.from_numpy(np.flatnonzero(mask) + len(prompt) - 1).to(self.device)
-                logits = head(hidden[row, at]).float() / temperature
+                where = torch.from_numpy(np.flatnonzero(mask) + len(prompt) - 1)
+                logits = head(hidden[row, where.to(self.device)]).float() / temperature
                 tokens = torch.from_numpy(completion[mask].astype(np.int64)).to(self.device)
-                picked = torch.log_softmax(logits, dim=-1).gather(1, tokens.unsqueeze(-1))
+                all_logprobs = torch.log_softmax(logits, dim=-1)
+                picked = all_logprobs.gather(1, tokens.unsqueeze(-1))
                 scores[mask] = picked.squeeze(-1).cpu().numpy()
-            result.append(scores)
+                if top_ids is not None and top_logprobs is not None:
+                    if at is not None:
+                        ids = torch.from_numpy(top_ids[mask].astype(np.int64)).to(self.device)
+                        values = all_logprobs.gather(1, ids)
+                    else:
+                        values, ids = all_logprobs.topk(top_k, dim=-1)
+                        top_ids[mask] = ids.cpu().numpy()
+                    top_logprobs[mask] = values.cpu().numpy()
+            result.append(Score(scores, top_ids, top_logprobs))
         return result
 
 
@@ -165,19 +217,25 @@ def load_teachers(
 
 
 def with_scores(
-    group: protocol.TrajectoryGroup, scores: Scores
+    group: protocol.TrajectoryGroup, scores: list[Score]
 ) -> tuple[protocol.TrajectoryGroup, float]:
-    """`group` with its samples' teacher logprobs, and the mean per-token reverse KL to the
+    """`group` with its samples' teacher scores, and the mean per-token reverse KL to the
     teacher, log mu - log pi_teacher over the model's tokens."""
     samples, kl_sum, tokens = [], 0.0, 0
-    for sample, teacher_lp in zip(group.samples, scores, strict=True):
+    for sample, score in zip(group.samples, scores, strict=True):
         mask = protocol.unpack_mask(sample.loss_mask).astype(bool)
         sampler_lp = protocol.unpack_floats(sample.logprobs)
-        kl_sum += float((sampler_lp[mask] - teacher_lp[mask]).sum())
+        kl_sum += float((sampler_lp[mask] - score.logprobs[mask]).sum())
         tokens += int(mask.sum())
+        top = {}
+        if score.top_ids is not None and score.top_logprobs is not None:
+            top = {
+                "teacher_top_ids": protocol.pack_ids(score.top_ids),
+                "teacher_top_logprobs": protocol.pack_floats(score.top_logprobs),
+            }
         samples.append(
             protocol.msgspec.structs.replace(
-                sample, teacher_logprobs=protocol.pack_floats(teacher_lp.tolist())
+                sample, teacher_logprobs=protocol.pack_floats(score.logprobs), **top
             )
         )
     kl = kl_sum / max(tokens, 1)
@@ -200,6 +258,7 @@ class LocalTeachers:
         named = {env.name: env.teacher for env in envs if env.teacher}
         teachers = load_teachers(named.values(), model, tokenizer, device)
         self.by_env = {env: teachers[name] for env, name in named.items()}
+        self.top_k = {env.name: env.teacher_top_k for env in envs if env.teacher}
         self.envs = set(self.by_env)
         self.held = 0  # groups that waited for a teacher: never, here
 
@@ -227,7 +286,8 @@ class LocalTeachers:
         teacher = self.by_env.get(group.env)
         if teacher is None:
             return group, 0.0
-        return with_scores(group, teacher.logprobs(group.samples, self.temperature))
+        top_k = self.top_k[group.env]
+        return with_scores(group, teacher.scores(group.samples, self.temperature, top_k))
 
 
 class TeacherNodes:
@@ -242,8 +302,12 @@ class TeacherNodes:
         keys: NodeKeys | None,
         temperature: float,
         timeout_s: float,
+        vocab_size: int,
     ) -> None:
+        """`vocab_size`: the model's, which a teacher's top-k tokens must be within."""
         self.by_env = {env.name: env.teacher for env in envs if env.teacher}
+        self.top_k = {env.name: env.teacher_top_k for env in envs if env.teacher}
+        self.vocab_size = vocab_size
         self.envs = set(self.by_env)
         self.hello, self.net, self.keys = hello, net, keys
         self.temperature, self.timeout_s = temperature, timeout_s
@@ -293,6 +357,7 @@ class TeacherNodes:
                 )
                 for s in group.samples
             ],
+            top_k=self.top_k[group.env],
         )
         waiting_since: float | None = None
         while True:
@@ -333,9 +398,10 @@ class TeacherNodes:
 
     async def _ask(
         self, node: protocol.NodeRecord, request: protocol.TeacherScoreRequest
-    ) -> Scores | None:
+    ) -> list[Score] | None:
         """The node's scores for `request`, or None (it did not answer, refused, or sent
-        scores that are not one logprob per completion token, finite and <= 0)."""
+        scores that are not one logprob per completion token, finite and <= 0, with the top
+        k asked for)."""
         client = self.clients.get(node.endpoint)
         if client is None:
             client = self.clients[node.endpoint] = Client(
@@ -359,22 +425,51 @@ class TeacherNodes:
         if isinstance(reply, protocol.Error):
             log.warning("teacher node %s refused to score: %s", node.node_id, reply.message)
             return None
-        wrong = scores_problem(reply, request)
+        wrong = scores_problem(reply, request, self.vocab_size)
         if wrong is not None:
             log.warning("teacher node %s sent malformed scores: %s", node.node_id, wrong)
             return None
         assert isinstance(reply, protocol.TeacherScores)
-        return [protocol.unpack_floats(lp).copy() for lp in reply.logprobs]
+        return received_scores(reply, request)
 
 
-def scores_problem(reply: object, request: protocol.TeacherScoreRequest) -> str | None:
-    """Why `reply` is not the scores of `request`'s samples, or None."""
+def received_scores(
+    reply: protocol.TeacherScores, request: protocol.TeacherScoreRequest
+) -> list[Score]:
+    """A well-formed reply (`scores_problem`) as each sample's `Score`."""
+    scores = []
+    for i, (data, sample) in enumerate(zip(reply.logprobs, request.samples, strict=True)):
+        logprobs = protocol.unpack_floats(data).copy()
+        if not request.top_k:
+            scores.append(Score(logprobs))
+            continue
+        shape = (len(sample.completion_ids) // 4, request.top_k)
+        ids = protocol.unpack_ids(reply.top_ids[i]).reshape(shape).copy()
+        values = protocol.unpack_floats(reply.top_logprobs[i]).reshape(shape).copy()
+        scores.append(Score(logprobs, ids, values))
+    return scores
+
+
+def scores_problem(
+    reply: object, request: protocol.TeacherScoreRequest, vocab_size: int
+) -> str | None:
+    """Why `reply` is not the scores of `request`'s samples (with the top k it asked for,
+    within a vocabulary of `vocab_size`), or None."""
     if not isinstance(reply, protocol.TeacherScores):
         return f"a {type(reply).__name__} reply"
     if len(reply.logprobs) != len(request.samples):
         return f"{len(reply.logprobs)} samples scored of {len(request.samples)}"
+    tops = len(reply.top_ids), len(reply.top_logprobs)
+    if tops != ((len(request.samples),) * 2 if request.top_k else (0, 0)):
+        return f"top k of {tops[0]} and {tops[1]} samples for a top {request.top_k} request"
     for i, (data, sample) in enumerate(zip(reply.logprobs, request.samples, strict=True)):
-        wrong = protocol.check_logprobs(data, len(sample.completion_ids) // 4, "scores")
+        n = len(sample.completion_ids) // 4
+        wrong = protocol.check_logprobs(data, n, "scores")
+        if wrong is None and request.top_k:
+            ids, values = reply.top_ids[i], reply.top_logprobs[i]
+            wrong = protocol.check_top(ids, values, n, vocab_size)
+            if wrong is None and protocol.top_k_of(ids, n) != request.top_k:
+                wrong = f"a top {protocol.top_k_of(ids, n)} for a top {request.top_k} request"
         if wrong is not None:
             return f"sample {i}: {wrong}"
     return None
@@ -386,12 +481,16 @@ def open_teachers(
     device: torch.device,
     hello: protocol.Hello,
     keys: NodeKeys | None,
+    vocab_size: int,
 ) -> LocalTeachers | TeacherNodes:
-    """The teachers of a rollout node, where `rollout.teachers` says they run."""
+    """The teachers of a rollout node, where `rollout.teachers` says they run (`vocab_size`:
+    the model's)."""
     temperature = config.rollout.sampling.temperature
     if config.rollout.teachers == "nodes":
         timeout_s = config.rollout.teacher_timeout_s
-        return TeacherNodes(config.envs, hello, config.net, keys, temperature, timeout_s)
+        return TeacherNodes(
+            config.envs, hello, config.net, keys, temperature, timeout_s, vocab_size
+        )
     return LocalTeachers(config.envs, config.model, tokenizer, device, temperature)
 
 
@@ -422,15 +521,35 @@ class TeacherCheck:
             if not all(s.teacher_logprobs for s in group.samples):
                 gaps[group.group_id] = float("inf")
                 continue
-            recomputed = teacher.logprobs(group.samples, self.temperature)
-            gap = 0.0
-            for sample, mine in zip(group.samples, recomputed, strict=True):
-                mask = protocol.unpack_mask(sample.loss_mask).astype(bool)
-                if mask.any():
-                    theirs = protocol.unpack_floats(sample.teacher_logprobs)
-                    gap = max(gap, float(np.abs(theirs[mask] - mine[mask]).mean()))
-            gaps[group.group_id] = gap
+            gaps[group.group_id] = self._gap(teacher, group.samples)
         return gaps
+
+    def _gap(self, teacher: Teacher, samples: list[protocol.Sample]) -> float:
+        """The largest sample's mean |reported - recomputed| teacher logprob, of its
+        sampled tokens and of the top-k tokens it names (every sample names a top k or
+        none: otherwise the reported top k is malformed, and the gap infinite)."""
+        tops = [protocol.top_k_of(s.teacher_top_ids, len(s.loss_mask)) for s in samples]
+        if any(tops) and not all(tops):
+            return float("inf")
+        at = None
+        if all(tops):
+            at = [
+                protocol.unpack_ids(s.teacher_top_ids).reshape(len(s.loss_mask), k)
+                for s, k in zip(samples, tops, strict=True)
+            ]
+        gap = 0.0
+        recomputed = teacher.scores(samples, self.temperature, at=at)
+        for sample, mine in zip(samples, recomputed, strict=True):
+            mask = protocol.unpack_mask(sample.loss_mask).astype(bool)
+            if not mask.any():
+                continue
+            theirs = protocol.unpack_floats(sample.teacher_logprobs)
+            gap = max(gap, float(np.abs(theirs[mask] - mine.logprobs[mask]).mean()))
+            if mine.top_logprobs is not None:
+                k = mine.top_logprobs.shape[1]
+                top = protocol.unpack_floats(sample.teacher_top_logprobs).reshape(-1, k)
+                gap = max(gap, float(np.abs(top[mask] - mine.top_logprobs[mask]).mean()))
+        return gap
 
 
 def open_teacher_check(

@@ -151,6 +151,8 @@ class TeacherNode:
             )
         if not (math.isfinite(msg.temperature) and 0 < msg.temperature <= MAX_TEMPERATURE):
             return f"temperature {msg.temperature} is not in (0, {MAX_TEMPERATURE}]"
+        if not 0 <= msg.top_k <= protocol.MAX_TOP_K:
+            return f"top k {msg.top_k} is not in [0, {protocol.MAX_TOP_K}]"
         if not 0 < len(msg.samples) <= MAX_SAMPLES:
             return f"{len(msg.samples)} samples (1 to {MAX_SAMPLES})"
         for i, sample in enumerate(msg.samples):
@@ -165,7 +167,7 @@ class TeacherNode:
             start = time.monotonic()
             self.scoring = 1
             try:
-                scores = await blocking(teacher.logprobs, msg.samples, msg.temperature)
+                scores = await blocking(teacher.scores, msg.samples, msg.temperature, msg.top_k)
             except (RuntimeError, ValueError) as e:  # torch: out of memory, a shape it refused
                 self.counts["requests_failed"] += 1
                 log.error("scoring for %s failed: %s", msg.node_id, e)
@@ -174,7 +176,15 @@ class TeacherNode:
                 continue
             finally:
                 self.scoring = 0
-            reply = protocol.TeacherScores(logprobs=[protocol.pack_floats(s) for s in scores])
+            reply = protocol.TeacherScores(
+                logprobs=[protocol.pack_floats(s.logprobs) for s in scores],
+                top_ids=[protocol.pack_ids(s.top_ids) for s in scores if s.top_ids is not None],
+                top_logprobs=[
+                    protocol.pack_floats(s.top_logprobs)
+                    for s in scores
+                    if s.top_logprobs is not None
+                ],
+            )
             await self.server.reply(envelope, reply)
             end = time.monotonic()
             self.samples_per_s = self.sample_rate.add(start, end, len(msg.samples))

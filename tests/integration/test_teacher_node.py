@@ -69,22 +69,29 @@ def record(role: TeacherNode, queue: int = 0) -> protocol.NodeRecord:
     )
 
 
-def rollout_side(teacher: Path, keys_file: Path, timeout_s: float = 30.0) -> TeacherNodes:
+def rollout_side(
+    teacher: Path, keys_file: Path, timeout_s: float = 30.0, top_k: int = 0
+) -> TeacherNodes:
     keys = read_node_keys(keys_file, "rollout-a")
-    envs = [EnvConfig(name="arithmetic", teacher=str(teacher)), EnvConfig(name="python_code")]
+    envs = [
+        EnvConfig(name="arithmetic", teacher=str(teacher), teacher_top_k=top_k),
+        EnvConfig(name="python_code"),
+    ]
     hello = protocol.Hello(node_id=keys.name, role="rollout")
     net = NetConfig(keys=str(keys_file))
-    return TeacherNodes(envs, hello, net, keys, TEMPERATURE, timeout_s)
+    vocab = json.loads((teacher / "config.json").read_text())["vocab_size"]
+    return TeacherNodes(envs, hello, net, keys, TEMPERATURE, timeout_s, vocab)
 
 
 def test_teacher_nodes_score_a_batch_side_by_side_as_the_rollout_nodes_own_teacher_would(
     teacher_node: TeacherNode, tiny_model_dir: Path, keys_file: Path, tmp_path: Path
 ):
+    """With a top k (envs[].teacher_top_k): the nodes send it too, as the local one makes it."""
     engine = TorchEngine(tiny_model_dir, seed=1)
     groups = played_groups(engine, (1.0, 0.0, 0.0))
-    envs = [EnvConfig(name="arithmetic", teacher=str(tiny_model_dir))]
+    envs = [EnvConfig(name="arithmetic", teacher=str(tiny_model_dir), teacher_top_k=4)]
     local = LocalTeachers(envs, ModelConfig(), engine.tokenizer, engine.device, TEMPERATURE)
-    nodes = rollout_side(tiny_model_dir, keys_file)
+    nodes = rollout_side(tiny_model_dir, keys_file, top_k=4)
 
     async def main(other: TeacherNode) -> list[tuple[protocol.TrajectoryGroup, float]]:
         async with serving(teacher_node), serving(other):
@@ -105,12 +112,16 @@ def test_teacher_nodes_score_a_batch_side_by_side_as_the_rollout_nodes_own_teach
     for group, (scored, kl) in zip(groups, results, strict=True):
         here, here_kl = local.score_now(group)
         assert kl == pytest.approx(here_kl, abs=1e-5)
+        assert protocol.check_group(scored, engine.vocab_size, 4096) is None
         for a, b in zip(scored.samples, here.samples, strict=True):
-            np.testing.assert_allclose(
-                protocol.unpack_floats(a.teacher_logprobs),
-                protocol.unpack_floats(b.teacher_logprobs),
-                atol=1e-5,
-            )
+            for key in ("teacher_logprobs", "teacher_top_logprobs"):
+                np.testing.assert_allclose(
+                    protocol.unpack_floats(getattr(a, key)),
+                    protocol.unpack_floats(getattr(b, key)),
+                    atol=1e-5,
+                )
+            assert protocol.top_k_of(a.teacher_top_ids, len(a.loss_mask)) == 4
+            assert a.teacher_top_ids == b.teacher_top_ids
     assert nodes.held == 0
     rows = [
         (Path(role.config.run.dir) / "metrics" / "teacher.jsonl").read_text()
@@ -165,9 +176,15 @@ def test_hostile_requests_get_one_error_each_and_the_node_serves_on(
     name = str(tiny_model_dir)
     vocab = teacher_node.vocab_size
 
-    def ask(teacher: str = name, temperature: float = 0.7, samples=(good,)) -> object:
+    def ask(
+        teacher: str = name, temperature: float = 0.7, samples=(good,), top_k: int = 0
+    ) -> object:
         return protocol.TeacherScoreRequest(
-            node_id=keys.name, teacher=teacher, temperature=temperature, samples=list(samples)
+            node_id=keys.name,
+            teacher=teacher,
+            temperature=temperature,
+            samples=list(samples),
+            top_k=top_k,
         )
 
     hostile = [
@@ -175,6 +192,8 @@ def test_hostile_requests_get_one_error_each_and_the_node_serves_on(
         (ask(temperature=float("nan")), "temperature nan"),
         (ask(temperature=0.0), "temperature 0.0"),
         (ask(samples=()), "0 samples"),
+        (ask(top_k=-1), "top k -1"),
+        (ask(top_k=protocol.MAX_TOP_K + 1), f"top k {protocol.MAX_TOP_K + 1}"),
         (ask(samples=[good] * 1025), "1025 samples"),
         (
             ask(samples=[protocol.msgspec.structs.replace(good, completion_ids=b"\x01\x02")]),

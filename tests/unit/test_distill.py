@@ -212,9 +212,9 @@ def test_distillation_moves_the_student_toward_the_teacher_with_no_reward_signal
         for _ in range(4):
             rows = learner._rows(groups)
             with torch.no_grad():
-                student, _, mask, _ = learner._forward(rows)
-            trained = mask.bool()
-            gaps.append(float((student[trained] - teacher[_trained(groups)]).abs().mean()))
+                out = learner._forward(rows)
+            trained = out.mask.bool()
+            gaps.append(float((out.logprobs[trained] - teacher[_trained(groups)]).abs().mean()))
             row = learner.train_step(groups).row()
             assert row["charts/trained_samples"] == 6 and row["charts/teacher_samples"] == 6
     finally:
@@ -319,7 +319,7 @@ def test_scores_from_a_teacher_node_are_taken_only_when_well_formed():
     def reply(*rows: list[float]) -> protocol.TeacherScores:
         return protocol.TeacherScores(logprobs=[protocol.pack_floats(r) for r in rows])
 
-    assert scores_problem(reply([-1.0, -2.0, 0.0], [-0.5, -0.25]), request) is None
+    assert scores_problem(reply([-1.0, -2.0, 0.0], [-0.5, -0.25]), request, 1000) is None
     for bad, why in (
         (reply([-1.0, -2.0, 0.0]), "1 samples scored of 2"),
         (reply([-1.0, -2.0], [-0.5, -0.25]), "sample 0: scores length differs"),
@@ -327,7 +327,7 @@ def test_scores_from_a_teacher_node_are_taken_only_when_well_formed():
         (reply([-1.0, float("nan"), 0.0], [-0.5, -0.25]), "finite and <= 0"),
         (protocol.Welcome(), "a Welcome reply"),
     ):
-        problem = scores_problem(bad, request)
+        problem = scores_problem(bad, request, 1000)
         assert problem is not None and why in problem, (bad, problem)
 
 

@@ -12,6 +12,12 @@ Run: `just bench-distill` (or `.venv/bin/python bench/distill.py --teacher-minut
 --minutes 5`); `--teacher DIR` takes a teacher checkpoint instead of training one (then
 the RL curve is absent).
 
+`--arm-set KEY=VALUE` (repeatable) with `--seeds 0,1,2`: a paired comparison with the same
+teacher (one RL run, or `--teacher`): per seed, the student as `--student-set` says ("base")
+and again with the `--arm-set` settings too ("arm"), one after the other ──▶ per run its
+curve and minutes to the teacher less 1 point, and the paired difference in held-out at the
+end, mean and standard error ──▶ bench/results/distill_paired.json.
+
 `--two-teachers`: the multi-teacher case. Two teachers made by RL on this box, one on
 arithmetic and one on python_code (`--teacher-minutes` each), distilled into one student
 trained on both environments (arithmetic with the first as envs.0.teacher, python_code
@@ -44,6 +50,7 @@ from sched_train import (  # noqa: E402
     HELDOUT_SAMPLES,
     checkpoints,
     heldout_files,
+    mean_and_se,
     setup_config,
     time_to_reach,
 )
@@ -119,6 +126,10 @@ def main() -> int:
     parser.add_argument(
         "--student-set", action="append", default=[], help="for the student's run only"
     )
+    parser.add_argument(
+        "--arm-set", action="append", default=[], help="paired: the arm's settings (see above)"
+    )
+    parser.add_argument("--seeds", default="0", help="paired: run.seed of each pair")
     args = parser.parse_args()
     root = ROOT / "runs" / f"bench-distill-{time.strftime('%Y%m%d-%H%M%S')}"
     root.mkdir(parents=True)
@@ -154,34 +165,19 @@ def main() -> int:
     print(json.dumps(result), flush=True)
     write_result(args.out, result)
 
-    student_dir = root / "distill"
     overrides = [
         *settings,
         f"envs.0.teacher={json.dumps(str(teacher))}",
         f"envs.0.teacher_coef={args.coef}",
         *args.student_set,
     ]
-    started = time.time()
-    wall_s, peak = train(
-        args.minutes, args.config, student_dir, [a for s in overrides for a in ("--set", s)]
-    )
-    points = curve(student_dir, started, wall_s, files, args.config)
-    batches = [
-        r
-        for r in read_metrics(student_dir / "metrics" / "rollout.jsonl")
-        if r.get("event") == "batch"
-    ]
-    kls = [r["distill/kl_to_teacher"] for r in batches]
-    result["distill"] = {
-        "minutes": round(wall_s / 60, 2),
-        "heldout": points[-1][1],
-        "curve": points,
-        "kl_to_teacher_first_last": [round(kls[0], 4), round(kls[-1], 4)] if kls else None,
-        "peak_pss_mb": {k: round(v) for k, v in peak.items()},
-    }
     target = result["teacher_heldout"] - 0.01
-    reached = time_to_reach(points, target)
-    result["minutes_to_teacher_minus_1pt"] = None if reached is None else round(reached, 2)
+    if args.arm_set:
+        return paired(args, root, files, overrides, target, result)
+    student_dir = root / "distill"
+    result["distill"] = student(args, student_dir, files, overrides, target)
+    wall_s = result["distill"]["minutes"] * 60
+    result["minutes_to_teacher_minus_1pt"] = result["distill"].pop("minutes_to_target")
     if args.teacher is None:
         rl_minutes, rl_accuracy = at_minutes(rl_dir, rl_started, wall_s / 60, files, args.config)
         result["rl"] = {"minutes": rl_minutes, "heldout": rl_accuracy}
@@ -191,6 +187,74 @@ def main() -> int:
     print(json.dumps(result), flush=True)
     for run in (rl_dir, student_dir):  # ~0.5 GB a checkpoint; metrics and history stay
         shutil.rmtree(run / "checkpoints", ignore_errors=True)
+    return 0
+
+
+def student(
+    args: argparse.Namespace,
+    run_dir: Path,
+    files: dict[str, Path],
+    overrides: list[str],
+    target: float,
+) -> dict:
+    """One student run of `args.minutes` with `overrides`: its curve, KL to the teacher,
+    peak memory and minutes to `target` (None: not reached)."""
+    started = time.time()
+    wall_s, peak = train(
+        args.minutes, args.config, run_dir, [a for s in overrides for a in ("--set", s)]
+    )
+    points = curve(run_dir, started, wall_s, files, args.config)
+    batches = [
+        r for r in read_metrics(run_dir / "metrics" / "rollout.jsonl") if r.get("event") == "batch"
+    ]
+    kls = [r["distill/kl_to_teacher"] for r in batches]
+    reached = time_to_reach(points, target)
+    return {
+        "minutes": round(wall_s / 60, 2),
+        "heldout": points[-1][1],
+        "curve": points,
+        "kl_to_teacher_first_last": [round(kls[0], 4), round(kls[-1], 4)] if kls else None,
+        "peak_pss_mb": {k: round(v) for k, v in peak.items()},
+        "minutes_to_target": None if reached is None else round(reached, 2),
+    }
+
+
+def paired(
+    args: argparse.Namespace,
+    root: Path,
+    files: dict[str, Path],
+    overrides: list[str],
+    target: float,
+    result: dict,
+) -> int:
+    """The paired comparison (module docstring, `--arm-set`)."""
+    out = args.out if args.out.name != "distill.json" else args.out.with_name("distill_paired.json")
+    result["student_settings"] = args.student_set
+    result["arm_settings"] = args.arm_set
+    result["runs"] = []
+    for seed in [int(s) for s in args.seeds.split(",")]:
+        for arm, extra in (("base", []), ("arm", args.arm_set)):
+            run_dir = root / f"student-{arm}-{seed}"
+            run = student(args, run_dir, files, [*overrides, f"run.seed={seed}", *extra], target)
+            result["runs"].append({"seed": seed, "arm": arm, **run})
+            shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+            print(json.dumps(result["runs"][-1]), flush=True)
+            write_result(out, result)
+    by = {(r["seed"], r["arm"]): r for r in result["runs"]}
+    seeds = sorted({r["seed"] for r in result["runs"]})
+    diffs = [by[(s, "arm")]["heldout"] - by[(s, "base")]["heldout"] for s in seeds]
+    mean, se = mean_and_se(diffs)
+    result["summary"] = {
+        "heldout_diff_mean": round(mean, 4),
+        "heldout_diff_se": round(se, 4),
+        "reached_teacher_minus_1pt": {
+            arm: sum(by[(s, arm)]["minutes_to_target"] is not None for s in seeds)
+            for arm in ("base", "arm")
+        },
+        "target_minutes": result.get("target_minutes"),
+    }
+    write_result(out, result)
+    print(json.dumps(result["summary"]), flush=True)
     return 0
 
 

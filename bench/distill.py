@@ -60,6 +60,11 @@ from agentjet.metrics import read_metrics  # noqa: E402
 
 # Every checkpoint kept (the curves are read off them), one every 5 versions.
 SETTINGS = ("trainer.checkpoint_every=5", "trainer.keep_checkpoints=0")
+# The student's, before --student-set (which may override them): two samples a task (the
+# teacher term needs no group to compare against, so more tasks a step) and the teacher's
+# top 16 at each token (bench/LOG.md 2026-12-05). `--student-set envs.0.teacher_top_k=0`:
+# the sampled-token term alone. (--two-teachers takes --student-set only.)
+STUDENT = ("rollout.group_size=2", "envs.0.teacher_top_k=16")
 # Shares of the student's run at which its checkpoints are evaluated, besides the last.
 EARLIER_AT = (0.2, 0.4, 0.6, 0.8)
 
@@ -169,9 +174,11 @@ def main() -> int:
         *settings,
         f"envs.0.teacher={json.dumps(str(teacher))}",
         f"envs.0.teacher_coef={args.coef}",
+        *STUDENT,
         *args.student_set,
     ]
     target = result["teacher_heldout"] - 0.01
+    result["student_settings"] = [*STUDENT, *args.student_set]
     if args.arm_set:
         return paired(args, root, files, overrides, target, result)
     student_dir = root / "distill"
@@ -229,7 +236,6 @@ def paired(
 ) -> int:
     """The paired comparison (module docstring, `--arm-set`)."""
     out = args.out if args.out.name != "distill.json" else args.out.with_name("distill_paired.json")
-    result["student_settings"] = args.student_set
     result["arm_settings"] = args.arm_set
     result["runs"] = []
     for seed in [int(s) for s in args.seeds.split(",")]:

@@ -45,9 +45,16 @@ class _Entry:
 
 
 def group_bytes(group: protocol.TrajectoryGroup) -> int:
-    """The token, logprob and mask bytes a group holds (what the buffer's bound counts)."""
+    """The token, logprob, mask and teacher score bytes a group holds (what the buffer's
+    bound counts)."""
     return sum(
-        len(s.prompt_ids) + len(s.completion_ids) + len(s.logprobs) + len(s.loss_mask)
+        len(s.prompt_ids)
+        + len(s.completion_ids)
+        + len(s.logprobs)
+        + len(s.loss_mask)
+        + len(s.teacher_logprobs)
+        + len(s.teacher_top_ids)
+        + len(s.teacher_top_logprobs)
         for s in group.samples
     )
 

@@ -103,6 +103,19 @@ def test_the_buffer_is_bounded_in_groups_and_bytes_oldest_sampled_first():
     buffer.add([make_group("v2", version=2)])
     assert len(buffer) == 2 and buffer.nbytes == 2 * one
     assert sorted(ids(buffer.take(2, 2, ROOT))) == ["v1", "v2"]
+    # a teacher's scores count too (a top 16 is 128 bytes a token: more than the rest)
+    taught = make_group("t")
+    taught.samples = [
+        protocol.msgspec.structs.replace(
+            s,
+            teacher_logprobs=s.logprobs,
+            teacher_top_ids=s.completion_ids * 16,
+            teacher_top_logprobs=s.logprobs * 16,
+        )
+        for s in taught.samples
+    ]
+    extra = sum(len(s.logprobs) + 32 * len(s.completion_ids) for s in taught.samples)
+    assert group_bytes(taught) == one + extra
 
 
 def test_nothing_untrainable_is_replayed():

@@ -165,6 +165,8 @@ def main() -> int:
     else:
         teacher = args.teacher
         result["teacher_minutes"] = args.teacher_rl_minutes  # what its RL run took, if known
+    if result["teacher_minutes"] is not None:
+        result["target_minutes"] = round(result["teacher_minutes"] / 3, 2)
     result["teacher"] = str(teacher)
     result["teacher_heldout"] = heldout(teacher, files, args.config)
     print(json.dumps(result), flush=True)
@@ -188,8 +190,6 @@ def main() -> int:
     if args.teacher is None:
         rl_minutes, rl_accuracy = at_minutes(rl_dir, rl_started, wall_s / 60, files, args.config)
         result["rl"] = {"minutes": rl_minutes, "heldout": rl_accuracy}
-    if result["teacher_minutes"] is not None:
-        result["target_minutes"] = round(result["teacher_minutes"] / 3, 2)
     write_result(args.out, result)
     print(json.dumps(result), flush=True)
     for run in (rl_dir, student_dir):  # ~0.5 GB a checkpoint; metrics and history stay
@@ -257,7 +257,7 @@ def paired(
             arm: sum(by[(s, arm)]["minutes_to_target"] is not None for s in seeds)
             for arm in ("base", "arm")
         },
-        "target_minutes": result.get("target_minutes"),
+        "target_minutes": result.get("target_minutes"),  # None: teacher's RL time unknown
     }
     write_result(out, result)
     print(json.dumps(result["summary"]), flush=True)

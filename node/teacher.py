@@ -537,6 +537,8 @@ class TeacherCheck:
                 protocol.unpack_ids(s.teacher_top_ids).reshape(len(s.loss_mask), k)
                 for s, k in zip(samples, tops, strict=True)
             ]
+            if max(int(ids.max()) for ids in at) >= teacher.model.config.vocab_size:
+                return float("inf")  # within the student's vocabulary, not this teacher's
         gap = 0.0
         recomputed = teacher.scores(samples, self.temperature, at=at)
         for sample, mine in zip(samples, recomputed, strict=True):

@@ -285,8 +285,25 @@ def test_the_trainers_check_rejects_a_forged_top_k(
         EnvConfig(name="arithmetic", teacher=str(teacher_dir)),
         EnvConfig(name="python_code", teacher=str(teacher_dir)),
     ]
-    check = TeacherCheck(_local(engine, envs).by_env, 1.0, b"secret", TEMPERATURE)
-    gaps = check.gaps([honest, other, forged, partial])
+    teachers = _local(engine, envs).by_env
+    # a token past this teacher's vocabulary (the student's may be larger): not scorable
+    beyond = protocol.msgspec.structs.replace(
+        honest,
+        group_id="beyond-vocab",
+        samples=[
+            protocol.msgspec.structs.replace(
+                s,
+                teacher_top_ids=protocol.pack_ids(
+                    np.full(
+                        len(s.teacher_top_ids) // 4, teachers["arithmetic"].model.config.vocab_size
+                    )
+                ),
+            )
+            for s in honest.samples
+        ],
+    )
+    check = TeacherCheck(teachers, 1.0, b"secret", TEMPERATURE)
+    gaps = check.gaps([honest, other, forged, partial, beyond])
     assert gaps["g0"] < 1e-4 and gaps["g1"] < 1e-4
     assert gaps["forged-top"] > 1.0
-    assert gaps["partial-top"] == float("inf")
+    assert gaps["partial-top"] == gaps["beyond-vocab"] == float("inf")

@@ -212,7 +212,8 @@ class EnvConfig(_Section):
     # next tokens, and the trainer trains the model's distribution there toward them (a
     # cross-entropy to the teacher's top k, weighted by teacher_coef: agentjet/rl.py
     # `topk_distill_loss`) in place of the sampled-token advantage term. Denser: every
-    # position teaches k tokens, not one, for 8 bytes a token a k on the wire.
+    # position teaches k tokens, not one, for 8 bytes a token a k on the wire. At most 64
+    # (agentjet/protocol.py MAX_TOP_K).
     teacher_top_k: Annotated[int, Meta(ge=0, le=64)] = 0
 
     def sandboxed(self) -> bool:

@@ -16,8 +16,9 @@ the environments' config does. The node keeps no state of its own: killed and st
 again, it serves again, and rollout nodes hold their groups meanwhile (node/teacher.py).
 
 Every request is checked before it reaches a model (a teacher served here, a temperature
-> 0, tokens within the vocabulary, at most MAX_SAMPLES samples of at most
-MAX_SEQUENCE_TOKENS tokens): a bad one gets one Error and is counted, and the node serves on.
+> 0, a top k of 0 to protocol.MAX_TOP_K, tokens within the vocabulary, at most MAX_SAMPLES
+samples of at most MAX_SEQUENCE_TOKENS tokens): a bad one gets one Error and is counted,
+and the node serves on.
 """
 
 from __future__ import annotations

@@ -305,6 +305,13 @@ class Trainer:
                 ),
             },
         )
+        # A stop never cuts a step in two: the step in flight, shielded from the learn
+        # loop's cancellation, ends (its row, its groups trained, its version published)
+        # before cleanup, which would otherwise cancel it after its weights had stepped.
+        if self.step_task is not None and not self.step_task.done():
+            log.info("stopping: the step in flight ends first")
+            await asyncio.wait([self.step_task])
+            self.step_task.result()  # its error, as the learn loop would have raised it
 
     async def _heartbeat(self) -> None:
         cfg = self.config

@@ -264,10 +264,10 @@ def test_the_dashboard_follows_a_local_run_live_and_shows_it_down_to_the_token(
         page.tab("nodes")
         page.wait_for("document.querySelectorAll('#nodes tbody tr').length === 3")
         trainer_row = page.page.inner_text("#nodes tbody tr[data-role=trainer]")
-        # the trainer's last version: its "stopped" row's (a step the stop cut short after
-        # the optimizer stepped, whose row was never written, is in it: checkpointed)
+        # the trainer's last version: its "stopped" row's, which is its last step's (a step
+        # the stop lands in ends first and has its row: test_trainer_stop.py)
         [stopped] = [r for r in metrics["trainer"] if r.get("event") == "stopped"]
-        assert stopped["policy_version"] >= max(r["policy_version"] for r in steps)
+        assert stopped["policy_version"] == max(r["policy_version"] for r in steps)
         assert f"\ttrainer\t{stopped['policy_version']}\t" in trainer_row, trainer_row
         page.screenshot("nodes", tmp_path)
 

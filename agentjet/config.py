@@ -200,7 +200,7 @@ class EnvConfig(_Section):
     idle_timeout_s: PositiveFloat = 60.0
     episode_timeout_s: PositiveFloat = 300.0
     # On-policy distillation: a teacher model (a model folder, a checkpoint folder of this
-    # project, an HF id or "embedded:smollm2-135m-instruct"; "" = none) scores every sample
+    # project, an HF id or "embedded:smollm2-135m"; "" = none) scores every sample
     # of this environment (prefill only: node/teacher.py), and each trained token's
     # advantage gains teacher_coef x (teacher logprob - sampler logprob): the reverse KL
     # to the teacher, pushed down (agentjet/rl.py). The teacher must share the model's

@@ -109,7 +109,9 @@ def topk_distill_loss(
 
 def topk_kl(logprobs_at_top: torch.Tensor, teacher_top_logprobs: torch.Tensor) -> float:
     """Mean per position of the KL from the teacher's top k to the learner over those k
-    tokens, sum_v pi_teacher(v) (log pi_teacher(v) - log pi_theta(v)) (a metric)."""
+    tokens, sum_v pi_teacher(v) (log pi_teacher(v) - log pi_theta(v)) (a metric). Summed
+    over k tokens, not the vocabulary: below 0 where the learner puts more mass on them than
+    the teacher does (a student sharpened by its reward)."""
     p = teacher_top_logprobs.exp()
     per = (p * (teacher_top_logprobs - logprobs_at_top)).sum(-1)
     return float(per.mean()) if per.numel() else 0.0

@@ -4,6 +4,7 @@ it is about."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -34,6 +35,20 @@ def make_sample(**changes: Any) -> Sample:
         policy_version=0,
     )
     return Sample(**(fields | changes))
+
+
+def tiny_trainer_settings(
+    model_dir: Path, endpoint: str, keys_file: Path, run_dir: Path
+) -> list[str]:
+    """`load_config` settings of a trainer of the tiny model at `endpoint` (an ipc path
+    under a short temporary folder), with the swarm keys in `keys_file`, writing to
+    `run_dir`."""
+    return [
+        f'model.name="{model_dir}"',
+        f'net.trainer_endpoint="{endpoint}"',
+        f'net.keys="{keys_file}"',
+        f'run.dir="{run_dir}"',
+    ]
 
 
 def member_hello(keys: NodeKeys, role: str = "rollout") -> Hello:

@@ -25,6 +25,7 @@ import pytest
 
 from agentjet.config import load_config, to_toml
 from agentjet.lifeline import descendants, marked_processes, running
+from tests.factories import tiny_trainer_settings
 from tests.procs import command_line
 
 pytestmark = pytest.mark.integration
@@ -133,13 +134,11 @@ def trainer(tiny_model_dir: Path, tmp_path: Path, keys_file: Path) -> Iterator[T
     with its averagers started at once, its log (stdout and stderr) in
     tmp_path/trainer.log; everything it started is reaped by PID at the end."""
     socket_dir = Path(tempfile.mkdtemp(prefix="aj-", dir="/tmp"))  # ipc paths must be short
+    endpoint = f"ipc://{socket_dir}/trainer.ipc"
     config = load_config(
         None,
         [
-            f'model.name="{tiny_model_dir}"',
-            f'net.trainer_endpoint="ipc://{socket_dir}/trainer.ipc"',
-            f'net.keys="{keys_file}"',
-            f'run.dir="{tmp_path / "run"}"',
+            *tiny_trainer_settings(tiny_model_dir, endpoint, keys_file, tmp_path / "run"),
             'swarm.averagers="at_start"',  # alone, it would start them only with a peer
         ],
     )

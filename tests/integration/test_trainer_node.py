@@ -36,7 +36,7 @@ from agentjet.protocol import pack_ids
 from agentjet.transport import Client, PeerUnavailable
 from node.trainer_link import fetch_chunks
 from node.weights import WeightAssembly
-from tests.factories import make_group
+from tests.factories import make_group, tiny_trainer_settings
 
 pytestmark = pytest.mark.integration
 
@@ -101,10 +101,7 @@ def launched_trainer(
     config = load_config(
         None,
         [
-            f'model.name="{tiny_model_dir}"',
-            f'net.trainer_endpoint="{endpoint}"',
-            f'net.keys="{keys_file}"',
-            f'run.dir="{tmp_path / "run"}"',
+            *tiny_trainer_settings(tiny_model_dir, endpoint, keys_file, tmp_path / "run"),
             *overrides,
         ],
     )

@@ -19,7 +19,7 @@ import pytest
 from agentjet.config import load_config
 from agentjet.metrics import read_metrics
 from node.trainer_host import TrainerHost
-from tests.factories import make_group
+from tests.factories import make_group, tiny_trainer_settings
 
 pytestmark = pytest.mark.integration
 
@@ -31,13 +31,11 @@ def test_a_stop_during_a_step_lets_the_step_end_and_be_recorded(
     tiny_model_dir: Path, tmp_path: Path, keys_file: Path
 ) -> None:
     socket_dir = Path(tempfile.mkdtemp(prefix="aj-", dir="/tmp"))
+    endpoint = f"ipc://{socket_dir}/trainer.ipc"
     config = load_config(
         None,
         [
-            f'model.name="{tiny_model_dir}"',
-            f'net.trainer_endpoint="ipc://{socket_dir}/trainer.ipc"',
-            f'net.keys="{keys_file}"',
-            f'run.dir="{tmp_path / "run"}"',
+            *tiny_trainer_settings(tiny_model_dir, endpoint, keys_file, tmp_path / "run"),
             "trainer.groups_per_step=2",
             "rollout.group_size=2",  # the swarm batch: the two factory groups (2 samples each)
             "trainer.max_logprob_gap=0",  # the factory's logprobs are not the tiny model's

@@ -7,6 +7,7 @@ its teacher with no reward signal, and the trainer's check of a forged top k
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +21,7 @@ from node.learner import Learner
 from node.model import build_tiny_model, load_causal_lm
 from node.teacher import LocalTeachers, TeacherCheck, scores_problem
 from node.torch_engine import TorchEngine
+from tests.factories import make_group, make_sample
 from tests.unit.test_distill import TEMPERATURE, played_groups
 from tests.unit.test_trainer_logic import lone_swarm
 
@@ -102,22 +104,17 @@ def test_the_teachers_top_k_is_its_likeliest_tokens_with_their_logprobs(
 
 
 def _sample(ids: bytes, logprobs: bytes) -> protocol.TrajectoryGroup:
-    sample = protocol.Sample(
-        prompt_ids=protocol.pack_ids([1, 2]),
+    """A group of one sample of 3 completion tokens (the last not the model's), with the
+    teacher's top k `ids` and `logprobs`."""
+    sample = make_sample(
         completion_ids=protocol.pack_ids([3, 4, 5]),
         logprobs=protocol.pack_floats([-0.1, -0.2, -0.3]),
         loss_mask=protocol.pack_mask([1, 1, 0]),
-        reward=0.0,
-        advantage=0.0,
-        policy_version=0,
         teacher_logprobs=protocol.pack_floats([-1.0, -2.0, 0.0]),
         teacher_top_ids=ids,
         teacher_top_logprobs=logprobs,
     )
-    return protocol.TrajectoryGroup(
-        group_id="g", grant_id="g", node_id="n", task_id="t", env="arithmetic",
-        samples=[sample], created_at=0.0,
-    )  # fmt: skip
+    return protocol.msgspec.structs.replace(make_group("g"), samples=[sample])
 
 
 def test_a_malformed_top_k_is_refused_with_its_reason():
@@ -250,6 +247,14 @@ def test_a_student_moves_toward_its_teachers_top_k_with_no_reward_signal(
     assert all(b < a for a, b in zip(kls, kls[1:], strict=False)), kls
 
 
+def _each_sample(
+    group: protocol.TrajectoryGroup, group_id: str, change: Callable[[protocol.Sample], dict]
+) -> protocol.TrajectoryGroup:
+    """`group` renamed `group_id`, each sample with the fields `change` gives it."""
+    samples = [protocol.msgspec.structs.replace(s, **change(s)) for s in group.samples]
+    return protocol.msgspec.structs.replace(group, group_id=group_id, samples=samples)
+
+
 def test_the_trainers_check_rejects_a_forged_top_k(
     tiny_model_dir: Path, tmp_path: Path, one_torch_thread: None
 ):
@@ -257,18 +262,14 @@ def test_the_trainers_check_rejects_a_forged_top_k(
     engine = TorchEngine(tiny_model_dir, seed=1)
     honest, other = _scored(engine, teacher_dir, (1.0, 0.0, 0.0))
     # the teacher made sure of its top tokens: the sampled tokens' logprobs left honest
-    forged = protocol.msgspec.structs.replace(
+    forged = _each_sample(
         honest,
-        group_id="forged-top",
-        samples=[
-            protocol.msgspec.structs.replace(
-                s,
-                teacher_top_logprobs=protocol.pack_floats(
-                    np.minimum(0.0, protocol.unpack_floats(s.teacher_top_logprobs) + 3.0)
-                ),
+        "forged-top",
+        lambda s: {
+            "teacher_top_logprobs": protocol.pack_floats(
+                np.minimum(0.0, protocol.unpack_floats(s.teacher_top_logprobs) + 3.0)
             )
-            for s in honest.samples
-        ],
+        },
     )
     # some samples with a top k, one without: malformed
     partial = protocol.msgspec.structs.replace(
@@ -287,20 +288,13 @@ def test_the_trainers_check_rejects_a_forged_top_k(
     ]
     teachers = _local(engine, envs).by_env
     # a token past this teacher's vocabulary (the student's may be larger): not scorable
-    beyond = protocol.msgspec.structs.replace(
+    vocab = teachers["arithmetic"].model.config.vocab_size
+    beyond = _each_sample(
         honest,
-        group_id="beyond-vocab",
-        samples=[
-            protocol.msgspec.structs.replace(
-                s,
-                teacher_top_ids=protocol.pack_ids(
-                    np.full(
-                        len(s.teacher_top_ids) // 4, teachers["arithmetic"].model.config.vocab_size
-                    )
-                ),
-            )
-            for s in honest.samples
-        ],
+        "beyond-vocab",
+        lambda s: {
+            "teacher_top_ids": protocol.pack_ids(np.full(len(s.teacher_top_ids) // 4, vocab))
+        },
     )
     check = TeacherCheck(teachers, 1.0, b"secret", TEMPERATURE)
     gaps = check.gaps([honest, other, forged, partial, beyond])

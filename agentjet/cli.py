@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING, NoReturn
 from agentjet.config import (
     ENV_NAMES,
     Config,
-    RunConfig,
     is_endpoint,
     load_config,
     not_a_model_folder,
@@ -47,6 +46,7 @@ from agentjet.identity import (
     write_node_keys,
 )
 from agentjet.keys import DEFAULT_KEYS_FILE, read_keys, write_keys
+from agentjet.rundir import default_run_dir, hold_run_dir, node_name
 
 if TYPE_CHECKING:
     from agentjet.protocol import CoordinatorStatus, GpuStats, NodeRecord, SchedulerRow
@@ -381,12 +381,6 @@ def _resolve(args: argparse.Namespace, default_run_dir: str | None = None) -> Co
     return load_config(args.config, overrides)
 
 
-def node_run_dir(role: str, identity_path: str) -> str:
-    """The default run dir of `agentjet node --role ROLE`: runs/ROLE, or, with an identity
-    file (one node of several on this machine), runs/ROLE-<that file's name>."""
-    return f"runs/{role}-{Path(identity_path).stem}" if identity_path else f"runs/{role}"
-
-
 def _dry_run(config: Config) -> int:
     run_dir = Path(config.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -449,10 +443,12 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return run_local(config, Path(config.run.dir))
     config = _resolve(args)
-    if args.command == "node" and config.run.dir == RunConfig().dir and args.run_dir is None:
+    role = args.role if args.command == "node" else args.command
+    own_dir = default_run_dir(role, config) if args.command in ("node", "coordinator") else None
+    if own_dir is not None and args.run_dir is None:
         # Not set anywhere: a run dir of this node's own, the same at every restart (a
         # trainer resumes from its newest checkpoint there, a rollout node from its spool).
-        config = _resolve(args, node_run_dir(args.role, config.swarm.identity_path))
+        config = _resolve(args, own_dir)
         print(f"run dir: {config.run.dir} (--run-dir to choose another)", flush=True)
     if args.command == "node":
         if args.teacher and args.role != "teacher":
@@ -465,25 +461,11 @@ def _dispatch(args: argparse.Namespace) -> int:
             args.teacher = served_teachers(args.teacher, config)
     if args.dry_run:
         return _dry_run(config)
-    if args.command in ("node", "coordinator") and not config.net.insecure:
-        node_keys(config.net, args.command)  # fail in one line now, not after torch loads
-    if args.command == "coordinator":
-        from coordinator.service import main as coordinator_main
-
-        return coordinator_main(config)
-    if args.command == "node" and args.role == "trainer":
-        policies = _trainer_policies(args.policy, args.policy_count, config)
-        from node.trainer_host import main as trainer_main
-
-        return trainer_main(config, policies)
-    if args.command == "node" and args.role == "teacher":
-        from node.teacher_node import main as teacher_main
-
-        return teacher_main(config, args.teacher)
-    if args.command == "node":
-        from node.rollout import main as rollout_main
-
-        return rollout_main(config)
+    if args.command in ("node", "coordinator"):
+        if not config.net.insecure:
+            node_keys(config.net, args.command)  # fail in one line now, not after torch loads
+        with hold_run_dir(Path(config.run.dir), role, node_name(config)):
+            return _run_node(args, config)
     if args.command == "eval":
         from node.evaluate import evaluate_checkpoint
 
@@ -496,6 +478,26 @@ def _dispatch(args: argparse.Namespace) -> int:
         print(json.dumps(summary, indent=2))
         return 0
     raise AssertionError(args.command)
+
+
+def _run_node(args: argparse.Namespace, config: Config) -> int:
+    """Run the coordinator or a node's role in this process (torch loads here, if at all)."""
+    if args.command == "coordinator":
+        from coordinator.service import main as coordinator_main
+
+        return coordinator_main(config)
+    if args.role == "trainer":
+        policies = _trainer_policies(args.policy, args.policy_count, config)
+        from node.trainer_host import main as trainer_main
+
+        return trainer_main(config, policies)
+    if args.role == "teacher":
+        from node.teacher_node import main as teacher_main
+
+        return teacher_main(config, args.teacher)
+    from node.rollout import main as rollout_main
+
+    return rollout_main(config)
 
 
 def _eval_checkpoint(checkpoint: str | None, policy: str | None, run_dir: Path) -> str:

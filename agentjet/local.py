@@ -1,6 +1,8 @@
 """`agentjet local`: coordinator, trainer and rollout node as processes on one box.
 
-    launcher ──spawn (own session each)──▶ coordinator, trainer, rollout  (logs/<role>.log)
+    launcher (holds <run dir>/local.lock: agentjet/rundir.py)
+        ──spawn (own session each)──▶ coordinator, trainer, rollout  (logs/<role>.log; each
+        │                            holds <run dir>/<role>.lock, as any node does)
         ├── and, unless dashboard.enabled = false: agentjet dashboard on the run dir
         │   (logs/dashboard.log; prints its URL; a dashboard that fails stops no training)
         │
@@ -32,6 +34,7 @@ from agentjet.errors import ConfigError
 from agentjet.keys import DEFAULT_KEYS_FILE, write_keys
 from agentjet.lifeline import descendants, process_table
 from agentjet.ports import free_port
+from agentjet.rundir import hold_run_dir
 
 ROLES = ("coordinator", "trainer", "rollout")
 # How often the launcher reads metrics and checks on its children.
@@ -306,6 +309,13 @@ def _wait_gone(pids: set[int], pgids: set[int], timeout_s: float) -> None:
 
 
 def run_local(config: Config, run_dir: Path, out: TextIO = sys.stdout) -> int:
+    # Before config.toml is written: a second `agentjet local` on a live run's dir would
+    # rewrite the config its roles and dashboard read. Each role holds its own lock too.
+    with hold_run_dir(run_dir, "local"):
+        return _run_local(config, run_dir, out)
+
+
+def _run_local(config: Config, run_dir: Path, out: TextIO) -> int:
     config_path = prepare_run(config, run_dir)
     saved = "policies/NAME/ (each policy's checkpoints)" if config.policies else "checkpoints/"
     print(f"run dir: {run_dir}  (config.toml, metrics/, logs/, {saved})", file=out)

@@ -13,7 +13,9 @@ With keys (agentjet/identity.py `NodeKeys`) both ends speak CURVE, encrypted: th
 holds the swarm's server key, which a client must know to complete a handshake, and each
 client its own node key. A handshake that fails (no keys, not this swarm's server key, not
 ZeroMQ) never reaches the role: the client hears nothing (PeerUnavailable), the server
-counts it in `Server.denied` and logs it at most every DENIED_LOG_EVERY_S.
+counts it in `Server.denied`. Both kinds of bad input are logged as they come and then at
+most every REPEATED_LOG_EVERY_S with their count (agentjet/logs.py), so the lines add up
+to the counters `agentjet status` shows.
 
 Which node a client is, the server learns from its certificate, checked here before any
 request reaches the role (`Server._refusal`): the client's Hello carries its certificate,
@@ -44,6 +46,7 @@ from agentjet import protocol
 from agentjet.config import NetConfig
 from agentjet.errors import ProtocolError
 from agentjet.identity import Certificate, NodeKeys, encode_certificate
+from agentjet.logs import RepeatedLog
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +54,6 @@ log = logging.getLogger(__name__)
 # a hostile peer cannot make us allocate without bound; between 1x and this, we count and
 # answer with an error.
 HARD_LIMIT_FACTOR = 2
-# A peer without the keys may retry many times a second: log the count at most this often.
-DENIED_LOG_EVERY_S = 60.0
 # Where libzmq asks for the verdict on each handshake (RFC 27), one handler per context.
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 HANDSHAKE_FAILED = (
@@ -114,8 +115,19 @@ class Server:
         self.denied = 0
         # Client CURVE key (Z85) -> the certificate its Hello presented, once admitted.
         self.members: dict[bytes, Certificate] = {}
-        self._denied_logged = 0
-        self._denied_logged_at = -DENIED_LOG_EVERY_S
+        # A peer may send junk, or retry without the keys, many times a second.
+        at = self.endpoint.replace("{", "{{").replace("}", "}}")  # (the lines are templates)
+        self._rejected_log = RepeatedLog(
+            log,
+            at + ": rejected a message: {detail}",
+            at + ": rejected {count} more messages in the last {seconds:.0f} s; the last: {detail}",
+        )
+        self._denied_log = RepeatedLog(
+            log,
+            at + ": refused a connection without this swarm's keys ({detail})",
+            at + ": refused {count} more connections without this swarm's keys in the last "
+            "{seconds:.0f} s (the last: {detail})",
+        )
 
     async def recv(self) -> tuple[list[bytes], Any]:
         """Next well-formed request as (routing envelope, message); bad ones are answered here.
@@ -203,7 +215,7 @@ class Server:
 
     async def _reject(self, envelope: list[bytes], reason: str) -> None:
         self.rejected += 1
-        log.warning("rejected a message: %s", reason[:200])
+        self._rejected_log.note(reason[:200])
         await self.reply(envelope, protocol.Error(code="decode", message=reason[:500]))
 
     async def _answer_zap(self, zap: zmq.asyncio.Socket) -> None:
@@ -227,17 +239,11 @@ class Server:
     async def _count_denied(self, monitor: zmq.asyncio.Socket) -> None:
         event = parse_monitor_message(await monitor.recv_multipart())
         self.denied += 1
-        now = time.monotonic()
-        if now - self._denied_logged_at >= DENIED_LOG_EVERY_S:
-            log.warning(
-                "%s: refused %d connection attempts without this swarm's keys (latest: %s)",
-                self.endpoint,
-                self.denied - self._denied_logged,
-                _handshake_failure(event),
-            )
-            self._denied_logged, self._denied_logged_at = self.denied, now
+        self._denied_log.note(_handshake_failure(event))
 
     def close(self) -> None:
+        self._rejected_log.flush()
+        self._denied_log.flush()
         for socket in (self.monitor, self.zap, self.socket):
             if socket is not None:
                 socket.close(linger=0)

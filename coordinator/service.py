@@ -40,6 +40,7 @@ import msgspec
 from agentjet import protocol
 from agentjet.config import Config, policy_names, policy_view
 from agentjet.identity import node_keys
+from agentjet.logs import RepeatedLog
 from agentjet.metrics import MetricsWriter
 from agentjet.protocol import (
     CoordinatorReply,
@@ -167,6 +168,13 @@ class Coordinator:
         self.db_path = db_path(config)
         self.started_at = 0.0
         self.invalid_requests = 0
+        # A node may send one invalid request after another: a line, then counts.
+        self.invalid_log = RepeatedLog(
+            log,
+            "refused {detail}",
+            "refused {count} more requests in the last {seconds:.0f} s; the last: {detail}",
+            level=logging.INFO,
+        )
         self.reward_window = RewardWindow()
 
     def setup(self, cleanup: ExitStack) -> None:
@@ -174,6 +182,7 @@ class Coordinator:
         if keys is not None:  # a node's own key file names it
             self.node_id = keys.name
         self.started_at = self.clock()
+        cleanup.callback(self.invalid_log.flush)
         self.store = Store(self.db_path, lease_s=self.config.coordinator.lease_s)
         cleanup.callback(self.store.close)
         self._replay_reports()
@@ -338,7 +347,7 @@ class Coordinator:
 
     def _refuse(self, msg: CoordinatorRequest, reason: str) -> Error:
         self.invalid_requests += 1
-        log.info("refused %s: %s", type(msg).__name__, reason)
+        self.invalid_log.note(f"{type(msg).__name__}: {reason}")
         return Error(code="invalid", message=reason)
 
     # ── loops ─────────────────────────────────────────────────────────────────────────

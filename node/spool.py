@@ -18,7 +18,6 @@ never deleted. One node owns a spool at a time: a second one pointed at it refus
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import logging
 import os
@@ -27,7 +26,7 @@ from pathlib import Path
 import msgspec
 
 from agentjet import protocol
-from agentjet.errors import ConfigError
+from agentjet.rundir import hold
 
 log = logging.getLogger(__name__)
 
@@ -45,15 +44,14 @@ class Spool:
         self.directory = Path(directory)
         self.max_bytes = max_bytes
         self.directory.mkdir(parents=True, exist_ok=True)
-        self._lock = open(self.directory / "LOCK", "a+")  # noqa: SIM115 (held for life)
-        try:
-            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self._lock.close()
-            raise ConfigError(
-                f"spool {self.directory} is in use by another rollout node: give each rollout "
-                "node its own run dir (run.dir) or rollout.spool_dir"
-            ) from None
+        # The run dir's lock holds a spool within it; this one, one set elsewhere too.
+        self._hold = hold(
+            self.directory / "spool.lock",
+            "rollout",
+            "",
+            f"spool {self.directory}",
+            "give each rollout node its own run dir (--run-dir) or rollout.spool_dir",
+        )
         self.sizes: dict[str, int] = {}  # file name -> bytes, for every spooled group
         self.nbytes = 0  # their sum (asked before every batch and every write)
         self.holders: dict[str, str] = {}  # file name -> the trainer its .holder names
@@ -142,7 +140,7 @@ class Spool:
             (self.directory / name).unlink(missing_ok=True)
 
     def close(self) -> None:
-        self._lock.close()  # releases the flock
+        self._hold.release()
 
 
 def _file_name(group_id: str) -> str:

@@ -41,6 +41,7 @@ from agentjet.bridge import blocking
 from agentjet.config import Config
 from agentjet.devices import resolve_device
 from agentjet.identity import node_keys
+from agentjet.logs import RepeatedLog
 from agentjet.metrics import MetricsWriter, Rate
 from agentjet.roles import run_role, supervise
 from agentjet.transport import Server
@@ -73,9 +74,15 @@ class TeacherNode:
         self.sample_rate = Rate(SAMPLE_RATE_WINDOW_S)
         self.samples_per_s = 0.0
         self.scoring = 0  # requests on the bridge now (0 or 1)
+        self.refused_log = RepeatedLog(
+            log,
+            "refused a request: {detail}",
+            "refused {count} more requests in the last {seconds:.0f} s; the last: {detail}",
+        )
 
     def setup(self, cleanup: ExitStack) -> None:
         cfg = self.config
+        cleanup.callback(self.refused_log.flush)
         self.keys = keys = node_keys(cfg.net, self.node_id)
         if keys is not None:  # a node's own key file names it
             self.node_id = keys.name
@@ -134,7 +141,7 @@ class TeacherNode:
             wrong = self._problem(msg)
             if wrong is not None:
                 self.counts["requests_refused"] += 1
-                log.warning("refused a request of %r: %s", msg.node_id[:100], wrong)
+                self.refused_log.note(f"{wrong} (from {msg.node_id[:100]!r})")
                 await self.server.reply(envelope, protocol.Error(code="invalid", message=wrong))
                 continue
             try:

@@ -34,7 +34,7 @@ def test_groups_held_by_the_ledger_come_back_after_a_restart(tmp_path: Path) -> 
     [(restored, holder)] = again.load()
     assert restored == make_group("c") and holder == "t"  # trainer t accepted it
     assert again.nbytes == len(protocol.encode(restored))
-    assert sorted(p.suffix for p in tmp_path.iterdir()) == ["", ".group", ".holder"]  # LOCK
+    assert sorted(p.suffix for p in tmp_path.iterdir()) == [".group", ".holder", ".lock"]
 
 
 def test_a_restored_group_goes_back_only_to_the_trainer_that_held_it(tmp_path: Path) -> None:
@@ -104,7 +104,7 @@ def test_a_damaged_file_is_set_aside_not_loaded_and_not_deleted(tmp_path: Path) 
     again = Spool(tmp_path, max_bytes=1 << 20)
     assert again.load() == []
     assert again.corrupt == 2
-    assert sorted(p.suffix for p in tmp_path.iterdir() if p.name != "LOCK") == [
+    assert sorted(p.suffix for p in tmp_path.iterdir() if p.name != "spool.lock") == [
         ".corrupt",
         ".corrupt",
     ]
@@ -112,7 +112,9 @@ def test_a_damaged_file_is_set_aside_not_loaded_and_not_deleted(tmp_path: Path) 
 
 def test_two_nodes_cannot_share_a_spool(tmp_path: Path) -> None:
     first = Spool(tmp_path, max_bytes=1 << 20)
-    with pytest.raises(ConfigError, match="in use by another rollout node"):
+    with pytest.raises(
+        ConfigError, match=r"is held by a live rollout node \(pid \d+\): stop that one"
+    ):
         Spool(tmp_path, max_bytes=1 << 20)
     first.close()
     Spool(tmp_path, max_bytes=1 << 20).close()

@@ -9,6 +9,13 @@ chunk by chunk, loaded into the engine between batches.
 A node of a swarm with one policy holds one `PolicySync` named ""; with `[[policies]]`, one
 per policy, each asking only the trainers whose records name its policy. Relays
 (node/relay.py) pass on the versions of the one policy only: a relay holds one version.
+
+A trainer whose fetch failed (no answer, a chunk that did not check) is not asked again
+until the node hears from it: a record of it newer than the one it was listed with then, or
+another endpoint. Its record outlives a dead trainer by record_ttl_s, and the node finds it
+gone later still; asked at every poll meanwhile, it cost each one a whole
+net.request_timeout_s. A fetch from a trainer the node finds gone ends then (`forget`), not
+a timeout or two later.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from agentjet import protocol
 from agentjet.bridge import blocking
 from agentjet.config import ModelConfig, NetConfig
 from agentjet.episode import Completion, SamplingParams
+from agentjet.logs import RepeatedLog
 from agentjet.metrics import MetricsWriter
 from agentjet.roles import wait_for
 from agentjet.transport import Client, PeerUnavailable
@@ -69,6 +77,18 @@ class PolicySync:
         self.ready: ReadyWeights | None = None
         self.spare = SpareBuffer()  # the buffer of the version loaded last
         self.newer = asyncio.Event()  # a trainer of this policy reported a newer version
+        # Trainers whose last fetch failed, each with the client it was asked on and its
+        # heartbeat then (None: a trainer without records, of a config without --join).
+        self.failed: dict[str, tuple[Client, float | None]] = {}
+        self.fetching: tuple[str, asyncio.Task[bool]] | None = None  # from whom, the fetch
+        # A trainer of a config without --join is asked at every poll, dead or not.
+        self.interrupted_log = RepeatedLog(
+            log,
+            "policy fetch from {detail}; asked again once that trainer is heard from",
+            "{count} more policy fetches interrupted in the last {seconds:.0f} s; the last "
+            "from {detail}",
+            level=logging.INFO,
+        )
         self.merger: AdapterMerger | None = None
         if not name and lora.lora_rank and not engine.takes_adapters:
             self.merger = AdapterMerger(engine.state_dict(), lora)
@@ -93,23 +113,87 @@ class PolicySync:
         trainers: Mapping[str, TrainerPeer],
         clients: Mapping[str, Client],
         relaying: Callable[[], tuple[RelayServer | None, list[RelayPeer]]],
+        heartbeats: Mapping[str, float] | None = None,
     ) -> None:
         """Fetch each newer version: from the trainer of this policy with the newest version
         (the least loaded of those), or the next when it does not answer (its record can
-        outlive it by record_ttl_s). `trainers` and `clients` are the node's, kept current
-        by it; `relaying` gives its relay server and the other nodes' relays."""
+        outlive it by record_ttl_s). `trainers`, `clients` and `heartbeats` (the time of
+        each trainer's newest record) are the node's, kept current by it; `relaying` gives
+        its relay server and the other nodes' relays."""
         while True:
             with contextlib.suppress(TimeoutError):
                 await wait_for(self.newer.wait(), POLICY_POLL_S)
             self.newer.clear()
-            mine = [t for t in trainers.values() if self.serves(t)]
-            for source in sorted(mine, key=lambda t: (-t.policy_version, t.queue)):
-                client = clients.get(source.node_id)
-                if client is None:  # gone while an earlier source was asked
-                    continue
-                live = [t.lineage for t in trainers.values() if self.serves(t)]
-                if await self.fetch(source.node_id, client, live, *relaying()):
-                    break
+            await self.poll(trainers, clients, relaying, {} if heartbeats is None else heartbeats)
+
+    async def poll(
+        self,
+        trainers: Mapping[str, TrainerPeer],
+        clients: Mapping[str, Client],
+        relaying: Callable[[], tuple[RelayServer | None, list[RelayPeer]]],
+        heartbeats: Mapping[str, float],
+    ) -> None:
+        """Ask this policy's trainers, newest version first, until one answers; those that
+        failed their last fetch only once heard from since (`_silent`)."""
+        self.failed = {t: f for t, f in self.failed.items() if clients.get(t) is f[0]}
+        mine = [t for t in trainers.values() if self.serves(t)]
+        for source in sorted(mine, key=lambda t: (-t.policy_version, t.queue)):
+            client = clients.get(source.node_id)
+            if client is None:  # gone while an earlier source was asked
+                continue
+            if self._silent(source.node_id, client, heartbeats):
+                continue
+            heard = heartbeats.get(source.node_id)
+            live = [t.lineage for t in trainers.values() if self.serves(t)]
+            if await self._fetch_from_listed(source.node_id, client, live, *relaying()):
+                self.failed.pop(source.node_id, None)
+                break
+            self.failed[source.node_id] = (client, heard)
+
+    def _silent(self, trainer_id: str, client: Client, heartbeats: Mapping[str, float]) -> bool:
+        """Whether `trainer_id` failed its last fetch and nothing since says it is back: the
+        same endpoint (`client`), no newer record. (One without records is asked again.)"""
+        failed = self.failed.get(trainer_id)
+        if failed is None:
+            return False
+        failed_client, heard = failed
+        if failed_client is not client or heard is None:
+            return False
+        return heartbeats.get(trainer_id, heard) <= heard
+
+    def forget(self, trainer_id: str) -> None:
+        """The node found trainer `trainer_id` gone: a fetch from it in flight ends now.
+        (Left to itself it waited out net.request_timeout_s on the trainer's sealed
+        endpoint, then again on its socket: a minute against a dead trainer.)"""
+        if self.fetching is not None and self.fetching[0] == trainer_id:
+            self.fetching[1].cancel()
+
+    async def _fetch_from_listed(
+        self,
+        source: str,
+        client: Client,
+        live: list[protocol.Lineage],
+        relay: RelayServer | None,
+        relays: list[RelayPeer],
+    ) -> bool:
+        """`fetch`, given up (False) if the node finds `source` gone meanwhile (`forget`)."""
+        task = asyncio.create_task(
+            self.fetch(source, client, live, relay, relays), name=f"policy-fetch-{source}"
+        )
+        self.fetching = (source, task)
+        try:
+            await asyncio.wait([task])
+        except asyncio.CancelledError:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            raise
+        finally:
+            self.fetching = None
+        if task.cancelled():
+            log.info("policy fetch from %s given up: the trainer is gone", source)
+            return False
+        return task.result()
 
     async def fetch(
         self,
@@ -149,6 +233,7 @@ class PolicySync:
             else:
                 node_id = client.hello.node_id
                 fetched = await fetch_relayed(assembly, info, client, node_id, relays or [])
+            self.fetching = None  # every chunk is in: the trainer's death no longer matters
             state = await blocking(assembly.finish)
             if self.merger is not None:  # LoRA: adapters arrive, this engine takes weights
                 state = await blocking(self.merger.merge, state, self.engine.state_dict())
@@ -158,7 +243,7 @@ class PolicySync:
             self.newer.set()
             return True
         except (PeerUnavailable, ValueError) as e:
-            log.info("policy fetch from %s interrupted (%s); will retry", source, e)
+            self.interrupted_log.note(f"{source} interrupted ({e})")
             return False
         # (a mapping of the trainer's memory is no buffer for a later fetch to write into)
         buffer = None if assembly.local else assembly.blob

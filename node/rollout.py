@@ -47,6 +47,7 @@ from agentjet.config import AGENT_ENVS, Config, is_endpoint, policy_names, polic
 from agentjet.devices import peak_memory
 from agentjet.episode import Episode, Generator, SamplingParams
 from agentjet.identity import node_keys
+from agentjet.logs import RepeatedLog
 from agentjet.metrics import MetricsWriter
 from agentjet.roles import run_role, supervise, wait_for
 from agentjet.tasks import TaskSource, draw_tasks
@@ -199,6 +200,13 @@ class Rollout:
         self.retired: list[Client] = []
         self.coordinator: Client | None = None
         self.missing_since: dict[str, float] = {}  # trainer id -> when its record vanished
+        # Each listed trainer's newest record time (its heartbeat, on its clock): one that
+        # failed a policy fetch is asked again after a newer one only (PolicySync).
+        self.heartbeats: dict[str, float] = {}
+        # Trainers found gone, with the endpoint and heartbeat of their last record: that
+        # record, read until it expires (record_ttl_s) or by a read that lags, lists them
+        # no more; a newer heartbeat or another endpoint does (restarted, moved).
+        self.gone: dict[str, tuple[str, float]] = {}
         # Gone trainers whose groups are not settled yet (no trainer live to read their
         # marks against, or marks undecided), with when each was found gone.
         # (With [[policies]], each with its policy: its groups' marks are read against the
@@ -210,9 +218,17 @@ class Rollout:
         self.samples_per_s = 0.0
         self.reports: asyncio.Queue[protocol.GroupReport] = asyncio.Queue()
         self.counts: defaultdict[str, int] = defaultdict(int)
+        # A trainer that quarantined this node rejects every group it sends: a line, then counts.
+        self.rejected_log = RepeatedLog(
+            log,
+            "trainer rejected group {detail}",
+            "trainers rejected {count} more groups in the last {seconds:.0f} s; the last: {detail}",
+            level=logging.ERROR,
+        )
 
     def setup(self, cleanup: ExitStack) -> None:
         cfg = self.config
+        cleanup.callback(self.rejected_log.flush)
         self.room = asyncio.Event()  # set while unacked groups are below the bound
         self.room.set()
         self.unsent = asyncio.Event()
@@ -229,6 +245,7 @@ class Rollout:
             self.policies[name] = PolicySync(
                 name, self.engine, view.model, cfg.net, lambda: self.metrics
             )
+            cleanup.callback(self.policies[name].interrupted_log.flush)
         self.gpu = GpuMonitor.for_devices([self.engine.device])  # NVML; nothing on CPUs
         cleanup.callback(self.gpu.close)
         self.gpus: list[protocol.GpuStats] = []  # the last sample
@@ -395,7 +412,10 @@ class Rollout:
                     "rollout-report": self._report(),
                     **{
                         f"rollout-weights{'-' if name else ''}{name}": sync.run(
-                            self.trainers, self.clients, lambda: (self.relay, self.relays)
+                            self.trainers,
+                            self.clients,
+                            lambda: (self.relay, self.relays),
+                            self.heartbeats,
                         )
                         for name, sync in self.policies.items()
                     },
@@ -677,7 +697,7 @@ class Rollout:
             case protocol.GroupAck(policy_version=version):
                 self._saw_version(trainer, version)
                 if reply.status == "rejected":
-                    log.error("trainer rejected group %s: %s", group_id, reply.reason)
+                    self.rejected_log.note(f"{group_id}: {reply.reason}")
             case protocol.Error(code="busy"):
                 pass
             case protocol.Error(code="gone", message=message):
@@ -775,11 +795,20 @@ class Rollout:
                 self.missing_since.pop(trainer_id, None)
                 log.info("trainer %s is missing from the directory but answers", trainer_id)
                 continue
-            del self.trainers[trainer_id], self.missing_since[trainer_id]
-            self.retired.append(self.clients.pop(trainer_id))
-            self.departed[trainer_id] = (time.monotonic(), trainer.policy)
+            self._drop_trainer(trainer_id)
         await self._settle_departed()
         self._apply_coordinator(records)
+
+    def _drop_trainer(self, trainer_id: str) -> None:
+        """Trainer `trainer_id` is gone: nothing is offered to or fetched from it (a fetch
+        in flight ends) until a record of it newer than its last, or at another endpoint."""
+        trainer = self.trainers.pop(trainer_id)
+        self.missing_since.pop(trainer_id, None)
+        self.retired.append(self.clients.pop(trainer_id))
+        self.departed[trainer_id] = (time.monotonic(), trainer.policy)
+        self.gone[trainer_id] = (trainer.endpoint, self.heartbeats.pop(trainer_id, 0.0))
+        for sync in self.policies.values():
+            sync.forget(trainer_id)
 
     def _live(self, policy: str) -> list[tuple[protocol.Lineage, int]]:
         """Each live trainer's of `policy` lineage and version: what the DHT's marks of that
@@ -855,6 +884,8 @@ class Rollout:
                 continue
             if not is_endpoint(r.endpoint) or r.policy not in self.policies:
                 continue  # (a trainer of a policy this node's config does not hold)
+            if self._last_of_gone(r):
+                continue
             seen.add(r.node_id)
             trainer = self.trainers.get(r.node_id)
             if trainer is None or trainer.endpoint != r.endpoint or trainer.policy != r.policy:
@@ -864,6 +895,8 @@ class Rollout:
                 log.info("trainer %s at %s joined%s", r.node_id, r.endpoint, policy)
                 trainer = TrainerPeer(r.node_id, r.endpoint, policy=r.policy)
                 self._add_trainer(trainer)
+                self.heartbeats[r.node_id] = r.time  # (at another endpoint: another clock)
+            self.heartbeats[r.node_id] = max(self.heartbeats.get(r.node_id, r.time), r.time)
             trainer.queue, trainer.capacity = max(r.queue, 0), max(r.capacity, 1)
             if trainer.lineage != r.lineage:
                 trainer.lineage, trainer.policy_version = r.lineage, r.policy_version
@@ -880,6 +913,18 @@ class Rollout:
                 # or the reads missed it.
                 gone.append(trainer_id)
         return gone
+
+    def _last_of_gone(self, record: protocol.NodeRecord) -> bool:
+        """Whether `record` is (or predates) the last record of a trainer found gone: no newer
+        heartbeat, the same endpoint. Else a gone trainer is back, and listed again."""
+        gone = self.gone.get(record.node_id)
+        if gone is None:
+            return False
+        endpoint, heard = gone
+        if record.endpoint == endpoint and record.time <= heard:
+            return True
+        del self.gone[record.node_id]
+        return False
 
     def _apply_coordinator(self, records: list[protocol.NodeRecord]) -> None:
         coordinators = [r for r in records if r.role == "coordinator" and is_endpoint(r.endpoint)]

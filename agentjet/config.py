@@ -346,14 +346,17 @@ class TrainerConfig(_Section):
     # that needs more fails with CUDA out of memory). 0 = auto: 0.9 with the GPU to
     # itself, 0.45 when `agentjet local` puts the rollout node on the same GPU.
     gpu_memory_share: Annotated[float, Meta(ge=0, lt=1)] = 0.0
-    # Verified trajectories. A group is rejected (never trained) when one of its samples'
-    # reported sampler logprobs differ from the learner's own by more than this, as a mean
-    # |difference| per trained token in nats: made-up logprobs, altered tokens or another
-    # model's samples. At lr 1e-5 honest samples stay below 0.21 up to lag 4 and forged
-    # ones are above 1.6 (SmolLM2-135M, bench/LOG.md). A larger lr moves the policy further
-    # per version: at lr 3e-5 honest samples of lag 2 reached 0.54-0.78 and the only
-    # rollout node of a local run was quarantined in one step. Watch
-    # charts/logprob_gap_max in metrics/trainer.jsonl. 0 = no check.
+    # Verified trajectories. A group is rejected (never trained) when its reported sampler
+    # logprobs are further from the learner's own than this: |mean of log pi - log mu| over
+    # the trained tokens of all its checked samples, each counting 16 tokens at least, in
+    # nats (rl.logprob_gap). Honest samples drift as the policy moves, but both ways: the
+    # mean is -KL, second order in the move; made-up logprobs, altered tokens or another
+    # model's samples drift one way. SmolLM2-135M at lr 1e-5, lag 0-4 (bench/LOG.md,
+    # 2026-12-06): honest arithmetic groups and short (1-4 token) true/false answers stay
+    # below 0.17; forged arithmetic groups are over 0.8 (forged short answers: an altered
+    # token shows, made-up logprobs of a short, confident answer claim too little to). A
+    # larger lr moves the policy further per version: watch charts/logprob_gap_max in
+    # metrics/trainer.jsonl. 0 = no check.
     max_logprob_gap: NonNegFloat = 0.5
     # Share of the groups of verifiable environments (arithmetic) whose rewards the trainer
     # recomputes from the completion text on arrival; a wrong reward rejects the group.
@@ -368,7 +371,9 @@ class TrainerConfig(_Section):
     # the rollout nodes' teacher scores (node/teacher.py says what is checked then).
     teacher_check_fraction: Annotated[float, Meta(ge=0, le=1)] = 0.0
     # A node whose groups failed a check this many times is quarantined: its submissions are
-    # refused for as long as this trainer runs, and `agentjet status` lists it.
+    # refused for as long as this trainer runs, and `agentjet status` lists it. A quarantine
+    # that leaves the trainer without any other node's groups is said again every minute and
+    # lifts after 5 minutes (node/verify.py QUARANTINE_ALONE_LIFT_S), the node forgiven.
     quarantine_after: PositiveInt = 3
     replay: ReplayConfig = msgspec.field(default_factory=ReplayConfig)
 

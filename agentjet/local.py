@@ -137,12 +137,18 @@ class Progress:
             )
         elif row.get("event") == "quarantined":
             # Else the lines stop and nothing says why: the only rollout node's groups are
-            # refused (seen: a larger lr, honest samples over trainer.max_logprob_gap).
+            # refused (seen: short answers, honest samples over trainer.max_logprob_gap).
             print(
-                f"[{elapsed:6.0f}s] the {name}trainer quarantined {row['node_id']}:"
-                f" {row['reason']};"
-                " its groups are refused until the trainer restarts (checks: docs/"
-                "ARCHITECTURE.md, Verified trajectories)",
+                f"[{elapsed:6.0f}s] WARNING: the {name}trainer quarantined {row['node_id']}"
+                f" ({row['reason']}): {row.get('message', 'its groups are refused')}"
+                " (docs/ARCHITECTURE.md, Verified trajectories)",
+                file=self.out,
+                flush=True,
+            )
+        elif row.get("event") in ("quarantine_reminder", "quarantine_lifted"):
+            loud = "WARNING: " if row["event"] == "quarantine_reminder" else ""
+            print(
+                f"[{elapsed:6.0f}s] {loud}{name}trainer: {row['message']}",
                 file=self.out,
                 flush=True,
             )

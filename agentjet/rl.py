@@ -157,19 +157,39 @@ def policy_loss(
     return loss, stats
 
 
-def logprob_gap(
+def logprob_differences(
     logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, mask: torch.Tensor
 ) -> torch.Tensor:
-    """Per sample, the mean |log pi_theta(y_t) - log mu(y_t)| over its trained tokens.
-
-    How far the logprobs a rollout node reports are from the learner's own: near zero for an
-    honest sample of the same weights, growing slowly with policy lag; large when the
-    logprobs were made up, the tokens altered, or another model sampled them.
-    Shapes: [B, T] -> [B]; a sample without trained tokens has gap 0.
-    """
+    """Per sample, the sum of log pi_theta(y_t) - log mu(y_t) over its trained tokens, the
+    part of a group's `logprob_gap` one sample contributes. Shapes: [B, T] -> [B]."""
     mask = mask.to(logprobs.dtype)
-    diff = (logprobs - sampler_logprobs).abs() * mask
-    return diff.sum(-1) / mask.sum(-1).clamp(min=1)
+    return ((logprobs - sampler_logprobs) * mask).sum(-1)
+
+
+# A sample's difference is spread over at least this many tokens in `logprob_gap`: a policy's
+# move falls on a few deciding tokens, and a 1-3 token answer would carry a whole move per
+# token (honest short answers reached 0.66 nats a token at lag 4: bench/LOG.md, 2026-12-06).
+GAP_MIN_SAMPLE_TOKENS = 16
+
+
+def logprob_gap(differences: Sequence[float], tokens: Sequence[int]) -> float:
+    """A group's logprob gap: |mean of log pi_theta - log mu| over all its checked samples'
+    trained tokens, from each sample's summed difference (`logprob_differences`) and its
+    trained tokens, a sample counting GAP_MIN_SAMPLE_TOKENS tokens at least. 0 without
+    trained tokens.
+
+    How far the logprobs a rollout node reports are from the learner's own, robust to the
+    policy having moved since: y_t was drawn from mu, so the mean difference estimates
+    -KL(mu || pi_theta), which is second order in the policy's change (a token the policy
+    now likes more, another it likes less, cancel), where the mean |difference| is first
+    order and, on a 1-3 token answer, one token's whole move. Forgeries are systematic:
+    made-up logprobs (zeroed, halved) and altered tokens (logprobs kept) all claim tokens
+    likelier than the learner finds them, every sample the same way. Pooled over the group,
+    not the largest of its samples: a short sample's mean is one token's difference.
+    Numbers and the bound's reasoning: bench/LOG.md, "logprob gap on short answers".
+    """
+    count = sum(max(n, GAP_MIN_SAMPLE_TOKENS) for n in tokens if n)
+    return abs(sum(differences)) / count if count else 0.0
 
 
 def policy_lag(sample_version: int, current_version: int) -> int:

@@ -10,8 +10,9 @@ most of the batch. Advantages are recomputed here from the rewards rather than t
 from the wire.
 
 The forward pass also checks the sampler logprobs a rollout node reported (`trainer.
-max_logprob_gap`): a sample whose mean |log pi_theta - log mu| over its trained tokens
-exceeds the bound rejects its whole group (made-up logprobs, altered tokens, another model).
+max_logprob_gap`): a group whose mean log pi_theta - log mu over its checked samples' trained
+tokens is further from 0 than the bound is rejected whole (`rl.logprob_gap`: made-up
+logprobs, altered tokens, another model).
 The check costs nothing extra in the honest case; when a group fails, its gradients are
 already summed into `.grad` with the others', so the pass is thrown away and run again
 without it. Samples with zero advantage are not forwarded, so not checked: they cannot move
@@ -73,7 +74,7 @@ class _Pass:
 
     loss: float
     stats: dict[str, float]  # rl.policy_loss's statistics, averaged over micro-batches
-    gaps: list[float]  # per row: rl.logprob_gap
+    differences: list[float]  # per row: rl.logprob_differences
     num_tokens: int
     topk_kl: float | None = None  # mean over micro-batches with a teacher's top k
 
@@ -81,7 +82,7 @@ class _Pass:
 @dataclass(frozen=True)
 class StepResult:
     """What `Learner.train_step` did: the swarm step's outcome, the groups left out for
-    their logprob gap, each checked group's gap (its largest sample's), and the step's
+    their logprob gap, each checked group's gap (rl.logprob_gap), and the step's
     metrics (losses/, charts/, perf/)."""
 
     outcome: StepOutcome
@@ -156,7 +157,7 @@ class Learner:
         groups = [g for g in groups if g.group_id not in teacher_over]
         rows = self._rows(groups + replays)
         done = self._accumulate_or_explain(rows)
-        gap_of = self._group_gaps(rows, done.gaps)
+        gap_of = self._group_gaps(rows, done.differences)
         over = over_gap(gap_of, self.config.max_logprob_gap)
         if over:
             # Their gradients are in `.grad` with the others': start again without them
@@ -256,7 +257,7 @@ class Learner:
         self.model.train()
         loss_sum, micro = 0.0, 0
         stats_sum = {"ratio_mean": 0.0, "clip_frac": 0.0, "sampler_kl": 0.0}
-        gaps: list[float] = []
+        differences: list[float] = []
         topk_kls: list[float] = []
         size = self.config.micro_batch_samples
         for i in range(0, len(rows), size):
@@ -278,7 +279,9 @@ class Learner:
                 loss = loss + out.topk_loss / max(num_tokens, 1)
                 topk_kls.append(out.topk_kl)
             loss.backward()
-            gaps += rl.logprob_gap(out.logprobs.detach(), out.old_logprobs, out.mask).tolist()
+            differences += rl.logprob_differences(
+                out.logprobs.detach(), out.old_logprobs, out.mask
+            ).tolist()
             loss_sum += float(loss.detach())
             micro += 1
             for k, v in stats.items():
@@ -286,15 +289,17 @@ class Learner:
         self.model.eval()
         stats = {k: v / max(micro, 1) for k, v in stats_sum.items()}
         topk_kl = sum(topk_kls) / len(topk_kls) if topk_kls else None
-        return _Pass(loss_sum, stats, gaps, num_tokens, topk_kl)
+        return _Pass(loss_sum, stats, differences, num_tokens, topk_kl)
 
     @staticmethod
-    def _group_gaps(rows: list[_Row], gaps: list[float]) -> dict[str, float]:
-        """Each group's largest sample gap: one bad sample condemns its group."""
-        gap_of: dict[str, float] = {}
-        for row, gap in zip(rows, gaps, strict=True):
-            gap_of[row.group_id] = max(gap_of.get(row.group_id, 0.0), gap)
-        return gap_of
+    def _group_gaps(rows: list[_Row], differences: list[float]) -> dict[str, float]:
+        """Each group's gap, over the trained tokens of all its rows (`rl.logprob_gap`)."""
+        pooled: dict[str, tuple[list[float], list[int]]] = {}
+        for row, difference in zip(rows, differences, strict=True):
+            summed, tokens = pooled.setdefault(row.group_id, ([], []))
+            summed.append(difference)
+            tokens.append(int(row.mask.sum()))
+        return {g: rl.logprob_gap(summed, tokens) for g, (summed, tokens) in pooled.items()}
 
     def _rows(self, groups: list[TrajectoryGroup]) -> list[_Row]:
         """The samples that carry gradient (non-zero advantage, some trained token)."""

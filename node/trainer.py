@@ -430,10 +430,17 @@ class Trainer:
             return ack(
                 "rejected", f"a group of policy {group.policy!r}; this trainer trains {mine}"
             )
-        quarantined = self.quarantine.reason(group.node_id)
-        if quarantined is not None:
+        admission = self.quarantine.admit(group.node_id, time.monotonic())
+        # A quarantine that leaves this trainer nothing to train: said again, then lifted.
+        notices = {"quarantine_lifted": admission.lifted, "quarantine_reminder": admission.reminder}
+        for event, line in notices.items():
+            if line is not None:
+                log.warning("%s", line)
+                self.counts[f"{event}s"] += 1
+                self.metrics.write({"event": event, "node_id": group.node_id, "message": line})
+        if admission.refused is not None:
             self.counts["groups_refused_quarantined"] += 1
-            return ack("rejected", quarantined)
+            return ack("rejected", admission.refused)
         # Dynamic sampling: a group whose rewards all agree needs no room in the queue
         # (unless a teacher scored it: its tokens teach still).
         left_out = (
@@ -538,10 +545,17 @@ class Trainer:
         log.warning("a group from %s failed a check: %s", node_id, reason)
         if self.quarantine.failed(node_id, reason):
             why = self.quarantine.reason(node_id)
-            log.warning("node %s is quarantined for this trainer's life (%s)", node_id, why)
+            log.warning("node %s is %s: %s", node_id, why, self.quarantine.consequence())
             self.counts["nodes_quarantined"] += 1
             self.counts["replays_dropped_quarantine"] += self.replay.forget_node(node_id)
-            self.metrics.write({"event": "quarantined", "node_id": node_id, "reason": why})
+            self.metrics.write(
+                {
+                    "event": "quarantined",
+                    "node_id": node_id,
+                    "reason": why,
+                    "message": self.quarantine.consequence(),
+                }
+            )
 
     # ── learning ─────────────────────────────────────────────────────────────────
 

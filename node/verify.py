@@ -6,6 +6,9 @@
                       ──task rebuilt from its id, every completion re-scored──▶ wrong: "rejected"
                 ──queued ──▶ learner forward: logprob gap > trainer.max_logprob_gap ──▶ "dropped"
     every failed check ──▶ Quarantine.failed(sender) ──▶ quarantined after trainer.quarantine_after
+    a quarantined sender's group ──▶ Quarantine.admit: refused; when no other node's group came
+        since the quarantine (the trainer's only node): said again every QUARANTINE_REMINDER_S,
+        and lifted after QUARANTINE_ALONE_LIFT_S (its failures forgiven)
 
 Rewards are re-checked for the environments `reward_checkers` gives a checker (arithmetic,
 and "prompt" with your reward function imported here, unless it is sandboxed or
@@ -16,12 +19,16 @@ and sandboxed environments score with tools and programs the trainer does not ru
 sample whose reward function failed on the rollout node (its error says "reward ...") must
 report 0 and is not re-scored: a timeout there need not repeat here. The sender is the
 node id a group names: quarantine stops a misbehaving or broken node, not one that forges
-its name too.
+its name too. A quarantine that leaves the trainer with nothing to train is never silent nor
+for good: a trainer alone with a quarantined node trains nothing either way, while a check
+wrong about an honest node (a bound set too tight for its lr) would stop the run.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
+import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -38,6 +45,14 @@ from sandboxes.envs.prompt import REWARD_ERROR, Rewards
 MAX_TRACKED_NODES = 10_000
 # Quarantined nodes a trainer lists in its directory record (the newest): DHT records are small.
 MAX_LISTED_NODES = 32
+# A quarantine during which no other node's group arrived lifts after this long: the trainer
+# trained nothing meanwhile. A forger alone gets quarantine_after more groups checked (and
+# refused) per period; an honest node wrongly quarantined costs the run minutes, not its life.
+QUARANTINE_ALONE_LIFT_S = 300.0
+# How often a trainer whose every sender is quarantined says so again (log and metrics row).
+QUARANTINE_REMINDER_S = 60.0
+# The settings a user changes when honest groups fail the logprob check.
+QUARANTINE_SETTINGS = "trainer.max_logprob_gap (0 = off) or trainer.quarantine_after"
 
 # Re-scores the completions (token ids) of one task, as the environment scores them.
 Checker = Callable[[Any, list[list[int]], protocol.Task], list[float]]
@@ -121,16 +136,33 @@ def over_gap(gaps: Mapping[str, float], max_gap: float) -> set[str]:
     return {g for g, gap in gaps.items() if max_gap and gap > max_gap}
 
 
+@dataclass(frozen=True)
+class Admission:
+    """What `Quarantine.admit` says of a group's sender: `refused`, why the group is refused
+    (None: checked and trained as any); `lifted` and `reminder`, a line to log and show."""
+
+    refused: str | None = None
+    lifted: str | None = None
+    reminder: str | None = None
+
+
 @dataclass
 class Quarantine:
     """Failed checks per sending node; a node with `after` failures is quarantined for the
-    life of this trainer process (a restart forgives)."""
+    life of this trainer process (a restart forgives), unless no other node's group arrives
+    during `alone_lift_s`: then it lifts, its failures forgiven (0: never). Meanwhile every
+    `reminder_s` a refused group brings a reminder. Times are monotonic seconds."""
 
     after: int
+    alone_lift_s: float = QUARANTINE_ALONE_LIFT_S
+    reminder_s: float = QUARANTINE_REMINDER_S
     failures: Counter[str] = field(default_factory=Counter)
     reasons: dict[str, str] = field(default_factory=dict)  # quarantined node -> last failure
+    since: dict[str, float] = field(default_factory=dict)  # quarantined node -> when
+    admitted_at: float = -math.inf  # the last group of a node not quarantined
+    reminded_at: float = -math.inf
 
-    def failed(self, node_id: str, reason: str) -> bool:
+    def failed(self, node_id: str, reason: str, now: float | None = None) -> bool:
         """Count a failed check of `node_id`'s; True when this one quarantines it."""
         if node_id in self.reasons:
             return False
@@ -138,10 +170,12 @@ class Quarantine:
             oldest = next(iter(self.failures))
             del self.failures[oldest]
             self.reasons.pop(oldest, None)
+            self.since.pop(oldest, None)
         self.failures[node_id] += 1
         if self.failures[node_id] < self.after:
             return False
         self.reasons[node_id] = reason
+        self.since[node_id] = time.monotonic() if now is None else now
         return True
 
     def reason(self, node_id: str) -> str | None:
@@ -149,7 +183,56 @@ class Quarantine:
         reason = self.reasons.get(node_id)
         if reason is None:
             return None
-        return f"quarantined: {self.failures[node_id]} failed checks, the last: {reason}"
+        return (
+            f"quarantined: {self.failures[node_id]} failed checks"
+            f" (trainer.quarantine_after={self.after}), the last: {reason}"
+        )
+
+    def consequence(self) -> str:
+        """What a quarantine means, in a line for its user."""
+        lifts = (
+            f"lifts after {self.alone_lift_s:.0f} s without another node's group"
+            if self.alone_lift_s
+            else "lasts until the trainer restarts"
+        )
+        return (
+            f"its groups are refused; if it is the trainer's only node, training stops (said"
+            f" again every {self.reminder_s:.0f} s) and the quarantine {lifts}. If the node is"
+            f" honest, change {QUARANTINE_SETTINGS}"
+        )
+
+    def admit(self, node_id: str, now: float) -> Admission:
+        """The verdict on a group `node_id` sent at `now`."""
+        refused = self.reason(node_id)
+        if refused is None:
+            self.admitted_at = now
+            return Admission()
+        since = self.since[node_id]
+        if self.admitted_at >= since:  # other nodes' groups still arrive: they train
+            return Admission(refused)
+        alone_s = now - since
+        if self.alone_lift_s and alone_s >= self.alone_lift_s:
+            del self.reasons[node_id], self.since[node_id], self.failures[node_id]
+            self.admitted_at = now
+            lifted = (
+                f"quarantine of {node_id} lifted after {alone_s:.0f} s in which no other node"
+                f" sent a group ({refused}); its groups are checked again"
+            )
+            return Admission(lifted=lifted)
+        if now - self.reminded_at < self.reminder_s:
+            return Admission(refused)
+        self.reminded_at = now
+        lifts = (
+            f"lifts in {self.alone_lift_s - alone_s:.0f} s"
+            if self.alone_lift_s
+            else "lasts until the trainer restarts"
+        )
+        reminder = (
+            f"training stopped: every group arriving is from quarantined node {node_id}"
+            f" ({refused}), for {alone_s:.0f} s; the quarantine {lifts}. If the node is"
+            f" honest, change {QUARANTINE_SETTINGS}"
+        )
+        return Admission(refused, reminder=reminder)
 
     def listed(self) -> list[str]:
         """The newest quarantined nodes, for this trainer's directory record."""

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from agentjet.local import Progress
+from node.verify import Quarantine
 
 pytestmark = pytest.mark.unit
 
@@ -38,14 +39,28 @@ def test_a_continued_run_shows_only_its_own_rows_and_skips_a_torn_one(tmp_path: 
 
 def test_a_quarantined_rollout_node_is_shown_with_its_reason(tmp_path: Path) -> None:
     """The only rollout node of a local run quarantined: training stops, and the lines say
-    why instead of just stopping."""
+    why and what to change instead of just stopping, again while it lasts, then its end."""
     metrics = tmp_path / "metrics"
     metrics.mkdir()
-    reason = "3 failed checks, the last: logprob gap 0.783 over trainer.max_logprob_gap=0.5"
-    row = {"event": "quarantined", "node_id": "rollout-a", "reason": reason}
-    (metrics / "trainer.jsonl").write_text(json.dumps(row) + "\n")
+    reason = (
+        "quarantined: 3 failed checks (trainer.quarantine_after=3), the last: logprob gap"
+        " 0.783 over trainer.max_logprob_gap=0.5"
+    )
+    consequence = Quarantine(after=3).consequence()
+    remind = "training stopped: every group arriving is from quarantined node rollout-a"
+    lifted = "quarantine of rollout-a lifted after 300 s in which no other node sent a group"
+    rows = [
+        {"event": "quarantined", "node_id": "rollout-a", "reason": reason, "message": consequence},
+        {"event": "quarantine_reminder", "node_id": "rollout-a", "message": remind},
+        {"event": "quarantine_reminder", "node_id": "rollout-a", "message": remind},
+        {"event": "quarantine_lifted", "node_id": "rollout-a", "message": lifted},
+    ]
+    (metrics / "trainer.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     out = io.StringIO()
     Progress(out).poll(tmp_path)
-    [line] = out.getvalue().splitlines()
-    assert f"the trainer quarantined rollout-a: {reason};" in line
-    assert "refused until the trainer restarts" in line
+    first, *reminders, last = out.getvalue().splitlines()
+    assert f"WARNING: the trainer quarantined rollout-a ({reason}): {consequence}" in first
+    assert "trainer.max_logprob_gap (0 = off) or trainer.quarantine_after" in first
+    assert "training stops (said again every 60 s)" in first
+    assert [line.split("] ", 1)[1] for line in reminders] == [f"WARNING: trainer: {remind}"] * 2
+    assert last.endswith(f"] trainer: {lifted}")

@@ -4,6 +4,7 @@ quarantine bookkeeping, and the learner leaving forged groups out of its gradien
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from node.torch_engine import TorchEngine
 from node.verify import (
     MAX_LISTED_NODES,
     MAX_TRACKED_NODES,
+    Admission,
     Quarantine,
     find_task,
     over_gap,
@@ -40,12 +42,71 @@ pytestmark = pytest.mark.unit
 ARITHMETIC = reward_checkers([])["arithmetic"]
 
 
-def test_logprob_gap_is_the_mean_absolute_difference_over_trained_tokens():
+def test_logprob_differences_sum_each_samples_trained_tokens():
     logprobs = torch.tensor([[-1.0, -2.0, -3.0], [-1.0, -1.0, -1.0]])
     sampler = torch.tensor([[-1.5, -2.0, -0.5], [-4.0, -4.0, -4.0]])
     mask = torch.tensor([[1, 1, 0], [0, 0, 0]])
-    # sample 0: (0.5 + 0) / 2, the untrained third token ignored; sample 1: nothing trained
-    assert rl.logprob_gap(logprobs, sampler, mask).tolist() == [0.25, 0.0]
+    # sample 0: 0.5 + 0, the untrained third token ignored; sample 1: nothing trained
+    assert rl.logprob_differences(logprobs, sampler, mask).tolist() == [0.5, 0.0]
+    assert rl.logprob_gap([0.5, 0.0], [2, 0]) == 0.5 / 16  # nothing trained: not counted
+    assert rl.logprob_gap([], []) == 0.0
+
+
+def group_gap(learner: list[list[float]], sampler: list[list[float]]) -> float:
+    """rl.logprob_gap of a group whose samples (rows, every token trained) the learner and
+    the sampler gave these logprobs."""
+    differences = rl.logprob_differences(
+        torch.tensor(learner), torch.tensor(sampler), torch.ones(len(learner), len(learner[0]))
+    ).tolist()
+    return rl.logprob_gap(differences, [len(row) for row in learner])
+
+
+def test_a_groups_gap_is_its_mean_difference_each_sample_counting_16_tokens_at_least():
+    # +1 and -1 cancel; a 2-token sample counts as 16 tokens, a 20-token one as 20
+    assert rl.logprob_gap([1.0, -1.0], [20, 20]) == 0.0
+    assert rl.logprob_gap([-4.0, -2.0], [2, 20]) == 6.0 / 36
+    assert rl.GAP_MIN_SAMPLE_TOKENS == 16
+
+
+def test_honest_short_answers_pass_after_the_policy_moved():
+    """Eight answers of two tokens (the answer, then end of turn), four True and four False.
+    Some versions on, the policy moved True from 0.5 to 0.9 (False to 0.1): honestly, each
+    True sample is ln 1.8 = 0.588 likelier now and each False ln 0.2 = -1.609 less likely.
+    A False sample's mean |difference| is (1.609 + 0) / 2 = 0.80, over the bound 0.5 (the
+    check before, which quarantined such a run's only rollout node); the group's mean
+    difference, each sample counting 16 tokens, is |4 (0.588) - 4 (1.609)| / 128 = 0.0319."""
+    true, false = [math.log(0.9), 0.0], [math.log(0.1), 0.0]
+    before = [math.log(0.5), 0.0]
+    moved = group_gap([true] * 4 + [false] * 4, [before] * 8)
+    assert moved == pytest.approx((4 * math.log(0.2) + 4 * math.log(1.8)) / -128)
+    assert moved == pytest.approx(0.0319, abs=1e-4)
+    assert over_gap({"honest": moved}, TrainerConfig().max_logprob_gap) == set()
+
+
+def test_forged_groups_fail_and_what_a_short_answer_cannot_show():
+    """The bench's forgeries, on four 16-token samples whose every token the learner gives
+    -2: logprobs zeroed |64 (-2)| / 64 = 2, halved 1, one token swapped for one the learner
+    gives -12 (its logprob kept): |4 (-10)| / 64 = 0.625, every token swapped 10. On eight
+    2-token answers (the learner: -2 and -0.5), a swapped answer token still gives
+    |8 (-10)| / 128 = 0.625; zeroed logprobs claim 2.5 nats a sample, 20 / 128 = 0.156,
+    within an honest move, and pass."""
+    bound = TrainerConfig().max_logprob_gap
+    learner = [[-2.0] * 16] * 4
+    swapped_one = [[-12.0] + [-2.0] * 15] * 4
+    forged = {
+        "zeroed": group_gap(learner, [[0.0] * 16] * 4),
+        "halved": group_gap(learner, [[-1.0] * 16] * 4),
+        "one_token_altered": group_gap(swapped_one, learner),
+        "all_tokens_altered": group_gap([[-12.0] * 16] * 4, learner),
+    }
+    assert forged == pytest.approx(
+        {"zeroed": 2.0, "halved": 1.0, "one_token_altered": 0.625, "all_tokens_altered": 10.0}
+    )
+    assert over_gap(forged, bound) == set(forged)
+    answer = [[-2.0, -0.5]] * 8
+    assert group_gap(answer, answer) == 0.0
+    assert group_gap([[-12.0, -0.5]] * 8, answer) == pytest.approx(0.625)
+    assert group_gap(answer, [[0.0, 0.0]] * 8) == pytest.approx(0.156, abs=1e-3)
 
 
 def test_groups_over_the_gap_bound_are_rejected_and_zero_turns_the_check_off():
@@ -124,9 +185,60 @@ def test_a_node_is_quarantined_after_its_nth_failed_check():
     assert quarantine.reason("bad") is None and quarantine.listed() == []
     assert quarantine.failed("bad", "wrong reward")
     assert not quarantine.failed("bad", "again")  # quarantined once
-    assert quarantine.reason("bad") == "quarantined: 3 failed checks, the last: wrong reward"
+    assert quarantine.reason("bad") == (
+        "quarantined: 3 failed checks (trainer.quarantine_after=3), the last: wrong reward"
+    )
     assert quarantine.reason("good") is None
     assert quarantine.listed() == ["bad"]
+
+
+def test_a_quarantine_beside_other_nodes_lasts_and_stays_quiet():
+    quarantine = Quarantine(after=1, alone_lift_s=300.0, reminder_s=60.0)
+    assert quarantine.failed("bad", "gap 3", now=0.0)
+    assert quarantine.admit("good", 10.0) == Admission()
+    for now in (20.0, 400.0, 4000.0):
+        quarantine.admit("good", now - 5)
+        admission = quarantine.admit("bad", now)
+        assert admission.refused == quarantine.reason("bad")
+        assert admission.lifted is None and admission.reminder is None
+
+
+def test_a_quarantine_of_the_only_node_is_said_every_minute_then_lifted():
+    """No other node sends: the trainer trains nothing. It says so at the first refused group
+    and every reminder_s after, naming the settings, and lifts the quarantine after
+    alone_lift_s, forgiving the node's failures."""
+    quarantine = Quarantine(after=2, alone_lift_s=300.0, reminder_s=60.0)
+    quarantine.admit("only", 0.0)
+    assert not quarantine.failed("only", "gap 0.9", now=1.0)
+    assert quarantine.failed("only", "gap 0.8", now=2.0)
+    reminders = []
+    for now in (12.0, 30.0, 62.0, 72.0, 122.0, 299.0):
+        admission = quarantine.admit("only", now)
+        assert admission.refused is not None and admission.lifted is None
+        if admission.reminder is not None:
+            reminders.append((now, admission.reminder))
+    assert [now for now, _ in reminders] == [12.0, 72.0, 299.0]
+    first = reminders[0][1]
+    assert "quarantined node only" in first and "for 10 s" in first
+    assert "the quarantine lifts in 290 s" in first
+    assert "trainer.max_logprob_gap (0 = off) or trainer.quarantine_after" in first
+    lifted = quarantine.admit("only", 302.0)
+    assert lifted.refused is None and lifted.reminder is None
+    assert lifted.lifted is not None and "only lifted after 300 s" in lifted.lifted
+    assert quarantine.listed() == [] and quarantine.reason("only") is None
+    assert not quarantine.failed("only", "gap 0.7", now=303.0)  # forgiven: counted afresh
+    assert quarantine.failed("only", "gap 0.7", now=304.0)
+
+
+def test_a_quarantine_that_never_lifts_still_says_so():
+    quarantine = Quarantine(after=1, alone_lift_s=0.0, reminder_s=60.0)
+    quarantine.failed("only", "gap 2", now=0.0)
+    admission = quarantine.admit("only", 1e6)
+    assert admission.refused is not None and admission.lifted is None
+    assert (
+        admission.reminder is not None and "lasts until the trainer restarts" in admission.reminder
+    )
+    assert "lasts until the trainer restarts" in quarantine.consequence()
 
 
 def test_quarantine_bookkeeping_is_bounded_against_made_up_node_ids():

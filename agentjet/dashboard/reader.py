@@ -168,6 +168,8 @@ def node_row(role: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
             if (key.startswith(MEMORY_PREFIXES) or key in MEMORY_KEYS) and _is_number(value):
                 memory[key] = value
         quarantined |= quarantined_in(row)
+        if row.get("event") == "quarantine_lifted":  # (node/verify.py: lifted after a while)
+            quarantined.discard(row.get("node_id"))  # type: ignore[arg-type]
     last = rows[-1] if rows else {}
     return {
         "role": role,

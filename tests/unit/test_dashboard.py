@@ -297,6 +297,20 @@ def test_nodes_show_a_trainers_failed_rounds_and_the_nodes_it_quarantined(run_di
     served(run_dir, check)
 
 
+def test_a_lifted_quarantine_is_no_longer_listed(run_dir: Path) -> None:
+    with (run_dir / "metrics" / "trainer.jsonl").open("ab") as f:
+        f.write(b"01.0}\n")  # the torn row ends
+        f.write(line({"time": 1003.0, "event": "quarantined", "node_id": "rollout-x"}))
+        f.write(line({"time": 1004.0, "event": "quarantined", "node_id": "r-y"}))
+        f.write(line({"time": 1305.0, "event": "quarantine_lifted", "node_id": "rollout-x"}))
+
+    async def check(client: TestClient[Any, Any]) -> None:
+        nodes = {n["role"]: n for n in (await get(client, "/api/nodes"))["nodes"]}
+        assert nodes["trainer"]["quarantined"] == ["r-y"]
+
+    served(run_dir, check)
+
+
 def test_trajectories_are_listed_newest_first_and_opened_whole(run_dir: Path) -> None:
     async def check(client: TestClient[Any, Any]) -> None:
         listed = await get(client, "/api/trajectories")

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from agentjet.cli import main as cli_main
+from tests.integration.test_cli import agentjet
 from tests.integration.test_coordinator import (  # noqa: F401
     REPO_ROOT,
     STOP_TIMEOUT_S,
@@ -27,9 +28,6 @@ from tests.integration.test_coordinator import (  # noqa: F401
 
 pytestmark = pytest.mark.integration
 
-# The CLI refuses before it imports torch: this is mostly Python's start.
-CLI_TIMEOUT_S = 60.0
-
 # Holds RUN_DIR as the trainer node NAME until its stdin closes (or it is killed).
 HOLDER = """
 import sys
@@ -39,17 +37,6 @@ hold = hold_run_dir(Path(sys.argv[1]), "trainer", sys.argv[2])
 print("held", flush=True)
 sys.stdin.read()
 """
-
-
-def agentjet(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "agentjet.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=CLI_TIMEOUT_S,
-        cwd=cwd,
-        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
-    )
 
 
 def start_holder(run_dir: Path, name: str) -> subprocess.Popen[str]:

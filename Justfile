@@ -125,6 +125,12 @@ bench-merge *ARGS: ensure
 bench-sched-sim *ARGS: ensure
     {{bin}}/python bench/sched_sim.py {{ARGS}}
 
+# The README's swarm on a busy box: 2 trainers vs 1, a rollout node, a coordinator and a
+# CPU hog, 10 minutes each (rounds, versions/min, peak PSS, stop times; ~25 min in all;
+# writes bench/results/swarm_load.json)
+bench-swarm-load *ARGS: ensure
+    {{bin}}/python bench/swarm_load.py {{ARGS}}
+
 # Swarm benchmark: steps/s with 1 vs 2 trainers, bytes per global step (netns, root), weight delivery (writes bench/results/swarm.json)
 bench-swarm *ARGS: ensure
     {{bin}}/python bench/swarm.py {{ARGS}}

@@ -739,7 +739,8 @@ def format_swarm(records: list[NodeRecord], now: float) -> str:
     """The swarm's nodes by role: address, policy version, queue, throughput, last heartbeat,
     each GPU the node uses (one line each); then each teacher node's teachers (its queue:
     requests waiting, its samples/s: samples scored), the nodes each trainer has quarantined,
-    and what each trainer refused (non-members' calls, bad certificates) by kind."""
+    why a trainer's gradient rounds keep failing, and what each trainer refused (non-members'
+    calls, bad certificates) by kind."""
     if not records:
         return "no live nodes in the swarm's directory (is --run-id right?)"
     order = {"coordinator": 0, "trainer": 1, "rollout": 2, "teacher": 3}
@@ -759,6 +760,7 @@ def format_swarm(records: list[NodeRecord], now: float) -> str:
     quarantines = [
         f"quarantined by {r.node_id}: {', '.join(r.quarantined)}" for r in by_id if r.quarantined
     ]
+    rounds = [f"rounds of {r.node_id}: {r.rounds}" for r in by_id if r.rounds]
     refusals = [
         f"refused by {r.node_id}: "
         + ", ".join(f"{kind.replace('_', ' ')} {n}" for kind, n in sorted(r.refused.items()))
@@ -766,7 +768,7 @@ def format_swarm(records: list[NodeRecord], now: float) -> str:
         if r.refused
     ]
     table = _aligned([header, *rows], left=(0, len(header) - 1))
-    return "\n".join([f"swarm: {counts}", *table, *teachers, *quarantines, *refusals])
+    return "\n".join([f"swarm: {counts}", *table, *teachers, *quarantines, *rounds, *refusals])
 
 
 def _trainer_policies(asked: list[str], count: int, config: Config) -> list[str]:

@@ -393,12 +393,18 @@ class SwarmConfig(_Section):
     # A file holding this node's peer key (made on first use), so its peer id and multiaddr
     # survive restarts; "" = a fresh identity each start.
     identity_path: str = ""
-    # hivemind matchmaking window; >= 1 s on loopback, 10-15 s across the internet.
-    matchmaking_time_s: PositiveFloat = 1.0
-    # Abort an all-reduce after this long (about 2x a real one).
+    # hivemind matchmaking window: every round waits this long for its peers. 1 s is
+    # enough on an idle loopback; on a busy box averagers answer in seconds (issue 47);
+    # 10-15 s across the internet.
+    matchmaking_time_s: PositiveFloat = 3.0
+    # Give up a round after this long (about 2x a real one); a peer's next part of a round
+    # may take a third of it. A trainer whose batch is ready waits for the other trainers'
+    # batches at least this long, and longer when its steps are slow (node/rounds.py:
+    # two of its measured step cycles).
     averaging_timeout_s: PositiveFloat = 30.0
-    # Per-request timeout inside hivemind; kept below matchmaking_time_s.
-    request_timeout_s: PositiveFloat = 0.5
+    # Per-request timeout inside hivemind (a peer's answer while matchmaking); kept below
+    # matchmaking_time_s.
+    request_timeout_s: PositiveFloat = 2.0
     # How long to wait for the DHT to start, and how often to try (with backoff).
     startup_timeout_s: PositiveFloat = 60.0
     startup_attempts: PositiveInt = 3
@@ -416,13 +422,20 @@ class SwarmConfig(_Section):
     state_wait_s: PositiveFloat = 60.0
     # Samples (counted as the trainer counts them) in one global step across all trainers;
     # 0 = one trainer's local batch (trainer.groups_per_step groups, or
-    # trainer.informative_samples_per_step).
+    # trainer.informative_samples_per_step) for the whole swarm: each live trainer takes its
+    # share of trainer.groups_per_step groups (node/rounds.py step_share), so a version is
+    # the same number of groups however many trainers there are. Set, each trainer takes
+    # trainer.groups_per_step groups and the swarm steps once their sum reaches it.
     target_batch_size: NonNegInt = 0
     # Gradients on the wire: "none" (float32) or "fp16" (half the bytes).
     grad_compression: Literal["none", "fp16"] = "none"
-    # Average parameters and optimizer state across trainers every N global steps: this
-    # re-synchronizes a trainer whose gradient round failed (1 = every step).
-    average_state_every: PositiveInt = 1
+    # Average parameters across trainers every N global steps, a second round after that
+    # step's gradient round. Exact gradient rounds already keep trainers bit for bit in
+    # step (bench/LOG.md: 160 of 160 versions identical in weights and Adam's state with
+    # parameter rounds off); this re-synchronizes one that stepped apart all the same. Each
+    # round costs the parameters' bytes and can fail on a busy box, so not every step (1 =
+    # every step, as before issue 47).
+    average_state_every: PositiveInt = 10
     # Each node refreshes its discovery record this often; records expire after record_ttl_s.
     heartbeat_s: PositiveFloat = 2.0
     record_ttl_s: PositiveFloat = 10.0

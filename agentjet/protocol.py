@@ -50,7 +50,8 @@ import numpy as np
 #    WorkRequest.policies.
 # 15: a teacher's top k (envs[].teacher_top_k): Sample.teacher_top_ids / teacher_top_logprobs,
 #    TeacherScoreRequest.top_k, TeacherScores.top_ids / top_logprobs.
-PROTOCOL_VERSION = 15
+# 16: NodeRecord.rounds: why a trainer's gradient rounds keep failing (node/rounds.py).
+PROTOCOL_VERSION = 16
 
 # Most teacher tokens a position may carry (envs[].teacher_top_k's bound).
 MAX_TOP_K = 64
@@ -535,6 +536,9 @@ class NodeRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # of each policy it holds (with [[policies]]).
     policy: str = ""
     policy_versions: dict[str, int] = msgspec.field(default_factory=dict)
+    # Why a trainer's gradient rounds keep failing, with the setting to change ("" = they
+    # work): node/rounds.py.
+    rounds: str = ""
 
 
 # ── teacher nodes ─────────────────────────────────────────────────────────────────

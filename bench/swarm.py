@@ -13,10 +13,10 @@ policy version costs to deliver to a rollout node.
                 add`, `lo` up); its loopback rx byte counter (/proc/<trainer pid>/net/dev),
                 read as trainer 0 reports the window's first and last epoch, ÷ global steps.
                 Two trainers: full model with fp32 gradients (the throughput run), fp16
-                gradients, LoRA adapters only (node/lora.py, model.lora_rank=8). The state
-                (parameters, Adam moments) is averaged at every step too (node/swarm.py with
-                SwarmConfig.average_state_every=1, the default); --grads-only repeats the
-                three with state averaging off, so gradient bytes alone show.
+                gradients, LoRA adapters only (node/lora.py, model.lora_rank=8). The
+                parameters are averaged at every step too (SwarmConfig.average_state_every=1
+                here, the worst case; the default is 10); --grads-only repeats the three
+                with state averaging off, so gradient bytes alone show.
     delivery    a node/publisher.py Publisher serving a sealed PolicySnapshot of the model,
                 as a trainer with the swarm's keys does (PolicyQuery over CURVE with a
                 fresh swarm keypair, chunks on its sealed endpoint) ──▶ another process

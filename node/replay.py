@@ -82,14 +82,19 @@ class ReplayStats:
 class Replay:
     def __init__(self, config: TrainerConfig) -> None:
         self.config = config.replay
+        # This trainer's groups per step (its share of the swarm's step: the trainer sets
+        # it as trainers come and go).
         self.groups_per_step = config.groups_per_step
-        # Replay slots per step: the share of a step, rounded down.
-        self.slots = int(config.groups_per_step * self.config.share)
         self._entries: dict[str, _Entry] = {}  # by group id, in the order they entered
         self.nbytes = 0
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    @property
+    def slots(self) -> int:
+        """Replay slots per step: the share of a step, rounded down."""
+        return int(self.groups_per_step * self.config.share)
 
     @property
     def on(self) -> bool:

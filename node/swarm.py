@@ -43,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import concurrent.futures
 import contextlib
 import copy
 import logging
@@ -50,6 +51,7 @@ import os
 import signal
 import threading
 import time
+import traceback
 import typing
 import uuid
 from collections.abc import Callable, Iterable
@@ -91,9 +93,11 @@ from agentjet.identity import (
     encode_revocation,
     signed_by,
 )
+from agentjet.logs import RepeatedLog
 from node import memory
 from node.allreduce import ExactAverager, RoundResult, incomplete
 from node.members import MemberGate, members_key, revoked_key, subkey_values
+from node.rounds import RoundPace, RoundTrouble
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +118,16 @@ INTENT_WAIT_S = 1.0
 WITHDRAW_TIMEOUT_S = 3.0
 # Seconds between attempts to start the DHT (doubled each time).
 STARTUP_BACKOFF_S = 2.0
+# A step waiting on a round or a state download looks this often whether the trainer stops.
+STOP_POLL_S = 0.25
+# A step waiting for the other trainers' batches reads their progress records this often.
+PEER_POLL_S = 0.5
+# How long a step waits for hivemind's tracker to read the peers it saw (a DHT read; seconds
+# on a busy box).
+TRACKER_REFRESH_S = 5.0
+# A round's patience for a peer's next part of the tensors is the averaging timeout over
+# this (matchmaking, the reduce and the gather each take their part).
+ROUND_PARTS = 3
 # How long an averager's process may take to start serving (`_MembersOnly.attach`).
 ATTACH_TIMEOUT_S = 60.0
 # A peer's DHT access token lasts this long and is renewed this long before it expires
@@ -208,17 +222,61 @@ EXPECTED_SWARM_ERRORS = (
     "Failed to download state from",  # averaging/averager.py: a dead peer's record
     "Failed to load state from peer",  # optim/optimizer.py, state_averager.py
     "could not find a group",  # averaging/averager.py: no peer to average with (gone, busy)
+    "Unable to run All-Reduce",  # averaging/averager.py: a round broke (RoundFailed says so)
     "dial to self attempted",
     "failed to dial",
     "connection refused",
 )
 
 
+# How hivemind's own waits end when a round or a download is given up or times out. asyncio
+# reports each such task nobody retrieved at ERROR, with a traceback ("Task exception was
+# never retrieved"): 114 per trainer in a loaded run (issue 47), burying the real messages.
+EXPECTED_TASK_ENDS = (asyncio.CancelledError, TimeoutError, concurrent.futures.InvalidStateError)
+_task_ends = RepeatedLog(
+    log,
+    "a hivemind task ended with {detail} (its own wait timed out or was given up; "
+    "such ends are counted from now on)",
+    "{count} more hivemind tasks ended with a timeout or cancellation in the last "
+    "{seconds:.0f} s; the last: {detail}",
+)
+_task_ends_lock = threading.Lock()  # (records come from hivemind's threads)
+
+
+def _hivemind_task_end(record: logging.LogRecord) -> BaseException | None:
+    """The error of an asyncio record about a hivemind task that ended the expected way,
+    else None: a timeout or cancellation, raised in hivemind's code, or of a task named for
+    hivemind or of a bare `asyncio.wait_for` (its progress tracker stores its progress in
+    such tasks and never awaits them; this project's code awaits every one it makes)."""
+    error = record.exc_info[1] if record.exc_info else None
+    if record.name != "asyncio" or not isinstance(error, EXPECTED_TASK_ENDS):
+        return None
+    message = record.getMessage()
+    if "/hivemind/" in message or "coro=<wait_for()" in message:
+        return error
+    cause: BaseException | None = error
+    while cause is not None:
+        frames = traceback.extract_tb(cause.__traceback__)
+        if any("/hivemind/" in frame.filename for frame in frames):
+            return error
+        cause = cause.__cause__ or cause.__context__
+    return None
+
+
 class ExpectedSwarmErrors(logging.Filter):
     """Turns hivemind's ERROR records of expected swarm conditions into one WARNING line,
-    without the traceback."""
+    without the traceback; hivemind's tasks that ended in an expected timeout or
+    cancellation are counted and logged once per interval (`_task_ends`)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
+        ended = _hivemind_task_end(record)
+        if ended is not None:
+            # Counted once, though each of the root logger's handlers has this filter.
+            if not getattr(record, "task_end_counted", False):
+                record.task_end_counted = True
+                with _task_ends_lock:
+                    _task_ends.note(repr(ended))
+            return False
         if record.levelno < logging.ERROR or not record.name.startswith("hivemind"):
             return True
         text = record.getMessage()
@@ -930,6 +988,7 @@ class _AveragerWatch(ExactAverager):
     # The round a parameter step waits on (hivemind passes one scheduled ahead to `_do`,
     # or begins one there).
     last_round: Any = None
+    stopping = threading.Event()  # the trainer's (`_Optimizer.stopping`), set at its stop
 
     def step(self, *args: Any, **kwargs: Any) -> Any:
         control = super().step(*args, **kwargs)
@@ -938,8 +997,21 @@ class _AveragerWatch(ExactAverager):
             self.last_round = control
         return control
 
-    def load_state_from_peers(self, *args: Any, **kwargs: Any) -> Any:
-        state = super().load_state_from_peers(*args, **kwargs)
+    def load_state_from_peers(self, timeout: float | None = None) -> Any:
+        """hivemind's download, waited for in short turns: a stop gives it up (the state
+        averager's `stopping`, set when the trainer stops; RoundAbandoned)."""
+        future = super().load_state_from_peers(wait=False, timeout=timeout)
+        deadline = time.monotonic() + timeout if timeout is not None else float("inf")
+        while True:
+            if self.stopping.is_set():
+                future.cancel()
+                raise RoundAbandoned("the trainer is stopping")
+            try:
+                state = future.result(min(STOP_POLL_S, max(0.0, deadline - time.monotonic())))
+                break
+            except TimeoutError:
+                if future.done() or time.monotonic() >= deadline:
+                    raise
         metadata = state[0] if state is not None else {}
         # TrainingStateAverager loads it next, unless the peer's epoch is behind this one's.
         epoch = metadata.get("epoch")
@@ -988,9 +1060,11 @@ class _WholeStateAverager(_MembersOnly, TrainingStateAverager, _AveragerWatch): 
         step_lock: threading.Lock,
         loading: threading.Event,
         own: threading.Event,
+        stopping: threading.Event,
         state_chunk_timeout_s: float,
         **kwargs: Any,
     ) -> None:
+        self.stopping = stopping
         self._step_lock = step_lock
         self._loading = loading
         self._own = own
@@ -1154,6 +1228,9 @@ class _Optimizer(hivemind.Optimizer):  # type: ignore[misc]
         self.intents: tuple[str, list[Any]] = ("", [])
         # Peers' batches the last gradient round vouches for (`vouched_batches`).
         self.peer_batches: tuple[str, ...] = ()
+        # Set when the trainer stops: a step waiting on a round or a state download gives
+        # it up (`RoundAbandoned`) rather than keep the stop waiting.
+        self.stopping = threading.Event()
         try:
             super().__init__(*args, **kwargs)
         except BaseException:
@@ -1185,6 +1262,7 @@ class _Optimizer(hivemind.Optimizer):  # type: ignore[misc]
             step_lock=self.step_lock,
             loading=self.loading,
             own=self.own,
+            stopping=self.stopping,
             # A peer answers a state download between steps; a step takes up to a
             # matchmaking time and an averaging timeout for each of its two rounds.
             state_chunk_timeout_s=2 * (self.matchmaking_time + self.averaging_timeout),
@@ -1223,6 +1301,38 @@ class _Optimizer(hivemind.Optimizer):  # type: ignore[misc]
         self.take_swarm_state(**kwargs)
         self.discards += 1
 
+    def _download_state_once(self, **kwargs: Any) -> None:
+        """hivemind 1.1.12's `Optimizer.load_state_from_peers`, with one attempt.
+
+        Its loop asks again at once after any error, `BaseException` included, so a Ctrl-C
+        while joining (the `SystemExit` a role raises during set-up) was logged as "Failed
+        to load state from peers ... retrying" and swallowed, and a timeout was retried
+        forever with a traceback each time. Here an error is one line and no state
+        (`state_averager.downloaded` stays False: callers ask again, bounded), and a stop
+        propagates. The rest is hivemind's (a scheduled gradient round is joined with
+        weight zero, the state averager's pending work is waited for, the tracker's epoch
+        and the accumulators are reset after), but for the gradient averager's "state":
+        hivemind downloads a peer's averaged gradients too, then drops them unread (another
+        model's size in bytes and memory on both sides)."""
+        scheduled: Any = self.scheduled_grads  # type: ignore[has-type]
+        if scheduled is not None and not scheduled.done():
+            self._tag_along_with_zero_weight(scheduled)
+            self.scheduled_grads = None
+        self.state_averager.step(wait_for_delayed_updates=True)
+        with self.tracker.pause_updates():
+            try:
+                self.state_averager.load_state_from_peers(timeout=self.load_state_timeout, **kwargs)
+            except Exception as e:  # a timeout, a peer gone: no state this time
+                log.info("could not download the swarm's state: %r", e)
+                return
+            global_epoch = self.tracker.global_epoch
+            if global_epoch - 1 <= self.local_epoch < global_epoch:
+                self.state_averager.local_epoch = global_epoch
+            self.tracker.report_local_progress(local_epoch=self.local_epoch, samples_accumulated=0)
+            self.state_averager.state_sharing_priority = self.local_epoch
+            self.grad_averager.reset_accumulated_grads_()
+            self.grad_averager.state_sharing_priority = self.local_epoch
+
     def take_swarm_state(self, **kwargs: Any) -> None:
         """Download the state of the newest peer, serving none meanwhile."""
         self.attach()
@@ -1230,7 +1340,7 @@ class _Optimizer(hivemind.Optimizer):  # type: ignore[misc]
         self.state_averager.downloaded = False
         self.loading.set()
         try:
-            super().load_state_from_peers(**kwargs)
+            self._download_state_once(**kwargs)
         finally:
             self.loading.clear()
         self.reloads += 1
@@ -1328,12 +1438,12 @@ class _Optimizer(hivemind.Optimizer):  # type: ignore[misc]
         (`discard_round`), and their samples are trained again."""
         if control is not None:
             try:
-                result = control.result(self.averaging_timeout)
+                result = self._wait_for_round(control)
             except BaseException as e:
                 # No group found: nothing was sent. Else the round broke on this side, or
                 # this trainer gave up waiting for it (it may go on: a round past
                 # matchmaking cannot be called off).
-                self.failed_rounds += 1
+                self.failed_rounds += not isinstance(e, RoundAbandoned)
                 sent = bool(control.began_allreduce) or not control.done()
                 raise RoundFailed(repr(e), sent=sent) from None
             if incomplete(result):
@@ -1363,6 +1473,22 @@ class _Optimizer(hivemind.Optimizer):  # type: ignore[misc]
                     )
                 self.peer_batches = vouched_batches(result)
         super()._average_gradients_and_load_into_optimizer(control)
+
+    def _wait_for_round(self, control: Any) -> Any:
+        """The round's result, waited for up to the averaging timeout, in short turns so
+        that a stop (`stopping`) gives it up at once (RoundAbandoned)."""
+        deadline = time.monotonic() + self.averaging_timeout
+        while True:
+            if self.stopping.is_set():
+                raise RoundAbandoned("the trainer is stopping")
+            turn = min(STOP_POLL_S, deadline - time.monotonic())
+            try:
+                return control.result(max(0.0, turn))
+            except TimeoutError:
+                if control.done():  # the round's own error
+                    raise
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"no round within {self.averaging_timeout:.0f} s") from None
 
     def discard_round(self) -> None:
         """After RoundFailed: forget the round and the gradients; the weights are untouched.
@@ -1461,6 +1587,10 @@ def _failed(control: Any) -> bool:
     return control.exception() is not None or incomplete(control.result())
 
 
+class RoundAbandoned(Exception):
+    """A step gave up the round it waited on because the trainer stops."""
+
+
 class RoundFailed(Exception):
     """A gradient all-reduce with other trainers failed; the step did not happen here.
 
@@ -1519,6 +1649,11 @@ class SwarmOptimizer:
         self.directory = directory or Directory(self.dht, config)
         # Versions re-taken from a peer after this trainer's parameter round failed.
         self.repairs = 0
+        # How long a step waits for the other trainers' batches (node/rounds.py), and what
+        # this trainer says when its rounds keep failing.
+        self.pace = RoundPace(floor_s=config.averaging_timeout_s)
+        self.trouble = RoundTrouble()
+        self.waits_for_peers = 0  # steps whose peers' batches did not come within the wait
         compression = Float16Compression() if config.grad_compression == "fp16" else NoCompression()
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # see start_dht
         try:
@@ -1543,6 +1678,15 @@ class SwarmOptimizer:
                 delay_state_averaging=False,
                 grad_compression=compression,
                 averager_opts={"request_timeout": config.request_timeout_s},
+                # How long a round waits for a peer's next part of the tensors (hivemind's
+                # default, one matchmaking time, failed half the rounds on a busy box: "50%
+                # of the average gradient never came", a peer's averager not scheduled
+                # for a second).
+                next_chunk_timeout=config.averaging_timeout_s / ROUND_PARTS,
+                # A whole state download: two of its chunks' timeouts (`_WholeStateAverager`).
+                # hivemind's default, 600 s, held a joiner whose download stalled for ten
+                # minutes; given up, it asks again (`load_state_from_peers`).
+                load_state_timeout=4 * (config.matchmaking_time_s + config.averaging_timeout_s),
                 # A dead trainer stops counting as a peer within record_ttl_s (hivemind's
                 # default, 60 s, would fail every round with it for a minute).
                 tracker_opts={"metadata_expiration": config.record_ttl_s},
@@ -1621,11 +1765,91 @@ class SwarmOptimizer:
         with self.optimizer.step_lock:
             self.optimizer.attach()
 
+    def stop(self) -> None:
+        """The trainer stops: a step waiting for peers, a round or a state download gives
+        it up now (its gradients are not applied, so its groups are not trained)."""
+        self.optimizer.stopping.set()
+
+    @property
+    def round_problem(self) -> str:
+        """Why this trainer's gradient rounds keep failing ("" while they work)."""
+        return self.trouble.problem
+
+    def _announce_batch(self, batch_size: int) -> None:
+        """Tell the swarm (hivemind's progress records) that this trainer holds a batch
+        for its epoch, before it waits for the others' (`_await_peer_batches`)."""
+        optimizer = self.optimizer
+        with optimizer.step_lock:
+            held = optimizer.grad_averager.local_samples_accumulated + batch_size
+            optimizer.tracker.report_local_progress(optimizer.local_epoch, held)
+            optimizer._publish_progress()
+
+    def _peer_batches_ready(self) -> int:
+        """How many other trainers' progress records say they hold a batch for this
+        trainer's epoch (records from the DHT: checked, a bad one skipped)."""
+        tracker = self.optimizer.tracker
+        found = self.dht.get(tracker.training_progress_key, latest=True)
+        entries = found.value if found is not None else None
+        if not isinstance(entries, dict):
+            return 0
+        ready = 0
+        for subkey, entry in entries.items():
+            progress = getattr(entry, "value", None)
+            if subkey == tracker._local_public_key or not isinstance(progress, dict):
+                continue
+            samples = progress.get("samples_accumulated")
+            ready += (
+                progress.get("epoch") == self.epoch
+                and isinstance(samples, int)
+                and samples > 0
+                and progress.get("client_mode") is False
+            )
+        return ready
+
+    def _await_peer_batches(self) -> bool:
+        """Wait, outside the step lock (state downloads go on), until every other live
+        trainer holds a batch for this epoch too, up to `pace.wait_s`; False if the
+        trainer stops meanwhile. Without it the first trainer with a batch stepped at once,
+        found nobody and threw its batch away, and so did the next (issue 47)."""
+        wait_s = self.pace.wait_s
+        deadline = time.monotonic() + wait_s
+        while (others := self.other_trainers()) > 0:
+            if self.optimizer.stopping.is_set():
+                return False
+            ready = self._peer_batches_ready()
+            if ready >= others:
+                break
+            if time.monotonic() >= deadline:
+                self.waits_for_peers += 1
+                log.info(
+                    "%d of %d other trainers hold a batch after %.0f s; trying the round",
+                    ready,
+                    others,
+                    wait_s,
+                )
+                break
+            time.sleep(PEER_POLL_S)
+        return True
+
     def step_outcome(self, batch_size: int) -> StepOutcome:
         """Like `step`, and say whether the gradients were applied, kept or thrown away."""
+        self.pace.step_began()
+        if self.attached and self.other_trainers() > 0:
+            self._announce_batch(batch_size)
+            if not self._await_peer_batches():
+                with self.optimizer.step_lock:
+                    self.optimizer.zero_grad()
+                    self.optimizer.discards += 1
+                return StepOutcome(
+                    self.epoch, applied=False, discarded=True, withheld=self.withheld
+                )
         with self.optimizer.step_lock:
             if not self.attached and self._peer_in_view():
                 self.optimizer.attach()
+            # hivemind's tracker reads the swarm's progress every few seconds: have it count
+            # the peers whose batches were just seen, or it would step alone.
+            if self.other_trainers() > 0:
+                self.optimizer._refresh_progress(timeout=TRACKER_REFRESH_S)
             epoch, discards = self.epoch, self.optimizer.discards
             if self.optimizer.tracker.global_epoch > epoch:
                 # hivemind would step a peer one epoch behind on its own older weights
@@ -1644,7 +1868,13 @@ class SwarmOptimizer:
             try:
                 self.optimizer.step(batch_size=batch_size)
             except RoundFailed as e:
-                log.info("gradient round with peers failed (%s); its gradients are dropped", e)
+                if self.optimizer.stopping.is_set():
+                    log.info("stopping: the step's gradient round is given up")
+                else:
+                    log.info("gradient round with peers failed (%s); its gradients are dropped", e)
+                    warning = self.trouble.failed(str(e))
+                    if warning is not None:
+                        log.warning(warning)
                 self.optimizer.discard_round()
                 in_doubt = batch_id if e.sent else None
             self.optimizer.zero_grad()
@@ -1674,6 +1904,8 @@ class SwarmOptimizer:
                 self.optimizer.hold_own(False)
         discarded = self.optimizer.discards > discards
         applied = not discarded and self.epoch > epoch
+        if applied and self.optimizer.peer_batches:
+            self.trouble.succeeded()
         return StepOutcome(
             self.epoch,
             applied=applied,
@@ -1701,6 +1933,7 @@ class SwarmOptimizer:
             "late_intents": optimizer.late_intents,
             "state_downloads": optimizer.reloads,
             "repairs": self.repairs,
+            "waits_for_peers": self.waits_for_peers,
             **(self.gate.counts() if self.gate is not None else {}),
         }
 
@@ -1729,6 +1962,7 @@ class SwarmOptimizer:
             while (
                 not self.optimizer.state_averager.downloaded
                 and time.monotonic() < deadline
+                and not self.optimizer.stopping.is_set()
                 and while_true()
             ):
                 if not asked:

@@ -68,6 +68,7 @@ from node.lora import merged_weights
 from node.members import MemberGate
 from node.publisher import Publisher, sealed_bind_endpoint
 from node.replay import Replay
+from node.rounds import step_share
 from node.swarm import Directory, Mark, SwarmOptimizer, attach_when_peered, node_of
 from node.teacher import open_teacher_check
 from node.verify import (
@@ -309,7 +310,10 @@ class Trainer:
         # loop's cancellation, ends (its row, its groups trained, its version published)
         # before cleanup, which would otherwise cancel it after its weights had stepped.
         if self.step_task is not None and not self.step_task.done():
+            # A step waiting for its peers, a round or a state download gives that up (its
+            # groups are not trained); one computing or applying its gradients ends.
             log.info("stopping: the step in flight ends first")
+            self.swarm.stop()
             await asyncio.wait([self.step_task])
             self.step_task.result()  # its error, as the learn loop would have raised it
 
@@ -334,6 +338,7 @@ class Trainer:
                 gpus=self.gpus,
                 refused=self.server.refusals()
                 | {kind: n for kind, n in self.swarm.refusals().items() if n},
+                rounds=self.swarm.round_problem,
             )
             if not await blocking(self.directory.publish, record):
                 log.warning("could not store this trainer's record in the DHT")
@@ -348,6 +353,7 @@ class Trainer:
             else:
                 unseen_since = None
                 self.other_trainers = self._other_trainers_in(records)
+                self._step_share()  # (what a step waits for follows the live trainers)
                 # Another node's record: not one of this process's other policies, whose
                 # records its own DHT peer holds even when cut off from the swarm.
                 me = node_of(self.node_id)
@@ -598,8 +604,9 @@ class Trainer:
                 # hivemind's tracker says the swarm moved on).
                 await self._catch_up()
             # A step whose time to fill has passed takes the varied groups it holds.
+            groups_per_step = self._step_share()
             batch, stale = self.book.take(
-                cfg.trainer.groups_per_step,
+                groups_per_step,
                 self.version,
                 cfg.trainer.max_policy_lag,
                 self.lineage,
@@ -621,15 +628,26 @@ class Trainer:
             replays = self.replay.take(len(batch), self.version, self.lineage)
             # A stop must not cut a step in two (weights stepped, version or row not
             # recorded): the step runs shielded and `run` waits for it before cleanup.
-            short = len(batch) + len(replays) < cfg.trainer.groups_per_step
+            short = len(batch) + len(replays) < groups_per_step
+            shared = groups_per_step < cfg.trainer.groups_per_step
             self.step_task = asyncio.create_task(
-                self._step(batch, last, short, replays), name="trainer-step"
+                self._step(batch, last, short, replays, shared), name="trainer-step"
             )
             last = await asyncio.shield(self.step_task)
             if len(self.book.queue) >= self.replay.fresh_needed(self.version, self.lineage):
                 self.batch_ready.set()  # (the step's groups can fill the next one's rest)
             else:
                 self.batch_ready.clear()
+
+    def _step_share(self) -> int:
+        """This trainer's groups for the next step: with the global batch one trainer's
+        (swarm.target_batch_size = 0), its share of trainer.groups_per_step among the live
+        trainers (node/rounds.py `step_share`)."""
+        groups_per_step = self.config.trainer.groups_per_step
+        if not self.config.swarm.target_batch_size:
+            groups_per_step = step_share(groups_per_step, 1 + len(self.other_trainers))
+        self.replay.groups_per_step = groups_per_step
+        return groups_per_step
 
     def _other_trainers_in(
         self, records: list[protocol.NodeRecord]
@@ -724,11 +742,10 @@ class Trainer:
 
     def _snapshot(self, seal: bool) -> PolicySnapshot:
         """The current version as rollout nodes load it: in the compute dtype (the engine's),
-        sealed with the swarm's keys. Made after each step: the free memory the step left
-        is handed back first (else it and the new version would peak together), and what
-        making it freed after."""
+        sealed with the swarm's keys, made after a step (which handed back the memory it
+        freed, else it and the new version would peak together) or a state download; what
+        making it freed is handed back after."""
         chunk_bytes = self.config.net.weight_chunk_bytes
-        memory.trim()
         made = snapshot(self.model, self.version, chunk_bytes, self.compute_dtype, seal)
         memory.trim()
         return made
@@ -785,6 +802,7 @@ class Trainer:
         last: float,
         short: bool = False,
         replays: list[protocol.TrajectoryGroup] | None = None,
+        shared: bool = False,
     ) -> float:
         """Train on `batch` (and `replays`: trained groups again, node/replay.py), publish
         and record the new version; returns the step's end time.
@@ -792,8 +810,9 @@ class Trainer:
         The batch's gradients join those already accumulated. When the swarm steps, every
         accumulated group is trained; when hivemind discards them (this trainer was out of
         sync, or the round with peers failed), the groups go back to the queue front.
-        A `short` batch (dynamic sampling's time to fill passed) counts as a full local
-        batch toward the swarm's target, so the step is taken now.
+        A `short` batch (dynamic sampling's time to fill passed), and one `shared` with
+        the other trainers (its share of the step's groups), counts as a full local batch
+        toward the swarm's target, so the step is taken now.
         """
         cfg = self.config
         lags = [rl.policy_lag(s.policy_version, self.version) for g in batch for s in g.samples]
@@ -802,7 +821,7 @@ class Trainer:
             log.info(
                 "time to fill a step passed (trainer.fill_timeout_s): training %d of %d groups",
                 len(batch),
-                cfg.trainer.groups_per_step,
+                self.replay.groups_per_step,
             )
             self.counts["steps_short"] += 1
         left_out = self.filling.left_out
@@ -810,8 +829,12 @@ class Trainer:
         self.publisher.retire_idle()  # (what the step allocates can take its memory)
         replays = replays or []
         result: StepResult = await blocking(
-            self.learner.train_step, batch, self.local_batch if short else 0, replays
+            self.learner.train_step, batch, self.local_batch if short or shared else 0, replays
         )
+        # What the step freed goes back to the kernel whatever came of it: a trainer whose
+        # rounds kept failing made no version, so no snapshot trimmed, and its heap grew by
+        # the step's free memory at every retry (9-13 GB at version 0, issue 47).
+        await blocking(memory.trim)
         self._reject_for_logprobs(batch, result)
         outcome = result.outcome
         self.replay.drop(result.replays_dropped)

@@ -282,8 +282,8 @@ async def stranger_calls(
         try:
             stream = await grads.rpc_aggregate_part(parts())
             got["aggregate"] += [message.code async for message in stream]
-        except ConnectionResetError:  # refused before its part was read: the stream is cut
-            got["aggregate"].append("reset")
+        except (ConnectionResetError, BrokenPipeError):  # refused before its part was read:
+            got["aggregate"].append("reset")  # the stream is cut (reset, or closed first)
 
     for _ in range(attempts):
         await asyncio.gather(download(), join(), aggregate())

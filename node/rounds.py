@@ -71,6 +71,11 @@ class RoundPace:
 
 def advice(reason: str) -> str:
     """What a failed round's reason says to change (its text as RoundFailed gives it)."""
+    if "still looking for group" in reason:
+        return (
+            "the trainers' averagers did not find each other in time (a busy box or a slow "
+            "link): raise swarm.matchmaking_time_s and swarm.request_timeout_s"
+        )
     if "never came" in reason or "TimeoutError" in reason or "a peer's gradients" in reason:
         return (
             "a peer's averager answers too slowly (a busy box or a slow link): raise "

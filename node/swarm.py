@@ -1488,7 +1488,10 @@ class _Optimizer(hivemind.Optimizer):  # type: ignore[misc]
                 if control.done():  # the round's own error
                     raise
                 if time.monotonic() >= deadline:
-                    raise TimeoutError(f"no round within {self.averaging_timeout:.0f} s") from None
+                    stage = control.stage.name.lower().replace("_", " ")  # where it stalled
+                    raise TimeoutError(
+                        f"no round within {self.averaging_timeout:.0f} s, still {stage}"
+                    ) from None
 
     def discard_round(self) -> None:
         """After RoundFailed: forget the round and the gradients; the weights are untouched.

@@ -49,6 +49,10 @@ def test_rounds_failing_in_a_row_are_said_once_with_the_setting_to_change() -> N
     # a new streak is said again
     said = [trouble.failed("50.0% of the average gradient never came") for _ in range(3)]
     assert said[-1] is not None and "answers too slowly" in said[-1]
+    trouble.succeeded()
+    stalled = "TimeoutError('no round within 30 s, still looking for group')"
+    said = [trouble.failed(stalled) for _ in range(3)]
+    assert said[-1] is not None and "swarm.matchmaking_time_s" in said[-1]
 
 
 def test_one_failure_now_and_then_is_not_trouble() -> None:

@@ -1809,6 +1809,13 @@ class SwarmOptimizer:
             )
         return ready
 
+    def _give_up_batch(self) -> StepOutcome:
+        """The batch's gradients thrown away before any round: its groups are not trained."""
+        with self.optimizer.step_lock:
+            self.optimizer.zero_grad()
+            self.optimizer.discards += 1
+        return StepOutcome(self.epoch, applied=False, discarded=True, withheld=self.withheld)
+
     def _await_peer_batches(self) -> bool:
         """Wait, outside the step lock (state downloads go on), until every other live
         trainer holds a batch for this epoch too, up to `pace.wait_s`; False if the
@@ -1839,13 +1846,8 @@ class SwarmOptimizer:
         self.pace.step_began()
         if self.attached and self.other_trainers() > 0:
             self._announce_batch(batch_size)
-            if not self._await_peer_batches():
-                with self.optimizer.step_lock:
-                    self.optimizer.zero_grad()
-                    self.optimizer.discards += 1
-                return StepOutcome(
-                    self.epoch, applied=False, discarded=True, withheld=self.withheld
-                )
+            if not self._await_peer_batches():  # stopping: the batch is given up
+                return self._give_up_batch()
         with self.optimizer.step_lock:
             if not self.attached and self._peer_in_view():
                 self.optimizer.attach()

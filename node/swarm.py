@@ -1001,17 +1001,11 @@ class _AveragerWatch(ExactAverager):
         """hivemind's download, waited for in short turns: a stop gives it up (the state
         averager's `stopping`, set when the trainer stops; RoundAbandoned)."""
         future = super().load_state_from_peers(wait=False, timeout=timeout)
-        deadline = time.monotonic() + timeout if timeout is not None else float("inf")
-        while True:
-            if self.stopping.is_set():
-                future.cancel()
-                raise RoundAbandoned("the trainer is stopping")
-            try:
-                state = future.result(min(STOP_POLL_S, max(0.0, deadline - time.monotonic())))
-                break
-            except TimeoutError:
-                if future.done() or time.monotonic() >= deadline:
-                    raise
+        try:
+            state = result_unless_stopping(future, timeout, self.stopping)
+        except RoundAbandoned:
+            future.cancel()
+            raise
         metadata = state[0] if state is not None else {}
         # TrainingStateAverager loads it next, unless the peer's epoch is behind this one's.
         epoch = metadata.get("epoch")
@@ -1475,23 +1469,17 @@ class _Optimizer(hivemind.Optimizer):  # type: ignore[misc]
         super()._average_gradients_and_load_into_optimizer(control)
 
     def _wait_for_round(self, control: Any) -> Any:
-        """The round's result, waited for up to the averaging timeout, in short turns so
-        that a stop (`stopping`) gives it up at once (RoundAbandoned)."""
-        deadline = time.monotonic() + self.averaging_timeout
-        while True:
-            if self.stopping.is_set():
-                raise RoundAbandoned("the trainer is stopping")
-            turn = min(STOP_POLL_S, deadline - time.monotonic())
-            try:
-                return control.result(max(0.0, turn))
-            except TimeoutError:
-                if control.done():  # the round's own error
-                    raise
-                if time.monotonic() >= deadline:
-                    stage = control.stage.name.lower().replace("_", " ")  # where it stalled
-                    raise TimeoutError(
-                        f"no round within {self.averaging_timeout:.0f} s, still {stage}"
-                    ) from None
+        """The round's result, waited for up to the averaging timeout; a stop gives it up
+        at once (`result_unless_stopping`). A timeout says where the round stalled."""
+        try:
+            return result_unless_stopping(control, self.averaging_timeout, self.stopping)
+        except TimeoutError:
+            if control.done():  # the round's own error
+                raise
+            stage = control.stage.name.lower().replace("_", " ")
+            raise TimeoutError(
+                f"no round within {self.averaging_timeout:.0f} s, still {stage}"
+            ) from None
 
     def discard_round(self) -> None:
         """After RoundFailed: forget the round and the gradients; the weights are untouched.
@@ -1592,6 +1580,21 @@ def _failed(control: Any) -> bool:
 
 class RoundAbandoned(Exception):
     """A step gave up the round it waited on because the trainer stops."""
+
+
+def result_unless_stopping(future: Any, timeout: float | None, stopping: threading.Event) -> Any:
+    """A hivemind future's result, waited for in turns of STOP_POLL_S up to `timeout` (None:
+    no bound): RoundAbandoned as soon as `stopping` is set, TimeoutError when the time is up
+    (or the future's own error)."""
+    deadline = time.monotonic() + timeout if timeout is not None else float("inf")
+    while True:
+        if stopping.is_set():
+            raise RoundAbandoned("the trainer is stopping")
+        try:
+            return future.result(min(STOP_POLL_S, max(0.0, deadline - time.monotonic())))
+        except TimeoutError:
+            if future.done() or time.monotonic() >= deadline:
+                raise
 
 
 class RoundFailed(Exception):

@@ -6,17 +6,22 @@
         │   on inherits it (p2pd, the coordinator's beacon and its DHT, sandbox programs)
         ├── the write end of the watcher's stdin pipe: every process the role forks inherits
         │   it (hivemind's DHT process and averagers)
+        ├── on that pipe, each cleanup a layer above registered (`on_unclean_end`)
         └── at a clean end, after its own cleanup: "clean" on that pipe
 
     role gone ──▶ watcher: SIGTERM every process marked either way, SIGKILL what is left
-                  after TERM_GRACE_S (and any it started meanwhile), remove the role's docker
-                  sandbox containers (not after a clean end: the role did), exit.
+                  after TERM_GRACE_S (and any it started meanwhile), run the registered
+                  cleanups (not after a clean end: the role did), exit.
 
 Two marks because /proc/PID/environ shows the environment a process was *exec*'d with: a
 variable set now is seen in the programs started after, never in a forked child (the role
 was exec'd without it). Forked children hold the role's open files instead, and the pipe
 is one only this role's family holds. The watcher watches its parent's pid rather than
 using PR_SET_PDEATHSIG: that signal follows the thread that started it, not the process.
+
+What is left outside the process table is the layers' business: sandboxes/docker_sandbox.py
+registers "remove this process's sandbox containers" (`on_unclean_end`), and the watcher
+calls that function by its name. This module imports nothing of the packages above it.
 
 Also the /proc helpers the launcher uses to find and reap what it started (by PID, never
 by name), and `watch_children`: a role whose helper process died (the OOM killer takes
@@ -27,6 +32,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
+import json
 import logging
 import os
 import secrets
@@ -37,7 +44,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import IO, TYPE_CHECKING
 
 from agentjet.errors import AgentjetError
@@ -61,9 +68,10 @@ END_TIMEOUT_S = 10.0
 CHILD_POLL_S = 1.0
 # A role whose helper process died has this long for its cleanup, then exits anyway.
 CLEANUP_AFTER_CHILD_DEATH_S = 15.0
-DOCKER_SOCKET = "/var/run/docker.sock"
 _CLEAN = b"clean\n"
 _READY = b"ready\n"
+# A registered cleanup, on the watcher's pipe: this word, a space, a JSON list, a newline.
+_CLEANUP = b"cleanup"
 
 
 class ChildProcessDied(AgentjetError):
@@ -180,6 +188,64 @@ def marked_processes(token: str, pipe_inode: int, spare: Iterable[int] = ()) -> 
 # ── the role's side ──────────────────────────────────────────────────────────────────
 
 
+@dataclass(frozen=True)
+class Cleanup:
+    """What a role's watcher does once the role died without its own cleanup: import
+    `function` ("package.module:name") and call it with `argument`; it returns how many
+    `what` ("sandbox containers") it removed. By name, so the layer that registers it is
+    imported by the watcher alone, never by this module."""
+
+    function: str
+    argument: str
+    what: str
+
+    def line(self) -> bytes:
+        return _CLEANUP + b" " + json.dumps([self.function, self.argument, self.what]).encode()
+
+    @classmethod
+    def parse(cls, line: bytes) -> Cleanup | None:
+        word, _, rest = line.partition(b" ")
+        if word != _CLEANUP:
+            return None
+        try:
+            function, argument, what = json.loads(rest)
+        except (ValueError, TypeError):
+            return None
+        return cls(str(function), str(argument), str(what))
+
+    def run(self) -> int:
+        """Call the function; a failure (no SDK, no engine, an API error, a bad name) is a
+        warning and 0: none of it may crash the watcher."""
+        try:
+            module, _, name = self.function.partition(":")
+            removed = getattr(importlib.import_module(module), name)(self.argument)
+            return int(removed)
+        except Exception as e:
+            log.warning("could not remove the %s of %s: %s", self.what, self.argument, e)
+            return 0
+
+
+# This process's registered cleanups, and its running watcher (if it started one, or
+# forked from a process that did) that they go to; _lock orders the writes on its pipe.
+_cleanups: list[Cleanup] = []
+_running: Lifeline | None = None
+_lock = threading.Lock()
+
+
+def on_unclean_end(function: str, argument: str, what: str) -> None:
+    """Have the role's watcher call `function(argument)` (see `Cleanup`) should the role
+    die without its own cleanup: how a layer above has what it left outside the process
+    table removed (sandboxes/docker_sandbox.py: the containers this process made). Before
+    the watcher starts or after: it gets every one; the same one twice runs once."""
+    cleanup = Cleanup(function, argument, what)
+    with _lock:
+        if cleanup in _cleanups:
+            return
+        _cleanups.append(cleanup)
+        if _running is not None:
+            _running._send(cleanup.line() + b"\n")
+
+
 class Lifeline:
     """A role's watcher process, started before the role starts any other (`start`);
     `close()` when the role's own cleanup has run."""
@@ -196,7 +262,7 @@ class Lifeline:
             return None
         token = f"{os.getpid()}-{secrets.token_hex(8)}"
         argv = [sys.executable, "-m", "agentjet.lifeline"]
-        argv += [str(os.getpid()), token, owner_token(os.getpid()), name]
+        argv += [str(os.getpid()), token, name]
         try:
             process = subprocess.Popen(
                 argv,
@@ -223,22 +289,43 @@ class Lifeline:
             return None
         previous = os.environ.get(ENV)
         os.environ[ENV] = token
-        return cls(process, previous)
+        lifeline = cls(process, previous)
+        lifeline._take_cleanups()
+        return lifeline
+
+    def _take_cleanups(self) -> None:
+        """This process's watcher from now on: it gets every cleanup registered so far,
+        and `on_unclean_end` sends it each one registered later."""
+        global _running
+        with _lock:
+            _running = self
+            for cleanup in _cleanups:
+                self._send(cleanup.line() + b"\n")
 
     def close(self) -> None:
         """The role's cleanup has run: its watcher ends whatever is still left once this
-        process has exited (without touching docker), then exits too."""
+        process has exited (without running the registered cleanups), then exits too."""
+        global _running
         if self._previous is None:
             os.environ.pop(ENV, None)
         else:
             os.environ[ENV] = self._previous
+        with _lock:
+            if _running is self:
+                _running = None
+            self._send(_CLEAN)
+            stdin: IO[bytes] | None = self.process.stdin
+            if stdin is not None and not stdin.closed:
+                with contextlib.suppress(OSError):
+                    stdin.close()
+
+    def _send(self, message: bytes) -> None:
+        """One message on the watcher's pipe (under _lock); none once it is closed."""
         stdin: IO[bytes] | None = self.process.stdin
         if stdin is not None and not stdin.closed:
             with contextlib.suppress(OSError):  # the watcher is gone: nothing to tell
-                stdin.write(_CLEAN)
+                stdin.write(message)
                 stdin.flush()
-            with contextlib.suppress(OSError):
-                stdin.close()
 
 
 def mark() -> dict[str, str]:
@@ -306,10 +393,27 @@ def exit_after(seconds: float, error: Exception) -> None:
 # ── the watcher ──────────────────────────────────────────────────────────────────────
 
 
-def _wait_for_role(role_pid: int) -> bool:
+@dataclass
+class Messages:
+    """What the role said on the watcher's pipe, read as it comes (a line at a time)."""
+
+    clean: bool = False
+    cleanups: list[Cleanup] = field(default_factory=list)
+    _partial: bytes = b""
+
+    def feed(self, data: bytes) -> None:
+        *lines, self._partial = (self._partial + data).split(b"\n")
+        for line in lines:
+            if line == _CLEAN.rstrip():
+                self.clean = True
+            elif (cleanup := Cleanup.parse(line)) is not None and cleanup not in self.cleanups:
+                self.cleanups.append(cleanup)
+
+
+def _wait_for_role(role_pid: int) -> Messages:
     """Until the role process is gone (this process is then someone else's child); returns
-    whether it said its cleanup had run."""
-    clean = False
+    what it said: whether its cleanup had run, the cleanups it registered."""
+    messages = Messages()
     reading = True
     while os.getppid() == role_pid:
         if not reading:
@@ -318,9 +422,13 @@ def _wait_for_role(role_pid: int) -> bool:
         ready, _, _ = select.select([0], [], [], POLL_S)
         if ready:
             data = os.read(0, 4096)
-            clean = clean or _CLEAN in data
+            messages.feed(data)
             reading = bool(data)
-    return clean
+    while reading and select.select([0], [], [], 0)[0]:  # what it wrote just before it went
+        data = os.read(0, 4096)
+        messages.feed(data)
+        reading = bool(data)
+    return messages
 
 
 def _signal_marked(
@@ -370,29 +478,25 @@ def end_marked(token: str, pipe_inode: int, spare: set[int]) -> set[int]:
     return ended
 
 
-def remove_containers(owner: str) -> int:
-    """Remove the docker sandbox containers made by the process `owner` names; only if a
-    docker engine may be here, and a failure is a warning (the next node to start a docker
-    sandbox pool on this host removes them: `DockerEngine.reap_orphans`)."""
-    if not (os.environ.get("DOCKER_HOST") or os.path.exists(DOCKER_SOCKET)):
-        return 0
-    try:
-        from sandboxes.docker_sandbox import remove_containers_of
-
-        return remove_containers_of(owner)
-    except Exception as e:  # no SDK, no engine, an API error: none of it may crash this
-        log.warning("could not remove the sandbox containers of %s: %s", owner, e)
-        return 0
+def run_cleanups(cleanups: Iterable[Cleanup], name: str) -> None:
+    """The cleanups a role registered, in order, after it died without its own; each
+    failure is a warning (what is left, the layer's next start removes: the next docker
+    sandbox pool on this host, `DockerEngine.reap_orphans`)."""
+    for cleanup in cleanups:
+        removed = cleanup.run()
+        if removed:
+            log.warning("removed %d %s of the %s", removed, cleanup.what, name)
 
 
-def watch(role_pid: int, token: str, owner: str, name: str) -> int:
+def watch(role_pid: int, token: str, name: str) -> int:
     """The watcher process: see the module docstring."""
     pipe_inode = os.fstat(0).st_ino
     os.write(1, _READY)
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)  # nobody reads our stdout any more
     os.close(devnull)
-    clean = _wait_for_role(role_pid)
+    messages = _wait_for_role(role_pid)
+    clean = messages.clean
     ended = end_marked(token, pipe_inode, spare={os.getpid()})
     if ended:
         why = "left running after its clean stop" if clean else "it started"
@@ -404,21 +508,19 @@ def watch(role_pid: int, token: str, owner: str, name: str) -> int:
             why,
             " ".join(map(str, sorted(ended))),
         )
-    if not clean and owner:
-        removed = remove_containers(owner)
-        if removed:
-            log.warning("removed %d sandbox containers of the %s", removed, name)
+    if not clean:
+        run_cleanups(messages.cleanups, name)
     return 0
 
 
 def main(argv: list[str]) -> int:
-    role_pid, token, owner, name = argv
+    role_pid, token, name = argv
     logging.basicConfig(
         level=logging.INFO,
         format=f"%(asctime)s {name} lifeline %(levelname)s: %(message)s",
         stream=sys.stderr,
     )
-    return watch(int(role_pid), token, owner, name)
+    return watch(int(role_pid), token, name)
 
 
 if __name__ == "__main__":

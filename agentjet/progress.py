@@ -13,7 +13,7 @@
 
 Used by `agentjet eval`, model downloads and conversion (node/model.py), the sandbox image
 build (sandboxes/image.py) and a trainer's resume (node/weights.py). `agentjet local`'s
-lines about a running swarm are another thing (agentjet/local.py `Progress`).
+lines about a running swarm are another thing (agentjet_app/local.py `Progress`).
 """
 
 from __future__ import annotations

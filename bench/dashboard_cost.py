@@ -59,7 +59,7 @@ STOP_TIMEOUT_S = 90.0
 # The page's viewer tab is opened this often (it reads trajectories.jsonl when opened).
 VIEWER_EVERY_S = 60.0
 POLL_S = 1.0
-# The page polls /api this often (agentjet/dashboard/static/app.js POLL_MS).
+# The page polls /api this often (agentjet_app/dashboard/static/app.js POLL_MS).
 PAGE_POLL_S = 2.5
 
 

@@ -35,7 +35,7 @@ from agentjet.lifeline import descendants, process_table  # noqa: E402
 from agentjet.metrics import read_metrics  # noqa: E402
 
 HELDOUT_SEED = 12345
-AGENTJET = [sys.executable, "-m", "agentjet.cli"]
+AGENTJET = [sys.executable, "-m", "agentjet_app.cli"]
 
 
 def memory_mb(pids: set[int]) -> float:

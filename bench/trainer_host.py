@@ -37,7 +37,7 @@ from agentjet.lifeline import descendants  # noqa: E402
 from agentjet.ports import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-AGENTJET = [sys.executable, "-m", "agentjet.cli"]
+AGENTJET = [sys.executable, "-m", "agentjet_app.cli"]
 READY_TIMEOUT_S = 600.0
 
 

@@ -25,9 +25,10 @@ from outside), or a runner that stops answering, gives `error` and fault "sandbo
 and `healthy()` turns False so the pool replaces it.
 
 Containers carry labels naming this host and the owning process (pid + start time). When
-a node dies its lifeline watcher removes its containers (agentjet/lifeline.py); what is
-still left (the watcher killed too, the engine unreachable) `DockerEngine.reap_orphans`
-removes at the next start: exactly those whose owner process is gone, no one else's.
+a node dies its lifeline watcher removes its containers (a `DockerEngine` registers
+`remove_containers_of` with it: agentjet/lifeline.py `on_unclean_end`); what is still
+left (the watcher killed too, the engine unreachable) `DockerEngine.reap_orphans` removes
+at the next start: exactly those whose owner process is gone, no one else's.
 
 The image must provide /bin/sh and python3 (3.9 or later: the runner):
 `agentjet sandbox build-image` makes one offline.
@@ -50,7 +51,7 @@ import docker
 import docker.errors
 import requests.exceptions
 
-from agentjet.lifeline import owner_token
+from agentjet.lifeline import on_unclean_end, owner_token
 from sandboxes import runner
 from sandboxes.base import (
     FAULT_LOST,
@@ -77,6 +78,8 @@ LABEL_SANDBOX = "agentjet.sandbox"
 LABEL_HOST = "agentjet.host"
 LABEL_OWNER = "agentjet.owner"  # "<pid>:<process start time>" of the creating process
 LABEL_NODE = "agentjet.node"  # the node id, for people reading `docker ps`
+# `remove_containers_of` by name, for a lifeline watcher to import and call.
+REMOVE_CONTAINERS = "sandboxes.docker_sandbox:remove_containers_of"
 # The runner ends a program at its timeout; one that has not answered this long after it
 # is stuck, and its sandbox is marked broken (fault sandbox_lost).
 WATCHDOG_GRACE_S = 5.0
@@ -140,6 +143,8 @@ class DockerEngine:
         self.client = client if client is not None else connect()
         self.host = socket.gethostname()
         self.owner = owner or owner_token(os.getpid())
+        if not owner:  # this process's: should it die, its lifeline watcher removes them
+            on_unclean_end(REMOVE_CONTAINERS, self.owner, "sandbox containers")
         self.labels = {
             LABEL_SANDBOX: "1",
             LABEL_HOST: self.host,
@@ -180,7 +185,8 @@ class DockerEngine:
 
 def remove_containers_of(owner: str) -> int:
     """Remove this host's sandbox containers made by the process `owner` names (its
-    `owner_token`), once it died: its lifeline watcher calls this (agentjet/lifeline.py)."""
+    `owner_token`), once it died: its lifeline watcher calls this by name (REMOVE_CONTAINERS,
+    registered by `DockerEngine`)."""
     engine = DockerEngine(client=connect(), owner=owner)
     try:
         return engine.remove_ours()

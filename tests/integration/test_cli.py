@@ -10,14 +10,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests import procs
+
 pytestmark = pytest.mark.integration
 
 CLI_TIMEOUT_S = 300
 
 
 def agentjet(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "agentjet.cli", *args],
+    return procs.run(
+        [sys.executable, "-m", "agentjet_app.cli", *args],
         capture_output=True,
         text=True,
         timeout=CLI_TIMEOUT_S,

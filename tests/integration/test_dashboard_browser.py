@@ -32,6 +32,7 @@ from typing import Any
 import pytest
 
 from agentjet.lifeline import descendants, running
+from tests import procs
 from tests.integration.test_local import local_argv
 
 pytestmark = pytest.mark.integration
@@ -88,7 +89,7 @@ def started(argv: list[str], output: Path) -> Iterator[tuple[subprocess.Popen[by
     """A process in its own session with its output in a file; afterwards it and every
     process seen below it are gone (SIGINT, then SIGKILL by PID)."""
     with open(output, "ab") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = procs.popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     spawned: set[int] = set()
     try:
         yield proc, spawned
@@ -225,7 +226,7 @@ def test_the_dashboard_follows_a_local_run_live_and_shows_it_down_to_the_token(
     assert [pid for pid in spawned if running(pid)] == []
 
     # ── afterwards: `agentjet dashboard` on the finished run dir ───────────────────────
-    argv = [sys.executable, "-m", "agentjet.cli", "dashboard", "--run-dir", str(run_dir)]
+    argv = [sys.executable, "-m", "agentjet_app.cli", "dashboard", "--run-dir", str(run_dir)]
     with started(argv, tmp_path / "dashboard.out"):
         url = wait_until("its URL", lambda: url_in(tmp_path / "dashboard.out"), START_TIMEOUT_S)
         page = Page(browser, url)

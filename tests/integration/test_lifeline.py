@@ -25,7 +25,9 @@ import pytest
 
 from agentjet.config import load_config, to_toml
 from agentjet.lifeline import descendants, marked_processes, running
+from tests import procs
 from tests.factories import tiny_trainer_settings
+from tests.lifeline_role import NOTES
 from tests.procs import command_line
 
 pytestmark = pytest.mark.integration
@@ -58,10 +60,11 @@ def reap(pids: set[int]) -> None:
 def test_what_a_role_started_ends_with_it(tmp_path: Path, end: str):
     """SIGKILLed, or ended cleanly but for three processes its cleanup missed: its watcher
     ends them all (the sandbox program too, though it has an environment of its own and
-    a session of its own), then exits."""
+    a session of its own), runs the cleanups the role registered only if it was killed
+    (both: the one registered before the watcher started and the one after), then exits."""
     env = {**os.environ, "TMPDIR": str(tmp_path)}  # the sandbox's work dir
     argv = [sys.executable, "-m", "tests.lifeline_role", *(["clean"] if end == "clean" else [])]
-    role = subprocess.Popen(
+    role = procs.popen(
         argv,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
@@ -89,6 +92,8 @@ def test_what_a_role_started_ends_with_it(tmp_path: Path, end: str):
 
         assert gone_within(started, KILL_DEADLINE_S) == set()
         assert marked_processes(marks["token"], marks["pipe"]) == set()
+        cleaned = {note for note in NOTES if (tmp_path / note).exists()}
+        assert cleaned == (set(NOTES) if end == "sigkill" else set())
     finally:
         reap(seen | {role.pid})
         role.wait()
@@ -115,7 +120,7 @@ class Trainer:
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
             found = self.children()
-            python = [c for c in found.values() if "agentjet.cli" in c]
+            python = [c for c in found.values() if "agentjet_app.cli" in c]
             if (
                 " ready: " in self.log()
                 and any("agentjet.lifeline" in c for c in found.values())
@@ -145,9 +150,9 @@ def trainer(tiny_model_dir: Path, tmp_path: Path, keys_file: Path) -> Iterator[T
     config_path = tmp_path / "trainer.toml"
     config_path.write_text(to_toml(config))
     log_path = tmp_path / "trainer.log"
-    argv = [sys.executable, "-m", "agentjet.cli", "node", "--role", "trainer"]
+    argv = [sys.executable, "-m", "agentjet_app.cli", "node", "--role", "trainer"]
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
+        proc = procs.popen(
             [*argv, "--config", str(config_path)],
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -186,7 +191,7 @@ def test_a_trainer_whose_largest_child_is_killed_stops_with_one_error(trainer: T
     """What the OOM killer does: SIGKILL the largest child (a hivemind averager). The
     trainer stops, its cleanup runs, and its last line names the process and the signal."""
     children = trainer.wait_ready()
-    helpers = [pid for pid, c in children.items() if "agentjet.cli" in c]
+    helpers = [pid for pid, c in children.items() if "agentjet_app.cli" in c]
     largest = max(helpers, key=lambda pid: _resident_kib(pid))
 
     os.kill(largest, signal.SIGKILL)

@@ -1,9 +1,11 @@
 """agentjet/lifeline.py's pure parts: /proc parsing, the process tree, the role's marks,
-how a dead child is reported, and `watch_children` on stand-in processes."""
+how a dead child is reported, `watch_children` on stand-in processes, and the cleanups a
+layer above registers with the watcher (sent on a pipe, called by name)."""
 
 from __future__ import annotations
 
 import asyncio
+import importlib
 import os
 import signal
 from dataclasses import dataclass, field
@@ -156,18 +158,107 @@ def test_watch_children_runs_until_cancelled_while_every_child_lives():
     asyncio.run(scenario())
 
 
-def test_without_a_docker_engine_nothing_is_tried(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.delenv("DOCKER_HOST", raising=False)
-    monkeypatch.setattr(lifeline, "DOCKER_SOCKET", "/nonexistent/docker.sock")
-    assert lifeline.remove_containers("1:2") == 0
+# ── cleanups a layer above registers (`on_unclean_end`) ───────────────────────────────
+
+REMOVED: list[str] = []
 
 
-def test_an_unreachable_docker_engine_is_a_warning_not_a_crash(
+def remove_things(argument: str) -> int:
+    """A registered cleanup's stand-in: the watcher calls it by name."""
+    REMOVED.append(argument)
+    return 3
+
+
+def test_the_watcher_reads_clean_and_the_registered_cleanups_line_by_line():
+    first = lifeline.Cleanup("a.b:c", "1:2", "sandbox containers")
+    second = lifeline.Cleanup("d:e", 'with "quotes" and spaces', "things")
+    wire = first.line() + b"\n" + second.line() + b"\n" + first.line() + b"\nclean\n"
+    messages = lifeline.Messages()
+    for i in range(len(wire)):  # however the pipe cuts it
+        messages.feed(wire[i : i + 1])
+    assert messages.cleanups == [first, second]  # each once, in order
+    assert messages.clean
+    junk = lifeline.Messages()
+    junk.feed(b"cleanup not json\ncleanup [1]\ncleaning\n")
+    assert junk.cleanups == [] and not junk.clean
+
+
+def test_a_cleanup_is_called_by_name_with_its_argument(caplog: pytest.LogCaptureFixture):
+    REMOVED.clear()
+    cleanup = lifeline.Cleanup(f"{__name__}:remove_things", "1:2", "things")
+    with caplog.at_level("WARNING"):
+        lifeline.run_cleanups([cleanup], "rollout")
+    assert REMOVED == ["1:2"]
+    assert "removed 3 things of the rollout" in caplog.text
+
+
+def test_a_failing_cleanup_is_a_warning_not_a_crash(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ):
+    from sandboxes.docker_sandbox import REMOVE_CONTAINERS
+
     monkeypatch.setenv("DOCKER_HOST", "unix:///nonexistent/docker.sock")
-    assert lifeline.remove_containers("1:2") == 0
+    unreachable = lifeline.Cleanup(REMOVE_CONTAINERS, "1:2", "sandbox containers")
+    assert unreachable.run() == 0
     assert "could not remove the sandbox containers of 1:2" in caplog.text
+    assert lifeline.Cleanup("no_such_module:f", "x", "things").run() == 0
+    assert lifeline.Cleanup(f"{__name__}:no_such_function", "x", "things").run() == 0
+
+
+class FakeWatcher:
+    """The watcher's side of its pipe, for a Lifeline made without starting one."""
+
+    def __init__(self) -> None:
+        read, write = os.pipe()
+        self.read = os.fdopen(read, "rb")
+        self.stdin = os.fdopen(write, "wb")
+
+    def said(self) -> lifeline.Messages:
+        """Everything written on the pipe, once the writer closed it."""
+        messages = lifeline.Messages()
+        messages.feed(self.read.read())
+        self.read.close()
+        return messages
+
+
+def test_cleanups_registered_before_and_after_the_watcher_started_reach_it(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    monkeypatch.setattr(lifeline, "_cleanups", [])
+    monkeypatch.setattr(lifeline, "_running", None)
+    monkeypatch.delenv(ENV, raising=False)
+    before = lifeline.Cleanup("m:before", "1:2", "things")
+    after = lifeline.Cleanup("m:after", "1:2", "things")
+    lifeline.on_unclean_end(before.function, before.argument, before.what)
+    watcher: Any = FakeWatcher()
+    running = lifeline.Lifeline(watcher, None)
+    running._take_cleanups()  # as `Lifeline.start` does once its watcher answered
+    assert lifeline._running is running
+    lifeline.on_unclean_end(after.function, after.argument, after.what)
+    lifeline.on_unclean_end(after.function, after.argument, after.what)  # sent once
+    running.close()
+    assert lifeline._running is None
+    lifeline.on_unclean_end("m:late", "1:2", "things")  # after close: nowhere to go, no error
+    said = watcher.said()
+    assert said.cleanups == [before, after]
+    assert said.clean
+
+
+def test_a_docker_engine_of_this_process_registers_its_containers_with_the_watcher(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    from sandboxes.docker_sandbox import REMOVE_CONTAINERS, DockerEngine, remove_containers_of
+
+    monkeypatch.setattr(lifeline, "_cleanups", [])
+    client: Any = type("Client", (), {"containers": FakeContainers()})()
+    DockerEngine(client=client, owner="1234:5678")  # a dead node's, to remove: not ours
+    assert lifeline._cleanups == []
+    engine = DockerEngine(client=client)
+    assert lifeline._cleanups == [
+        lifeline.Cleanup(REMOVE_CONTAINERS, engine.owner, "sandbox containers")
+    ]
+    module, _, name = REMOVE_CONTAINERS.partition(":")
+    assert getattr(importlib.import_module(module), name) is remove_containers_of
 
 
 class FakeContainers:

@@ -6,18 +6,16 @@ from __future__ import annotations
 
 import re
 import struct
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from agentjet.cli import main as cli_main
 from agentjet.errors import AgentjetError
 from agentjet.metrics import MetricsWriter
-from agentjet.plot import RunRows, charts, read_run, time_axis, write_plots
+from agentjet_app.cli import main as cli_main
+from agentjet_app.plot import RunRows, charts, read_run, time_axis, write_plots
 
 pytestmark = pytest.mark.unit
 
@@ -226,12 +224,3 @@ def test_the_time_axis_unit_fits_the_runs_length(span_s: float, label: str) -> N
     run = RunRows(rows={"trainer": [{"time": START}, {"time": START + span_s}]})
     axis = time_axis(run)
     assert axis.start == START and axis.label.startswith(label)
-
-
-def test_other_commands_do_not_import_matplotlib() -> None:
-    code = (
-        "import sys, agentjet.cli, agentjet.plot; "
-        "assert 'matplotlib' not in sys.modules, 'matplotlib imported'"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr

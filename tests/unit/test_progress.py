@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from agentjet.local import Progress
+from agentjet_app.local import Progress
 from node.verify import Quarantine
 
 pytestmark = pytest.mark.unit

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from agentjet.cli import main as cli_main
 from agentjet.config import load_config
-from agentjet.local import run_local
 from agentjet.rundir import DirectoryHeld, default_run_dir, describe_holder, hold_run_dir
+from agentjet_app.cli import main as cli_main
+from agentjet_app.local import run_local
 
 pytestmark = pytest.mark.unit
 

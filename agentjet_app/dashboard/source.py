@@ -34,7 +34,11 @@ import msgspec
 
 from agentjet import protocol
 from agentjet.config import config_from_dict
-from agentjet.dashboard.reader import (
+from agentjet.errors import AgentjetError, ProtocolError
+from agentjet.identity import read_node_keys
+from agentjet.keys import DEFAULT_KEYS_FILE
+from agentjet.transport import Client, PeerUnavailable, outsider_client
+from agentjet_app.dashboard.reader import (
     ROLE_PATTERN,
     BadOffset,
     TrajectoryIndex,
@@ -42,10 +46,6 @@ from agentjet.dashboard.reader import (
     read_rows,
     tail_rows,
 )
-from agentjet.errors import AgentjetError, ProtocolError
-from agentjet.identity import read_node_keys
-from agentjet.keys import DEFAULT_KEYS_FILE
-from agentjet.transport import Client, PeerUnavailable, outsider_client
 
 # Roles listed first, in this order; any other follows by name.
 ROLE_ORDER = ("coordinator", "trainer", "rollout", "teacher")

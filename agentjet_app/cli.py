@@ -421,7 +421,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "dashboard":
         return _dashboard(args)
     if args.command == "plot":
-        from agentjet.plot import DEFAULT_DPI, write_plots
+        from agentjet_app.plot import DEFAULT_DPI, write_plots
 
         write_plots(args.run_dir, args.out, DEFAULT_DPI if args.dpi is None else args.dpi)
         return 0
@@ -439,7 +439,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         _check_teacher_placement(config, "agentjet local")
         if args.dry_run:
             return _dry_run(config)
-        from agentjet.local import run_local
+        from agentjet_app.local import run_local
 
         return run_local(config, Path(config.run.dir))
     config = _resolve(args)
@@ -589,7 +589,8 @@ def _keys_revoke(args: argparse.Namespace) -> int:
     root = read_keys(args.keys)
     revocation = RootKey.from_swarm_keys(root).revoke(args.node)
     config = SwarmConfig(run_id=args.run_id, initial_peers=args.join)
-    from node.swarm import Directory, start_dht
+    from node.dht import start_dht
+    from node.directory import Directory
 
     dht = start_dht(config, NodeKeys.from_root(root, f"revoker-{os.getpid()}"), client_mode=True)
     try:
@@ -668,7 +669,7 @@ def _dashboard(args: argparse.Namespace) -> int:
     token = settings.token if args.token is None else args.token
     where = "--listen" if args.listen else f"dashboard.listen in {run_config}"
     host, port = dashboard_address(args.listen or settings.listen, token, where)
-    from agentjet.dashboard.server import run_dashboard
+    from agentjet_app.dashboard.server import run_dashboard
 
     return run_dashboard(args.run_dir, host, port, token)
 
@@ -681,7 +682,7 @@ def _live_dashboard(args: argparse.Namespace) -> int:
     token = args.token or ""
     host, port = dashboard_address(args.listen or DashboardConfig().listen, token, "--listen")
     config = SwarmConfig(run_id=args.run_id, initial_peers=args.join)
-    from agentjet.dashboard.swarm import run_live_dashboard
+    from agentjet_app.dashboard.swarm import run_live_dashboard
 
     return run_live_dashboard(config, keys, host, port, token)
 
@@ -725,7 +726,7 @@ def _swarm_status(args: argparse.Namespace, keys: NodeKeys | None) -> int:
         startup_timeout_s=args.timeout_s,
         startup_attempts=1,
     )
-    from node.swarm import read_directory
+    from node.directory import read_directory
 
     records = read_directory(config, keys)
     if args.json:
@@ -792,7 +793,7 @@ def _trainer_policies(asked: list[str], count: int, config: Config) -> list[str]
     if not config.swarm.initial_peers:
         print(f"training every policy: {configured}", flush=True)
         return names
-    from node.swarm import read_directory
+    from node.directory import read_directory
     from node.trainer import fewest_trainers
 
     records = read_directory(config.swarm, node_keys(config.net, "trainer"))

@@ -49,11 +49,11 @@ from typing import Any
 import uvloop
 from aiohttp import web
 
-from agentjet.dashboard import dashboard_url
-from agentjet.dashboard.reader import ENV_PATTERN, GROUP_ID_PATTERN, ROLE_PATTERN
-from agentjet.dashboard.source import ApiError, DataSource, RunDirSource
 from agentjet.errors import AgentjetError
 from agentjet.roles import supervise
+from agentjet_app.dashboard import dashboard_url
+from agentjet_app.dashboard.reader import ENV_PATTERN, GROUP_ID_PATTERN, ROLE_PATTERN
+from agentjet_app.dashboard.source import ApiError, DataSource, RunDirSource
 
 # The largest `limit` of /api/trajectories (the viewer asks for 100).
 MAX_LIST_LIMIT = 500
@@ -95,7 +95,7 @@ class DashboardApp:
     def __init__(self, source: DataSource, token: str = "") -> None:
         self.source = source
         self.token = token
-        static = resources.files("agentjet.dashboard") / "static"
+        static = resources.files("agentjet_app.dashboard") / "static"
         self.static = {name: (static / name).read_bytes() for name in STATIC_FILES}
 
     def app(self) -> web.Application:

@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from agentjet.dashboard.reader import read_rows
 from agentjet.errors import AgentjetError
+from agentjet_app.dashboard.reader import read_rows
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

@@ -14,7 +14,7 @@ record). The sockets are the swarm's, with its keys (CURVE); every request waits
 event loop, the DHT reads on the bridge, so the page never waits on the swarm.
 
 Run it:  agentjet dashboard --join MULTIADDR --keys FILE [--run-id ID] [--listen HOST:PORT]
-Imports node/ (hivemind, torch) only to start the DHT: `agentjet/dashboard/server.py` and the
+Imports node/ (hivemind, torch) only to start the DHT: `agentjet_app/dashboard/server.py` and the
 run-dir mode never load them.
 """
 
@@ -36,20 +36,20 @@ from typing import Any, Literal, Protocol
 from agentjet import protocol
 from agentjet.bridge import blocking
 from agentjet.config import SwarmConfig, is_endpoint
-from agentjet.dashboard.reader import MAX_READ_BYTES, ROLE_PATTERN, decode_row, node_row
-from agentjet.dashboard.server import serve
-from agentjet.dashboard.source import (
+from agentjet.errors import ProtocolError
+from agentjet.identity import NodeKeys
+from agentjet.metrics import RecentRows
+from agentjet.roles import run_role
+from agentjet.transport import Client, PeerUnavailable, outsider_client
+from agentjet_app.dashboard.reader import MAX_READ_BYTES, ROLE_PATTERN, decode_row, node_row
+from agentjet_app.dashboard.server import serve
+from agentjet_app.dashboard.source import (
     LIVE_TRAJECTORIES_NOTE,
     ApiError,
     ask_scheduler,
     finite,
     role_order,
 )
-from agentjet.errors import ProtocolError
-from agentjet.identity import NodeKeys
-from agentjet.metrics import RecentRows
-from agentjet.roles import run_role
-from agentjet.transport import Client, PeerUnavailable, outsider_client
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ POLICY_PATTERN = re.compile(r"([A-Za-z0-9][\w-]{0,63})?")
 
 
 class RecordReader(Protocol):
-    """The swarm's directory (node/swarm.py `Directory`) as this module reads it."""
+    """The swarm's directory (node/directory.py `Directory`) as this module reads it."""
 
     bad_records: int
 
@@ -367,7 +367,8 @@ def open_swarm_source(
     config: SwarmConfig, keys: NodeKeys | None, cleanup: ExitStack
 ) -> SwarmSource:
     """Join the swarm as a DHT client (one, for the dashboard's life) and follow it."""
-    from node.swarm import Directory, start_dht
+    from node.dht import start_dht
+    from node.directory import Directory
 
     dht = start_dht(config, keys, client_mode=True)
     cleanup.callback(dht.shutdown)

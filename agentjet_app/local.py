@@ -29,12 +29,12 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from agentjet.config import Config, dashboard_address, load_config, to_toml
-from agentjet.dashboard import dashboard_url
 from agentjet.errors import ConfigError
 from agentjet.keys import DEFAULT_KEYS_FILE, write_keys
 from agentjet.lifeline import descendants, process_table
 from agentjet.ports import free_port
 from agentjet.rundir import hold_run_dir
+from agentjet_app.dashboard import dashboard_url
 
 ROLES = ("coordinator", "trainer", "rollout")
 # How often the launcher reads metrics and checks on its children.
@@ -141,7 +141,7 @@ class Progress:
             print(
                 f"[{elapsed:6.0f}s] WARNING: the {name}trainer quarantined {row['node_id']}"
                 f" ({row['reason']}): {row.get('message', 'its groups are refused')}"
-                " (docs/ARCHITECTURE.md, Verified trajectories)",
+                " (docs/training.md, Verified trajectories)",
                 file=self.out,
                 flush=True,
             )
@@ -237,7 +237,7 @@ def _die_with_launcher() -> None:
 
 def spawn(role: str, config_path: Path, run_dir: Path) -> Child:
     """Start a role (its log: logs/ROLE.log)."""
-    argv = [sys.executable, "-m", "agentjet.cli"]
+    argv = [sys.executable, "-m", "agentjet_app.cli"]
     argv += ["coordinator"] if role == "coordinator" else ["node", "--role", role]
     argv += ["--config", str(config_path)]
     return _start(role, argv, run_dir)
@@ -250,7 +250,7 @@ def spawn_dashboard(config: Config, run_dir: Path) -> tuple[Child, str]:
     where = "config error at dashboard.listen"
     host, port = dashboard_address(config.dashboard.listen, config.dashboard.token, where)
     port = port or free_port(host)
-    argv = [sys.executable, "-m", "agentjet.cli", "dashboard", "--run-dir", str(run_dir)]
+    argv = [sys.executable, "-m", "agentjet_app.cli", "dashboard", "--run-dir", str(run_dir)]
     argv += ["--listen", f"{host}:{port}"]
     return _start("dashboard", argv, run_dir), dashboard_url(host, port, config.dashboard.token)
 

@@ -22,7 +22,7 @@ root secret: it can prove who it is, but cannot admit anyone else.
 A revocation names a node and a time, signed by the root: every certificate of that name
 issued up to that time is refused from then on, and a certificate issued to the name later
 is valid again (a node re-admitted on purpose). Revocations travel as signed records (the
-swarm keeps them in its DHT, node/swarm.py `Directory.sync_revocations`); a forged one is
+swarm keeps them in its DHT, node/directory.py `Directory.sync_revocations`); a forged one is
 refused like a forged certificate.
 
 Signatures are Ed25519 (the `cryptography` package, which hivemind already needs); what a

@@ -57,7 +57,7 @@ def trainer(role: str, workdir: Path, args: argparse.Namespace) -> None:
 
     from agentjet.config import SwarmConfig
     from node.allreduce import ExactAverager
-    from node.swarm import visible_maddrs
+    from node.dht import visible_maddrs
 
     if args.stock:  # back to hivemind's DecentralizedAverager._run_allreduce_inplace_
         del ExactAverager._run_allreduce_inplace_
@@ -159,7 +159,8 @@ def optimizer(config: Any, model: Any, workdir: Path, role: str, closed: bool) -
     addresses, peer id, averagers' names)."""
     from agentjet.identity import NodeKeys
     from agentjet.keys import read_keys
-    from node.swarm import SwarmOptimizer, visible_maddrs
+    from node.dht import visible_maddrs
+    from node.swarm import SwarmOptimizer
 
     settings = dict(lr=1e-3, weight_decay=0.0, target_batch_size=2, other_trainers=lambda: 1)
     if not closed:
@@ -179,8 +180,10 @@ def member_optimizer(config: Any, keys: Any, params: Any, **settings: Any) -> An
     """A trainer's optimizer in a swarm with keys, as node/trainer.py makes it: its DHT
     admitting the root's certificates, its peer id bound to its certificate, its averagers
     behind the member gate. The DHT is the caller's to shut down after the optimizer."""
+    from node.dht import start_dht
+    from node.directory import Directory
     from node.members import MemberGate
-    from node.swarm import Directory, SwarmOptimizer, start_dht
+    from node.swarm import SwarmOptimizer
 
     dht = start_dht(config, keys)
     Directory(dht, config).declare_member(keys.identity, str(dht.peer_id))
@@ -258,23 +261,23 @@ async def stranger_calls(
     the codes answered ("reset": the stream cut before a reply)."""
     from hivemind.proto import averaging_pb2
 
-    from node.swarm import _ExactGradientAverager, _WholeStateAverager
+    from node.averagers import ExactGradientAverager, WholeStateAverager
 
     got: dict[str, list[Any]] = {"download": [], "join": [], "aggregate": []}
 
     async def download() -> None:
-        state = _WholeStateAverager.get_stub(p2p, peer, namespace=namespaces["state"])
+        state = WholeStateAverager.get_stub(p2p, peer, namespace=namespaces["state"])
         stream = await state.rpc_download_state(averaging_pb2.DownloadRequest())
         got["download"] += [message.SerializeToString() async for message in stream]
 
     async def join() -> None:
-        grads = _ExactGradientAverager.get_stub(p2p, peer, namespace=namespaces["grad"])
+        grads = ExactGradientAverager.get_stub(p2p, peer, namespace=namespaces["grad"])
         request = averaging_pb2.JoinRequest(schema_hash=b"", expiration=time.time() + 30)
         stream = await grads.rpc_join_group(request)
         got["join"] += [message.code async for message in stream]
 
     async def aggregate() -> None:
-        grads = _ExactGradientAverager.get_stub(p2p, peer, namespace=namespaces["grad"])
+        grads = ExactGradientAverager.get_stub(p2p, peer, namespace=namespaces["grad"])
 
         async def parts() -> Any:
             yield averaging_pb2.AveragingData(group_id=b"stranger", weight=1.0)

@@ -1,4 +1,4 @@
-"""Swarm-under-load benchmark: the README's swarm commands on one box whose other core a
+"""Swarm-under-load benchmark: the swarm commands of docs/swarm.md on one box whose other core a
 busy loop takes for the whole run, with two trainers and with one.
 
     keys init, keys issue per node ──▶ coordinator ──▶ trainer(s) ──▶ rollout node
@@ -134,15 +134,16 @@ def trainer_steps(root: Path, name: str) -> list[dict[str, Any]]:
     return [r for r in rows if r.get("event") == "step"]
 
 
-def run_arm(trainers: int, minutes: float, extra: list[str]) -> dict[str, Any]:
+def run_arm(trainers: int, minutes: float, extra: list[str], hog: bool = True) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(prefix="agentjet-swarm-load-"))
-    arm = Arm(root, [sys.executable, "-m", "agentjet.cli"])
+    arm = Arm(root, [sys.executable, "-m", "agentjet_app.cli"])
     names = [f"trainer-{chr(ord('a') + i)}" for i in range(trainers)]
     try:
         arm.run("keys", "init", "--out", "swarm.keys")
         for name in [*names, "rollout-1"]:
             arm.run("keys", "issue", "--node", name, "--keys", "swarm.keys")
-        arm.start("hog", [sys.executable, "-c", "while True: pass"])
+        if hog:
+            arm.start("hog", [sys.executable, "-c", "while True: pass"])
         port = free_port(span=2)
         arm.start(
             "coordinator",
@@ -238,6 +239,7 @@ def run_arm(trainers: int, minutes: float, extra: list[str]) -> dict[str, Any]:
         )
         return {
             "trainers": trainers,
+            "hog": hog,
             "minutes": minutes,
             "versions": newest,
             "versions_per_min": (newest - 1) / minutes,
@@ -262,18 +264,23 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--arms", default="two_trainers,lone_trainer")
     parser.add_argument("--set", action="append", default=[], help="passed to every node")
+    parser.add_argument(
+        "--no-hog", action="store_true", help="an idle box: no CPU hog (stop times, baselines)"
+    )
     parser.add_argument("--out", type=Path, default=REPO / "bench/results/swarm_load.json")
     args = parser.parse_args()
     extra = [a for s in args.set for a in ("--set", s)]
     results: dict[str, Any] = {}
     for arm in args.arms.split(","):
         trainers = {"two_trainers": 2, "lone_trainer": 1}[arm]
-        print(f"{arm}: {trainers} trainer(s), a rollout node, a coordinator, a CPU hog", flush=True)
-        results[arm] = run_arm(trainers, args.minutes, extra)
+        hog = "" if args.no_hog else ", a CPU hog"
+        print(f"{arm}: {trainers} trainer(s), a rollout node, a coordinator{hog}", flush=True)
+        results[arm] = run_arm(trainers, args.minutes, extra, hog=not args.no_hog)
         print(json.dumps(results[arm], indent=1), flush=True)
     out = {
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
         "settings": args.set,
+        "hog": not args.no_hog,
         "arms": results,
     }
     if "two_trainers" in results:

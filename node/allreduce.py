@@ -30,11 +30,11 @@ others, with every other peer none the wiser. Here each reducer's reply carries 
 total weight (the sum of the weights of the senders in it); a peer that sees two parts
 with different totals knows the average is not of one set of peers (`RoundResult.partial`),
 and every peer that got the whole average sees the same totals. A gradient round is then
-all or nothing: the trainers treat a partial round as failed (node/swarm.py).
+all or nothing: the trainers treat a partial round as failed (node/optimizer.py).
 
 A round's result also names the peers whose whole tensors, with a weight above zero, are
 in this peer's average (`RoundResult.contributors`): a trainer vouches for those peers'
-gradients (node/swarm.py, "trained" marks).
+gradients (node/directory.py, "trained" marks).
 """
 
 from __future__ import annotations

@@ -28,7 +28,8 @@ from agentjet import protocol
 from agentjet.config import SwarmConfig
 from agentjet.errors import AgentjetError
 from agentjet.identity import encode_revocation, read_node_keys
-from node.swarm import Directory, start_dht, visible_maddrs
+from node.dht import start_dht, visible_maddrs
+from node.directory import Directory
 
 log = logging.getLogger("beacon")
 

@@ -8,7 +8,7 @@
                   ├───────────────────────────────────────────────────┘
                   └── T gone (its directory record expired) and no durable trained mark in
                       the DHT (T's own, or a peer's of a gradient batch that held the group,
-                      naming weights a live trainer's lineage holds; node/swarm.py `durable`)
+                      naming weights a live trainer's lineage holds; node/directory.py `durable`)
 
 A group goes to another trainer only when the one that may hold it is gone, so no group is
 trained twice by two live trainers; a trainer that dies with groups in its queue loses

@@ -16,7 +16,7 @@ that teach something, or trains what it holds once `trainer.fill_timeout_s` has 
 "Trained" is said to a rollout node (GroupStatus) only once the weights holding the group
 survive this trainer's death: a checkpoint here of a version at or past the step's. (The
 DHT's trained marks, read when a trainer is gone, also count a live trainer whose lineage
-holds the step: node/swarm.py `durable`.) Until then the group is "queued" for the rollout
+holds the step: node/directory.py `durable`.) Until then the group is "queued" for the rollout
 node, which keeps its copy. Groups of steps a checkpoint holds are listed in trained_groups.log
 (`version<TAB>group id`), so a trainer resumed from that checkpoint knows them again; the
 rest of the book lives in memory.
@@ -46,7 +46,7 @@ Status = Literal["queued", "trained", "dropped", "unknown"]
 class DoubtfulBatch:
     """Groups whose gradients went into a round that failed on this trainer's side only
     (`RoundFailed.sent`): a peer may have stepped with them. The peer's mark of the batch
-    (node/swarm.py, round marks) settles it (`settle`)."""
+    (node/directory.py, round marks) settles it (`settle`)."""
 
     batch_id: str
     epoch: int  # the version of the round: a peer that took the batch stepped from it

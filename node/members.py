@@ -5,8 +5,8 @@
     a caller of rpc_join_group / rpc_aggregate_part / rpc_download_state
         ──▶ MemberGate.admits(context.remote_id) ── reads bindings + revocations ──▶ bool
 
-The overrides that call the gate (`_MembersOnly`) live with hivemind's other overrides in
-node/swarm.py; this module holds what they decide by, and the DHT key names the swarm's
+The overrides that call the gate (`MembersOnly`) live with hivemind's other overrides in
+node/averagers.py; this module holds what they decide by, and the DHT key names the swarm's
 directory shares with it. Tests: tests/integration/test_closed_swarm.py (a stranger's peer
 refused, a member served), tests/integration/test_fuzz.py (junk calls, junk bindings),
 tests/integration/test_keys.py (a revoked trainer), all on real hivemind peers.
@@ -52,7 +52,7 @@ class MemberGate:
     download): the peers whose binding to a current, unrevoked certificate is in the DHT
     (`Directory.declare_member`). hivemind 1.1.12 has no authorization hook for these calls
     and its p2pd no private network, so this is checked on every call on the receiving side,
-    in the averager's process (`_MembersOnly`), which reads the bindings and revocations
+    in the averager's process (`MembersOnly`), which reads the bindings and revocations
     from the DHT itself. A refused call is counted per kind (shared with the trainer's
     process) and logged at most once a minute."""
 

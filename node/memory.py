@@ -20,8 +20,8 @@ minutes of `agentjet local`, 210-220 MB with the trim; bench/LOG.md).
 
 `shared_zeros()` and `untouched_zeros()` make buffers whose pages exist only once written:
 in shared memory, those a parameter round copies the parameters into before it runs and
-a gradient round's averaged gradients; private, the gradient accumulators (node/swarm.py
-`_ExactGradientAverager`). A trainer without peers has no rounds, and one whose every
+a gradient round's averaged gradients; private, the gradient accumulators (node/averagers.py
+`ExactGradientAverager`). A trainer without peers has no rounds, and one whose every
 step is a whole epoch accumulates nothing: hivemind's own buffers cost the parameters'
 size each from the start.
 

@@ -45,9 +45,10 @@ from agentjet.logs import RepeatedLog
 from agentjet.metrics import MetricsWriter, Rate
 from agentjet.roles import run_role, supervise
 from agentjet.transport import Server
+from node.dht import start_dht, visible_maddrs
+from node.directory import Directory
 from node.gpu_monitor import GpuMonitor
 from node.model import load_tokenizer, resolve_model
-from node.swarm import Directory, start_dht, visible_maddrs
 from node.teacher import Teacher, load_teachers
 
 log = logging.getLogger(__name__)

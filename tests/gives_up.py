@@ -8,8 +8,8 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from agentjet import cli
-from node import swarm
+from agentjet_app import cli
+from node import optimizer
 
 
 class GivesUp:
@@ -37,5 +37,5 @@ def give_up_on_every_round(optimizer_type: Any) -> None:
 
 
 if __name__ == "__main__":
-    give_up_on_every_round(swarm._Optimizer)
+    give_up_on_every_round(optimizer.HivemindOptimizer)
     sys.exit(cli.main())

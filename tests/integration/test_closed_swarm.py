@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
 import sys
 import time
 from typing import Any
@@ -29,7 +28,9 @@ from agentjet.config import SwarmConfig
 from agentjet.identity import NodeKeys
 from agentjet.keys import new_keys
 from bench.identity import accepted, member_optimizer, namespaces, stranger_calls
-from node.swarm import SwarmOptimizer, visible_maddrs
+from node.dht import visible_maddrs
+from node.swarm import SwarmOptimizer
+from tests import procs
 from tests.fault_results import merge_results
 from tests.integration.test_swarm import REPO_ROOT
 from tests.integration.test_swarm_state import _fake_gradients, _weights
@@ -123,7 +124,7 @@ def test_a_stranger_at_a_live_two_trainer_swarm_changes_no_bit() -> None:
     then with a stranger calling their averaging handlers the whole run; the weights of
     every version are the same bits in both runs, and the stranger got nothing."""
     epochs = 6
-    done = subprocess.run(
+    done = procs.run(
         [sys.executable, "bench/identity.py", "--stranger", "--epochs", str(epochs), "--runs", "1"],
         capture_output=True, text=True, cwd=REPO_ROOT, timeout=280,
     )  # fmt: skip

@@ -35,14 +35,11 @@ from agentjet.identity import NodeIdentity, NodeKeys, RootKey, read_node_keys
 from agentjet.keys import new_keys
 from agentjet.lifeline import running
 from bench.identity import namespaces
+from node.averagers import ExactGradientAverager, WholeStateAverager
+from node.dht import visible_maddrs
+from node.directory import Directory
 from node.members import members_key
 from node.openai_api import EpisodeHub, OpenAIServer
-from node.swarm import (
-    Directory,
-    _ExactGradientAverager,
-    _WholeStateAverager,
-    visible_maddrs,
-)
 from tests.factories import RuleGenerator, make_group, member_hello
 from tests.fault_results import record_fuzz
 from tests.integration.test_closed_swarm import LoneTrainer
@@ -313,8 +310,8 @@ async def _stranger_throws(
 ) -> tuple[int, int]:
     """Each call from the stranger's own peer; returns (answered with anything but a
     refusal, cut short with an error before any answer)."""
-    state = _WholeStateAverager.get_stub(p2p, target, namespace=namespaces["state"])
-    grads = _ExactGradientAverager.get_stub(p2p, target, namespace=namespaces["grad"])
+    state = WholeStateAverager.get_stub(p2p, target, namespace=namespaces["state"])
+    grads = ExactGradientAverager.get_stub(p2p, target, namespace=namespaces["grad"])
 
     async def one(call: str, request: Any) -> tuple[bool, bool]:
         try:
@@ -347,7 +344,7 @@ async def _stranger_throws(
 
 @pytest.mark.timeout(300)
 def test_averaging_handlers_refuse_junk_and_stay_up() -> None:
-    """A trainer's averaging handlers (node/swarm.py `_MembersOnly`) and the membership
+    """A trainer's averaging handlers (node/averagers.py `MembersOnly`) and the membership
     proofs its gate reads (peer bindings in the DHT). A member stores junk bindings, some
     claiming the stranger's peer id; then the stranger sends junk and oversized join
     requests, all-reduce parts and state downloads. Nothing is answered but a refusal, the

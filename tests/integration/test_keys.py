@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -26,14 +25,16 @@ import zmq
 from hivemind.utils.timed_storage import get_dht_time
 
 from agentjet import protocol
-from agentjet.cli import format_status
 from agentjet.config import SwarmConfig
 from agentjet.errors import AgentjetError
 from agentjet.identity import NodeKeys, RootKey, read_node_keys
 from agentjet.keys import new_keys
 from agentjet.protocol import Lineage
 from agentjet.transport import Client, NotAMember, PeerUnavailable
-from node.swarm import Directory, Mark, read_directory, start_dht, visible_maddrs
+from agentjet_app.cli import format_status
+from node.dht import start_dht, visible_maddrs
+from node.directory import Directory, Mark, read_directory
+from tests import procs
 from tests.factories import make_group
 from tests.integration.test_coordinator import (  # noqa: F401
     MAX_MESSAGE_BYTES,
@@ -290,8 +291,8 @@ def test_a_revoked_node_is_shut_out_of_a_live_swarm_and_nobody_else_is(
                 assert Directory(dht, swarm).revoke(forged)
             finally:
                 dht.shutdown()
-            revoke = [sys.executable, "-m", "agentjet.cli", "keys", "revoke", "alice"]
-            done = subprocess.run(
+            revoke = [sys.executable, "-m", "agentjet_app.cli", "keys", "revoke", "alice"]
+            done = procs.run(
                 [*revoke, "--keys", str(keys_file), "--join", join, "--run-id", run_id],
                 capture_output=True,
                 text=True,
@@ -308,7 +309,7 @@ def test_a_revoked_node_is_shut_out_of_a_live_swarm_and_nobody_else_is(
             again = await connect(live, name="alice")  # a certificate issued after it
             assert isinstance(await again.request(query), protocol.PolicyInfo)
             # `agentjet status --join` shows what the trainer refused (its directory record)
-            status_cmd = [sys.executable, "-m", "agentjet.cli", "status", "--join", join]
+            status_cmd = [sys.executable, "-m", "agentjet_app.cli", "status", "--join", join]
             status_cmd += ["--run-id", run_id, "--keys", str(keys_file)]
             await until(lambda: status_lists_refusals(status_cmd), "status shows the refusals")
             status = await coordinators.client("bob").request(protocol.StatusRequest())
@@ -344,7 +345,7 @@ async def served_by(client: Client, request: msgspec.Struct, proc: Any) -> bool:
 async def status_lists_refusals(command: list[str]) -> bool:
     """Whether `agentjet status --join` lists a trainer's refusals of a revoked node."""
     done = await asyncio.to_thread(
-        subprocess.run, command, capture_output=True, text=True, timeout=REVOKE_TIMEOUT_S
+        procs.run, command, capture_output=True, text=True, timeout=REVOKE_TIMEOUT_S
     )
     assert done.returncode == 0, done.stderr
     return any(

@@ -22,7 +22,9 @@ import torch
 
 from agentjet.config import SwarmConfig
 from agentjet.roles import _abort_setup
-from node.swarm import StepOutcome, SwarmOptimizer, visible_maddrs
+from node.dht import visible_maddrs
+from node.rounds import StepOutcome
+from node.swarm import SwarmOptimizer
 from tests.swarm_peer import Peer, fake_gradients, tiny_model
 
 pytestmark = pytest.mark.integration
@@ -83,6 +85,21 @@ def test_two_trainers_meet_in_a_round_though_their_batches_come_seconds_apart() 
         for x, y in zip(_weights(model), b.weights(), strict=True):
             assert torch.equal(x, y)
         assert a.round_problem == ""
+        # the round's time is measured: the next rounds' timeouts follow it
+        measured = a.optimizer.round_timeout.round_s
+        assert measured is not None and 0.0 < measured < 30.0
+        # ... and the averager's process rounds with the timeout it is given: one too short
+        # for any all-reduce fails the next round here, and nothing is applied
+        a.optimizer.grad_averager.set_round_timeout(1e-4)
+        second: list[StepOutcome] = []
+        before = _weights(model)
+        fake_gradients(model, 3)
+        thread = _step_in_thread(a, second)
+        b.step(seed=4)
+        thread.join(THREAD_JOIN_S)
+        assert not second[0].applied and a.epoch == 1, second
+        for x, y in zip(_weights(model), before, strict=True):
+            assert torch.equal(x, y)
 
 
 @pytest.mark.timeout(240)

@@ -20,7 +20,9 @@ import pytest
 import torch
 
 from agentjet.config import SwarmConfig
-from node.swarm import StepOutcome, SwarmOptimizer, attach_when_peered, visible_maddrs
+from node.dht import visible_maddrs
+from node.rounds import StepOutcome
+from node.swarm import SwarmOptimizer, attach_when_peered
 
 pytestmark = pytest.mark.integration
 
@@ -103,7 +105,7 @@ def test_a_trainer_behind_takes_the_state_of_one_that_keeps_stepping() -> None:
         other_trainers=lambda: others_of_a[0],
     )  # fmt: skip
     # Parameter rounds average copies, never the optimizer's own parameters in place: a
-    # broken round's parts must not reach a version (node/swarm.py _WholeStateAverager).
+    # broken round's parts must not reach a version (node/averagers.py WholeStateAverager).
     assert not a.optimizer.offload_optimizer and not a.optimizer.state_averager.reuse_tensors
     b: SwarmOptimizer | None = None
     stop, stepping = threading.Event(), threading.Event()
@@ -220,17 +222,18 @@ class _Leaky:
 @pytest.mark.timeout(60)
 def test_a_stopped_tracker_leaves_no_task_pending(caplog: pytest.LogCaptureFixture) -> None:
     """A trainer that stopped while its progress tracker was reading the DHT logged
-    asyncio's "Task was destroyed but it is pending!" (test_durable, in CI). `_Tracker`
+    asyncio's "Task was destroyed but it is pending!" (test_durable, in CI). `Tracker`
     cancels what is left on its loop; hivemind's own tracker, the control, does not."""
     from hivemind.optim.progress_tracker import ProgressTracker
 
-    from node.swarm import _Tracker, start_dht
+    from node.averagers import Tracker
+    from node.dht import start_dht
 
     run = SwarmConfig(run_id=f"test-tracker-{time.monotonic_ns()}")
     dht = start_dht(run, keys=None)
     try:
         destroyed = {}
-        for name, base in (("hivemind", ProgressTracker), ("ours", _Tracker)):
+        for name, base in (("hivemind", ProgressTracker), ("ours", Tracker)):
             tracker = type("Tracker", (_Leaky, base), {})(
                 dht, prefix=f"{run.run_id}-{name}", target_batch_size=1, start=True
             )

@@ -1,4 +1,4 @@
-"""A trainer's groups count as trained through a peer's marks (node/swarm.py).
+"""A trainer's groups count as trained through a peer's marks (node/directory.py).
 
 Two trainer processes (`SwarmOptimizer`s, their own peer keys, loopback) average
 gradients; only trainer A marks anything trained, as when trainer B's link is cut right
@@ -25,6 +25,7 @@ import pytest
 
 from agentjet.config import SwarmConfig
 from agentjet.protocol import Lineage
+from tests import procs
 
 pytestmark = pytest.mark.integration
 
@@ -38,7 +39,8 @@ STEP_PAUSE_S = 0.05
 
 
 def test_a_directory_resolves_trained_groups_through_marked_batches() -> None:
-    from node.swarm import Directory, Mark, start_dht
+    from node.dht import start_dht
+    from node.directory import Directory, Mark
 
     config = SwarmConfig(run_id=f"test-marks-{time.monotonic_ns()}")
     dht = start_dht(config, keys=None)
@@ -70,7 +72,7 @@ def test_a_directory_resolves_trained_groups_through_marked_batches() -> None:
 def two_trainers(tmp_path: Path, b_gives_up: bool = False) -> Iterator[tuple[Any, SwarmConfig]]:
     """Trainers A and B (`trainer` below) in a swarm whose DHT this process also serves;
     yields that DHT and the config once B is gone and A is done (A stays until the end)."""
-    from node.swarm import start_dht, visible_maddrs
+    from node.dht import start_dht, visible_maddrs
 
     config = SwarmConfig(run_id=f"test-batches-{time.monotonic_ns()}", averaging_timeout_s=10.0)
     dht = start_dht(config, keys=None)
@@ -81,7 +83,7 @@ def two_trainers(tmp_path: Path, b_gives_up: bool = False) -> Iterator[tuple[Any
         )
         for role in ("a", "b"):
             fault = ["gives-up"] if role == "b" and b_gives_up else []
-            children[role] = subprocess.Popen(
+            children[role] = procs.popen(
                 [sys.executable, __file__, role, str(tmp_path), *fault],
                 stdout=subprocess.DEVNULL,
                 stderr=(tmp_path / f"{role}.log").open("wb"),
@@ -115,7 +117,7 @@ def steps_of(tmp_path: Path, role: str) -> list[dict[str, Any]]:
 def test_a_peers_marks_cover_the_groups_of_a_trainer_whose_marks_were_lost(
     tmp_path: Path,
 ) -> None:
-    from node.swarm import Directory
+    from node.directory import Directory
 
     with two_trainers(tmp_path) as (dht, config):
         a_steps, b_steps = steps_of(tmp_path, "a"), steps_of(tmp_path, "b")
@@ -144,7 +146,7 @@ def test_a_trainer_that_gives_up_on_a_round_its_peer_completed_finds_its_batch_m
     timeout strikes then): B steps with none, A with each. B is told each such batch is
     in doubt, and finds exactly those A stepped with marked (node/trainer.py settles them
     trained, instead of training their groups again)."""
-    from node.swarm import Directory
+    from node.directory import Directory
 
     with two_trainers(tmp_path, b_gives_up=True) as (dht, config):
         a_steps, b_steps = steps_of(tmp_path, "a"), steps_of(tmp_path, "b")
@@ -167,7 +169,8 @@ def trainer(role: str, workdir: Path, fault: str = "") -> None:
     import msgspec
     import torch
 
-    from node.swarm import Mark, SwarmOptimizer
+    from node.directory import Mark
+    from node.swarm import SwarmOptimizer
     from tests.gives_up import give_up_on_every_round
 
     config = msgspec.convert(json.loads((workdir / "config.json").read_text()), SwarmConfig)

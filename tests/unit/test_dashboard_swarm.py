@@ -24,14 +24,14 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from agentjet import protocol
 from agentjet.config import Config, CoordinatorConfig, NetConfig, RunConfig
-from agentjet.dashboard.server import DashboardApp
-from agentjet.dashboard.source import LIVE_TRAJECTORIES_NOTE, RunDirSource
-from agentjet.dashboard.swarm import FORGET_AFTER_S, SwarmSource, node_key
 from agentjet.identity import read_node_keys
 from agentjet.metrics import RECENT_ROWS, MetricsWriter, RecentRows
 from agentjet.protocol import GpuStats, MetricsRequest, MetricsRows, NodeRecord
 from agentjet.roles import Role
 from agentjet.transport import outsider_client
+from agentjet_app.dashboard.server import DashboardApp
+from agentjet_app.dashboard.source import LIVE_TRAJECTORIES_NOTE, RunDirSource
+from agentjet_app.dashboard.swarm import FORGET_AFTER_S, SwarmSource, node_key
 from coordinator.service import Coordinator
 from tests.factories import member_hello
 
@@ -255,7 +255,7 @@ def test_the_scheduler_page_without_a_coordinator_to_ask_says_why(
 
 
 class Directory:
-    """A stand-in for node/swarm.py's Directory: the records a read returns."""
+    """A stand-in for node/directory.py's Directory: the records a read returns."""
 
     def __init__(self, records: list[NodeRecord]) -> None:
         self.listed = records

@@ -1,5 +1,5 @@
 """A trainer's group book (node/groups.py), policy lineages (protocol.Lineage) and how the
-DHT's trained marks are read (node/swarm.py `durable`, `read_mark`): hand-worked cases,
+DHT's trained marks are read (node/directory.py `durable`, `read_mark`): hand-worked cases,
 including a lone trainer killed between checkpoints and resumed."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 
 from agentjet import protocol
 from agentjet.protocol import Lineage, fork_id
+from node.directory import Mark, durable, read_mark, undecided_mark
 from node.groups import Filling, GroupBook
-from node.swarm import Mark, durable, read_mark, undecided_mark
 
 pytestmark = pytest.mark.unit
 

@@ -17,7 +17,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agentjet.cli import main
 from agentjet.errors import ConfigError
 from agentjet.identity import (
     CLOCK_SKEW_S,
@@ -33,6 +32,7 @@ from agentjet.identity import (
     write_node_keys,
 )
 from agentjet.keys import new_keys, read_keys, write_keys
+from agentjet_app.cli import main
 
 pytestmark = pytest.mark.unit
 
@@ -223,7 +223,7 @@ def test_peer_bindings_tie_a_peer_id_to_the_node_that_signed_them(root: RootKey)
 
 
 def test_signed_records_name_the_node_that_signed_them(root: RootKey):
-    """What a directory record is read by (node/swarm.py `Directory.records`)."""
+    """What a directory record is read by (node/directory.py `Directory.records`)."""
     node, other = NodeIdentity.new(root, "rollout-a"), NodeIdentity.new(root, "rollout-b")
     members = Membership(root.public)
     signed = node.sign_record(b"payload")

@@ -22,7 +22,6 @@ import pytest
 import zmq
 
 from agentjet import protocol
-from agentjet.cli import main
 from agentjet.config import NetConfig, load_config
 from agentjet.errors import ConfigError
 from agentjet.identity import (
@@ -36,6 +35,7 @@ from agentjet.identity import (
 )
 from agentjet.keys import NO_KEYS, SwarmKeys, new_keys, read_keys, write_keys
 from agentjet.transport import Client, NotAMember, PeerUnavailable, Server
+from agentjet_app.cli import main
 
 pytestmark = pytest.mark.unit
 
@@ -352,7 +352,7 @@ def test_client_reconnects_with_curve_after_a_timeout(tmp_path: Path, swarm: Swa
 def test_dht_tokens_are_node_certificates(swarm: SwarmKeys):
     """The swarm's DHT admits a peer whose token carries a current certificate of this root,
     signed by that node: not another swarm's, not one changed in flight, not a revoked one."""
-    from node.swarm import SwarmAuthorizer
+    from node.dht import SwarmAuthorizer
 
     alice, bob = SwarmAuthorizer(member(swarm, "alice")), SwarmAuthorizer(member(swarm, "bob"))
     stranger = SwarmAuthorizer(member(new_keys(), "alice"))

@@ -6,9 +6,11 @@ from __future__ import annotations
 import pytest
 
 from node.rounds import (
+    MAX_ROUND_TIMEOUT_S,
     MAX_ROUND_WAIT_S,
     TROUBLE_AFTER_FAILURES,
     RoundPace,
+    RoundTimeout,
     RoundTrouble,
     step_share,
 )
@@ -34,6 +36,30 @@ def test_the_wait_is_bounded() -> None:
     pace.step_began(now=0.0)
     pace.step_began(now=10_000.0)
     assert pace.wait_s == MAX_ROUND_WAIT_S
+
+
+def test_a_round_may_take_three_measured_rounds_at_least_the_floor() -> None:
+    timeout = RoundTimeout(floor_s=30.0)
+    assert timeout.s == 30.0  # nothing measured yet
+    timeout.succeeded(4.0)  # an idle box's all-reduce: the floor holds
+    assert timeout.s == 30.0
+    timeout.succeeded(24.0)  # 0.3 x 24 + 0.7 x 4 = 10: three of them
+    assert timeout.round_s == pytest.approx(10.0) and timeout.s == pytest.approx(30.0)
+    timeout.succeeded(44.0)  # 0.3 x 44 + 0.7 x 10 = 20.2
+    assert timeout.s == pytest.approx(60.6)
+
+
+def test_a_round_out_of_time_stretches_the_next_until_one_succeeds() -> None:
+    timeout = RoundTimeout(floor_s=30.0)
+    timeout.timed_out()
+    assert timeout.s == 45.0
+    timeout.timed_out()
+    assert timeout.s == 67.5
+    for _ in range(20):
+        timeout.timed_out()
+    assert timeout.s == MAX_ROUND_TIMEOUT_S
+    timeout.succeeded(12.0)  # 36 s measured: the stretch ends with a success
+    assert timeout.s == 36.0
 
 
 def test_rounds_failing_in_a_row_are_said_once_with_the_setting_to_change() -> None:

@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import pytest
 from hivemind.utils.mpfuture import MPFuture
 
-from node import swarm
-from node.swarm import ExpectedSwarmErrors
+from node import dht
+from node.dht import ExpectedSwarmErrors
 
 pytestmark = pytest.mark.unit
 
@@ -41,8 +41,8 @@ def lines() -> Iterator[_Lines]:
     root = logging.getLogger()
     root.addHandler(handler)
     root.addHandler(second)
-    swarm._task_ends.logged_at = -float("inf")  # a quiet spell before each test
-    swarm._task_ends.unlogged = 0
+    dht._task_ends.logged_at = -float("inf")  # a quiet spell before each test
+    dht._task_ends.unlogged = 0
     yield handler
     root.removeHandler(handler)
     root.removeHandler(second)
@@ -55,11 +55,11 @@ def test_hivemind_tasks_that_time_out_are_one_line_then_a_count(lines: _Lines) -
             "Task exception was never retrieved",
             exc_info=(type(error), error, error.__traceback__),
         )
-    swarm._task_ends.flush()
+    dht._task_ends.flush()
     shown = [(r.name, r.levelno, r.getMessage()) for r in lines.records]
     assert [(name, level) for name, level, _ in shown] == [
-        ("node.swarm", logging.WARNING),
-        ("node.swarm", logging.WARNING),
+        ("node.dht", logging.WARNING),
+        ("node.dht", logging.WARNING),
     ], shown
     assert "a hivemind task ended with TimeoutError" in shown[0][2]
     assert shown[1][2].startswith("99 more hivemind tasks ended with a timeout")

@@ -1,6 +1,6 @@
 """How trainers vouch for each other's groups: which peers' gradients a round's result
 holds (node/allreduce.py), the batch ids their rounds carry, "trained" through a marked
-batch (node/swarm.py), and how a trainer settles a batch whose round failed on its side
+batch (node/directory.py), and how a trainer settles a batch whose round failed on its side
 only (node/trainer.py)."""
 
 from __future__ import annotations
@@ -10,16 +10,9 @@ from types import SimpleNamespace
 import pytest
 
 from node.allreduce import RoundResult, complete_contributors, incomplete, uneven
+from node.averagers import round_data, round_epochs, vouched_batches
+from node.directory import MAX_BATCH_ID_CHARS, batches_named, is_batch_id, trained_through_batches
 from node.groups import DoubtfulBatch, settle
-from node.swarm import (
-    MAX_BATCH_ID_CHARS,
-    batches_named,
-    is_batch_id,
-    round_data,
-    round_epochs,
-    trained_through_batches,
-    vouched_batches,
-)
 
 pytestmark = pytest.mark.unit
 
@@ -161,7 +154,7 @@ def test_at_its_deadline_a_batch_not_settled_is_trained_again() -> None:
 def test_hivemind_errors_of_expected_swarm_conditions_become_one_warning_line():
     import logging
 
-    from node.swarm import ExpectedSwarmErrors
+    from node.dht import ExpectedSwarmErrors
 
     try:
         raise RuntimeError("dial to self attempted")

@@ -26,6 +26,12 @@ for the calls still in flight (`finish`) after its loop ends and before its clea
 asyncio's runner waits for its default executor.
 `Exclusive` serialises the work of one resource (an engine: one decode or weight load at
 a time) on whichever loop is running.
+
+A user's code that may never return (a reward function) crosses by `detached` instead: a
+daemon thread of its own, also named as the bridge's, that neither `finish` nor the
+interpreter's exit waits for, so one that hangs holds no pool thread and no role's stop.
+A thread cannot be stopped: one whose caller gave up on it (a timeout) runs on, counted by
+`abandoned`, until its function returns, if ever.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import concurrent.futures
 import contextlib
 import contextvars
 import functools
+import itertools
 import os
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -50,10 +57,14 @@ T = TypeVar("T")
 BRIDGE_THREADS = 256
 # The name of every bridge thread ("agentjet-bridge_0", ...).
 THREAD_PREFIX = "agentjet-bridge"
+# The name of each thread `detached` starts ("agentjet-bridge_detached_0", ...).
+DETACHED_PREFIX = THREAD_PREFIX + "_detached"
 
 _executor: ThreadPoolExecutor | None = None
 _in_flight: set[concurrent.futures.Future[Any]] = set()
-_made = threading.Lock()  # guards both
+_abandoned: set[threading.Thread] = set()  # detached threads running on, their await gone
+_made = threading.Lock()  # guards the three
+_detached_numbers = itertools.count()
 
 
 async def blocking(fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
@@ -71,8 +82,45 @@ async def blocking(fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> 
     return await asyncio.wrap_future(future)
 
 
+async def detached(fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
+    """`blocking` for a user's code that may never return: `fn(*args, **kwargs)` in a daemon
+    thread of its own, started at once, which `finish` and the interpreter's exit do not
+    wait for. Cancelling the await (a timeout around it) gives up on the result only: `fn`
+    runs on, counted by `abandoned` until it returns.
+    """
+    future: concurrent.futures.Future[T] = concurrent.futures.Future()
+    future.set_running_or_notify_cancel()  # (so a cancelled await cannot cancel it)
+    call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
+
+    def run() -> None:
+        try:
+            future.set_result(call())
+        except BaseException as e:  # noqa: BLE001 - the awaiting caller gets it
+            future.set_exception(e)
+        with _made:
+            _abandoned.discard(thread)
+
+    name = f"{DETACHED_PREFIX}_{next(_detached_numbers)}"
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    try:
+        return await asyncio.wrap_future(future)
+    except asyncio.CancelledError:
+        with _made:
+            if not future.done():
+                _abandoned.add(thread)
+        raise
+
+
+def abandoned() -> int:
+    """`detached` calls still running whose callers gave up on them."""
+    with _made:
+        return len(_abandoned)
+
+
 def finish() -> None:
-    """Wait until every call in flight has ended. A role calls it once its loop is done and
+    """Wait until every `blocking` call in flight has ended (`detached` ones are not waited
+    for: they may never end). A role calls it once its loop is done and
     before its cleanup releases what those calls may use (the DHT, sandboxes, the engine):
     a call abandoned by a cancelled task still runs, and would otherwise wait forever on a
     DHT stopped under it, holding the interpreter's exit (which joins its threads)."""
@@ -127,6 +175,7 @@ def _forget_in_child() -> None:
     global _executor, _made
     _executor = None
     _in_flight.clear()
+    _abandoned.clear()
     _made = threading.Lock()
 
 

@@ -363,6 +363,10 @@ class TrainerConfig(_Section):
     # Picked by a hash of the group id and a secret each trainer draws at start (a sender
     # cannot choose ids that escape the check). A check costs a tokenizer decode per sample.
     reward_check_fraction: Annotated[float, Meta(ge=0, le=1)] = 1.0
+    # A reward re-check still running after this long (a user's function, sync or async) is
+    # given up: the group trains on the rewards it was sent with (counts/reward_check_timeouts).
+    # Under net.request_timeout_s, so the node that sent the group still hears its answer.
+    reward_check_timeout_s: PositiveFloat = 10.0
     # Share of the groups of environments with a teacher (envs[].teacher) whose teacher
     # logprobs the trainer recomputes with its own copy of the teacher before the step
     # (picked as for reward checks); a group whose reported teacher logprobs differ from

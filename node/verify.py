@@ -4,6 +4,8 @@
                 ──protocol.check_group (shapes, vocabulary, lengths)
                 ──picked for a reward check? (a share trainer.reward_check_fraction of group ids)
                       ──task rebuilt from its id, every completion re-scored──▶ wrong: "rejected"
+                        (awaited: the trainer serves on; past trainer.reward_check_timeout_s
+                        given up, the rewards taken as sent, counted `reward_check_timeouts`)
                 ──queued ──▶ learner forward: logprob gap > trainer.max_logprob_gap ──▶ "dropped"
     every failed check ──▶ Quarantine.failed(sender) ──▶ quarantined after trainer.quarantine_after
     a quarantined sender's group ──▶ Quarantine.admit: refused; when no other node's group came
@@ -17,9 +19,12 @@ own `[[envs]]` can rebuild the task: a generated task from its id, a task-file t
 id. Other groups are trained unchecked and counted (`groups_reward_unchecked`): multi-turn
 and sandboxed environments score with tools and programs the trainer does not run. A
 sample whose reward function failed on the rollout node (its error says "reward ...") must
-report 0 and is not re-scored: a timeout there need not repeat here. The sender is the
-node id a group names: quarantine stops a misbehaving or broken node, not one that forges
-its name too. A quarantine that leaves the trainer with nothing to train is never silent nor
+report 0 and is not re-scored: a timeout there need not repeat here. A re-check runs the
+user's code again (`RewardCheck`; async functions on the loop, sync ones in a bridge thread)
+bounded as a whole by trainer.reward_check_timeout_s: one that runs past it proves nothing,
+so the group trains on the rewards it was sent with, counted. The sender is the node id a
+group names: quarantine stops a misbehaving or broken node, not one that forges its name
+too. A quarantine that leaves the trainer with nothing to train is never silent nor
 for good: a trainer alone with a quarantined node trains nothing either way, while a check
 wrong about an honest node (a bound set too tight for its lr) would stop the run.
 """
@@ -27,18 +32,24 @@ wrong about an honest node (a bound set too tight for its lr) would stop the run
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from agentjet import protocol
-from agentjet.config import EnvConfig
+from agentjet.bridge import abandoned
+from agentjet.config import EnvConfig, TrainerConfig
+from agentjet.logs import RepeatedLog
+from agentjet.roles import wait_for
 from agentjet.tasks import TaskSource
 from sandboxes.envs.arithmetic import score_completion
-from sandboxes.envs.prompt import REWARD_ERROR, Rewards
+from sandboxes.envs.prompt import REWARD_ERROR, REWARD_TIMEOUT_S, Rewards
+
+log = logging.getLogger(__name__)
 
 # Sending nodes whose failures are remembered; the oldest is forgotten beyond this (node ids
 # come from the wire: a flood of made-up ones must not grow memory without bound).
@@ -53,15 +64,24 @@ QUARANTINE_ALONE_LIFT_S = 300.0
 QUARANTINE_REMINDER_S = 60.0
 # The settings a user changes when honest groups fail the logprob check.
 QUARANTINE_SETTINGS = "trainer.max_logprob_gap (0 = off) or trainer.quarantine_after"
+# Sync reward functions given up on and still running (their threads, process-wide) at
+# which a trainer starts no re-check until some end, each group counted as timed out and
+# taken as sent: a thread cannot be stopped, so a function that never returns would
+# otherwise leave one more thread behind per check, for good.
+MAX_ABANDONED_REWARD_CHECKS = 32
 
-# Re-scores the completions (token ids) of one task, as the environment scores them.
-Checker = Callable[[Any, list[list[int]], protocol.Task], list[float]]
+# Re-scores the completions (token ids) of one task, as the environment scores them; raises
+# TimeoutError when a function of the user's ran past its time.
+Checker = Callable[[Any, list[list[int]], protocol.Task], Awaitable[list[float]]]
 
 
-def reward_checkers(envs: Sequence[EnvConfig]) -> dict[str, Checker]:
-    """The environments whose rewards this trainer can recompute, with how."""
+def reward_checkers(
+    envs: Sequence[EnvConfig], timeout_s: float = REWARD_TIMEOUT_S
+) -> dict[str, Checker]:
+    """The environments whose rewards this trainer can recompute, with how (an async reward
+    function given `timeout_s` per completion)."""
 
-    def arithmetic(
+    async def arithmetic(
         tokenizer: Any, completions: list[list[int]], task: protocol.Task
     ) -> list[float]:
         return [score_completion(tokenizer, ids, task) for ids in completions]
@@ -69,12 +89,15 @@ def reward_checkers(envs: Sequence[EnvConfig]) -> dict[str, Checker]:
     checkers: dict[str, Checker] = {"arithmetic": arithmetic}
     for env in envs:
         if env.name == "prompt" and env.verify_rewards and not env.reward_sandbox:
-            rewards = Rewards.from_config(env)
+            rewards = Rewards(env.reward_terms(), timeout_s=timeout_s)
 
-            def prompt(tokenizer: Any, completions: list[list[int]], task: protocol.Task,
-                       rewards: Rewards = rewards) -> list[float]:  # fmt: skip
+            async def prompt(tokenizer: Any, completions: list[list[int]], task: protocol.Task,
+                             rewards: Rewards = rewards) -> list[float]:  # fmt: skip
                 texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in completions]
-                return [scored.reward for scored in rewards.score_now(task, texts)]
+                scored = await rewards.score(task, texts)
+                if any(s.timed_out for s in scored):
+                    raise TimeoutError(f"a reward function ran past {rewards.timeout_s:g} s")
+                return [s.reward for s in scored]
 
             checkers["prompt"] = prompt
     return checkers
@@ -100,7 +123,7 @@ def find_task(
     return None
 
 
-def reward_problem(
+async def reward_problem(
     group: protocol.TrajectoryGroup, task: protocol.Task, tokenizer: Any, check: Checker
 ) -> str | None:
     """Why `group`'s rewards are wrong for `task`, or None when every one is right.
@@ -122,13 +145,79 @@ def reward_problem(
         else:
             rescored.append(i)
     completions = [protocol.unpack_ids(group.samples[i].completion_ids).tolist() for i in rescored]
-    rewards = check(tokenizer, completions, task) if completions else []
+    rewards = await check(tokenizer, completions, task) if completions else []
     for i, reward in zip(rescored, rewards, strict=True):
         if reward != group.samples[i].reward:
             return (
                 f"sample {i}: reward {group.samples[i].reward:g} reported, {reward:g} on re-check"
             )
     return None
+
+
+class RewardCheck:
+    """A trainer's re-check of rewards on arrival: a share `fraction` of the groups of
+    environments it can re-score, picked by `secret` (`picked_for_reward_check`).
+
+    A check that runs past `timeout_s` (sync and async reward functions alike) is given up:
+    the group keeps the rewards its node sent, counted (`reward_check_timeouts`) and logged
+    once per interval. A sync function given up on still runs in its thread, which cannot
+    be stopped (agentjet/bridge.py `detached`): counted while it runs
+    (`reward_threads_left`); at MAX_ABANDONED_REWARD_CHECKS of them no check starts.
+    """
+
+    def __init__(self, envs: Sequence[EnvConfig], config: TrainerConfig, secret: bytes) -> None:
+        self.fraction = config.reward_check_fraction
+        self.timeout_s = config.reward_check_timeout_s
+        self.secret = secret
+        self.checkers = reward_checkers(envs, self.timeout_s)
+        # Where checked groups' tasks are rebuilt from.
+        self.sources = [TaskSource.from_config(env) for env in envs if env.name in self.checkers]
+        self.in_check: set[str] = set()  # the ids of the groups being checked now
+        self.counts: Counter[str] = Counter()
+        self._given_up = RepeatedLog(
+            log,
+            f"gave up a reward re-check (trainer.reward_check_timeout_s = {self.timeout_s:g} s):"
+            " {detail}; the group trains on the rewards its node sent",
+            "gave up {count} more reward re-checks in the last {seconds:.0f} s (the last: "
+            "{detail}); their groups train on the rewards their nodes sent",
+        )
+
+    async def problem(self, group: protocol.TrajectoryGroup, tokenizer: Any) -> str | None:
+        """Why `group`'s rewards are wrong; None when they are right, the group is not
+        picked, its task is not rebuilt here (counted `groups_reward_unchecked`), or its
+        check is given up."""
+        check = self.checkers.get(group.env)
+        if check is None or not picked_for_reward_check(group.group_id, self.fraction, self.secret):
+            return None
+        task = find_task(group, self.sources)
+        if task is None:
+            self.counts["groups_reward_unchecked"] += 1
+            return None
+        if abandoned() >= MAX_ABANDONED_REWARD_CHECKS:
+            self._give_up(group, started=False)
+            return None
+        self.in_check.add(group.group_id)
+        try:
+            return await wait_for(reward_problem(group, task, tokenizer, check), self.timeout_s)
+        except TimeoutError:
+            self._give_up(group)
+            return None
+        finally:
+            self.in_check.discard(group.group_id)
+
+    def metrics(self) -> dict[str, int]:
+        """The counts above, and the threads of reward functions given up on still running."""
+        return {**self.counts, "reward_threads_left": abandoned()}
+
+    def _give_up(self, group: protocol.TrajectoryGroup, started: bool = True) -> None:
+        self.counts["reward_check_timeouts"] += 1
+        detail = f"group {group.group_id} from {group.node_id}"
+        if left := abandoned():
+            detail += f"; {left} sync reward functions given up on still run, in threads that"
+            detail += " cannot be stopped"
+        if not started:
+            detail += f" (at {MAX_ABANDONED_REWARD_CHECKS}, no check starts until some end)"
+        self._given_up.note(detail)
 
 
 def over_gap(gaps: Mapping[str, float], max_gap: float) -> set[str]:

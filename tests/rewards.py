@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import Any
+
+# `blocks` sets ENTERED when called, and returns once a test sets RELEASE (never, in a
+# process of its own): a sync function that hangs, whose thread a test can still end.
+ENTERED = threading.Event()
+RELEASE = threading.Event()
 
 
 def even_length(task: dict[str, Any], completion: str) -> float:
@@ -38,6 +44,13 @@ def returns_nan(task: dict[str, Any], completion: str) -> float:
 
 async def never_returns(task: dict[str, Any], completion: str) -> float:
     await asyncio.Event().wait()
+    return 0.0
+
+
+def blocks(task: dict[str, Any], completion: str) -> float:
+    """A sync function that hangs until RELEASE is set; then it scores 0."""
+    ENTERED.set()
+    RELEASE.wait()
     return 0.0
 
 

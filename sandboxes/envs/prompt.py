@@ -2,15 +2,16 @@
 
     task row ──chat template──▶ prompt ids ──await generate(n)──▶ n completions (text)
         └─ as a dict (id, prompt, answer, your fields) ──▶ Rewards.score(task, texts)
-              each term: fn(task, completion) -> float, sync (a bridge thread) or async
-              (on the loop), or all in one sandbox when reward_sandbox = true
+              each term: fn(task, completion) -> float, sync (a bridge thread of its own)
+              or async (on the loop), or all in one sandbox when reward_sandbox = true
            ──▶ reward = Σ weight · term; per-term values on the episode (the metrics' means)
 
 A reward function is the user's code: one that raises, hangs past REWARD_TIMEOUT_S (async
 or sandboxed), or returns something that is not a finite number (True and False count as
 1 and 0) scores that sample 0 and marks it (`Episode.error`), counted per kind and logged
 once per kind; the run goes on. The same `Rewards` re-scores groups on trainers
-(node/verify.py) when `verify_rewards` is on and the function is not sandboxed.
+(node/verify.py) when `verify_rewards` is on and the function is not sandboxed, a re-check
+bounded as a whole, sync functions too, by trainer.reward_check_timeout_s.
 """
 
 from __future__ import annotations
@@ -24,13 +25,12 @@ import math
 import sys
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from agentjet.agent_runner import load_callable
-from agentjet.bridge import blocking
+from agentjet.bridge import blocking, detached
 from agentjet.config import EnvConfig, RewardTerm
 from agentjet.episode import Episode, Generator, SamplingParams
 from agentjet.errors import ConfigError
@@ -43,7 +43,9 @@ from sandboxes.envs.chat import single_turn_episodes
 log = logging.getLogger(__name__)
 
 # Wall-clock limit of scoring one sample with an async function, and of scoring one group
-# in a sandbox. (A sync function runs in a thread, which cannot be stopped: keep it quick.)
+# in a sandbox. (A sync function runs in a thread, which cannot be stopped: keep it quick.
+# A trainer's re-check gives up on one after trainer.reward_check_timeout_s, its thread
+# left running: agentjet/bridge.py `detached`.)
 REWARD_TIMEOUT_S = 30.0
 # How `Episode.error` begins when the reward function failed for that sample.
 REWARD_ERROR = "reward "
@@ -73,11 +75,13 @@ print(json.dumps(out))
 
 @dataclass
 class Scored:
-    """One completion's reward: the weighted sum, each term's value, and what went wrong."""
+    """One completion's reward: the weighted sum, each term's value, and what went wrong
+    (`timed_out`: a function ran past its time, which says nothing of the completion)."""
 
     reward: float = 0.0
     terms: dict[str, float] = field(default_factory=dict)
     error: str = ""
+    timed_out: bool = False
 
 
 class Rewards:
@@ -119,17 +123,12 @@ class Rewards:
             raw = await self._here(row, completions)
         return [self._combine(values) for values in raw]
 
-    def score_now(self, task: Task, completions: Sequence[str]) -> list[Scored]:
-        """`score` from code that is not a coroutine (a trainer's re-check): run on an event
-        loop of its own in a thread of its own, waited for."""
-        with ThreadPoolExecutor(1, thread_name_prefix="agentjet-reward-check") as thread:
-            return thread.submit(asyncio.run, self.score(task, completions)).result()
-
     # ── where the functions run ───────────────────────────────────────────────────────
 
     async def _here(self, row: dict[str, Any], completions: Sequence[str]) -> list[dict[str, Any]]:
-        """Sync terms across the bridge (one call for the group), async ones on the loop,
-        all at once; each call gets its own copy of the row (a function may change it)."""
+        """Sync terms across the bridge (one call for the group, in a thread of its own: a
+        user's function may never return), async ones on the loop, all at once; each call
+        gets its own copy of the row (a function may change it)."""
         values: list[dict[str, Any]] = [{} for _ in completions]
         sync = [n for n, f in self.functions.items() if not _is_async(f)]
 
@@ -143,13 +142,13 @@ class Rewards:
                 call = self.functions[name](copy.deepcopy(row), completions[i])
                 values[i][name] = await wait_for(call, self.timeout_s)
             except TimeoutError:
-                values[i][name] = _Failed(f"ran past {self.timeout_s:g} s")
+                values[i][name] = _Failed(f"ran past {self.timeout_s:g} s", timed_out=True)
             except Exception as e:  # noqa: BLE001 - the user's function failed
                 values[i][name] = _Failed(f"raised {type(e).__name__}", str(e))
 
         calls = [run_async(i, n) for n in self.functions if n not in sync
                  for i in range(len(completions))]  # fmt: skip
-        await asyncio.gather(*calls, *([blocking(run_sync)] if sync else []))
+        await asyncio.gather(*calls, *([detached(run_sync)] if sync else []))
         return values
 
     async def _in_sandbox(
@@ -193,7 +192,7 @@ class Rewards:
         for name, weight, _ in self.terms:
             value = values.get(name)
             if isinstance(value, _Failed):
-                return self._failed(name, value.kind, value.detail)
+                return self._failed(name, value.kind, value.detail, value.timed_out)
             if isinstance(value, bool):
                 value = float(value)
             if not isinstance(value, int | float) or not math.isfinite(value):
@@ -202,13 +201,13 @@ class Rewards:
             scored.reward += weight * float(value)
         return scored
 
-    def _failed(self, term: str, kind: str, detail: str) -> Scored:
+    def _failed(self, term: str, kind: str, detail: str, timed_out: bool = False) -> Scored:
         key = f"{term}: {kind}"
         if key not in self.errors:
             log.warning("reward %s %s%s (the sample scores 0; logged once per kind)",
                         term, kind, f": {detail}" if detail else "")  # fmt: skip
         self.errors[key] += 1
-        return Scored(error=f"{REWARD_ERROR}{key}")
+        return Scored(error=f"{REWARD_ERROR}{key}", timed_out=timed_out)
 
     def metrics(self) -> dict[str, int]:
         """Samples whose reward failed so far, overall."""
@@ -219,6 +218,7 @@ class Rewards:
 class _Failed:
     kind: str
     detail: str = ""
+    timed_out: bool = False
 
 
 def _is_async(function: Callable[..., Any]) -> bool:

@@ -8,6 +8,7 @@ lists it under the trainer. The tiny model never answers arithmetic right, so ho
 arithmetic groups are all reward 0 (nothing to train, only the reward check to pass); the
 honest group that carries gradient, and so meets the logprob check, is played on
 python_tool tasks, whose rewards a trainer does not re-check (rewards 1, 0 as set here).
+A reward check whose function never returns is given up while the trainer serves on.
 """
 
 from __future__ import annotations
@@ -20,15 +21,17 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from transformers import AutoTokenizer
 
 from agentjet import protocol
 from agentjet.episode import SamplingParams
 from agentjet.metrics import read_metrics
 from agentjet.tasks import generate_tasks
-from node.rollout import build_group
+from node.rollout_produce import build_group
 from node.torch_engine import TorchEngine
 from sandboxes.envs.arithmetic import ArithmeticEnv
-from tests.factories import forge
+from sandboxes.envs.chat import chat_prompt_ids
+from tests.factories import forge, make_group
 from tests.integration.test_swarm import swarm_status
 from tests.integration.test_trainer_node import Launched, connect, launched_trainer
 
@@ -38,6 +41,9 @@ GROUP_SIZE = 4
 FINAL_STATUS_TIMEOUT_S = 60.0
 RECORD_TIMEOUT_S = 30.0
 RUN_ID = "verify-test"
+# The reward check that never ends is given up after this long; the trainer meanwhile serves
+# requests that take milliseconds.
+HUNG_CHECK_TIMEOUT_S = 5.0
 
 
 def honest_groups(
@@ -167,3 +173,80 @@ async def scenario(
     for each in clients.values():
         each.close()
     return outcomes
+
+
+def test_a_reward_check_that_never_ends_is_given_up_while_the_trainer_serves_on(
+    tiny_model_dir: Path, tmp_path: Path, keys_file: Path
+):
+    """A "prompt" environment whose sync reward function never returns (tests/rewards.py
+    `blocks`, never released in the trainer's process): while the trainer re-checks a group
+    with it, it answers other requests and accepts other groups; after
+    trainer.reward_check_timeout_s it gives the check up and accepts the group with the
+    rewards it was sent with, counted; and it stops cleanly, that function still blocked."""
+    task = protocol.Task(id="q1", env="prompt", prompt="Capital of France?", answer="Paris")
+    task_file = tmp_path / "tasks.jsonl"
+    row = {"id": task.id, "prompt": task.prompt, "answer": task.answer}
+    task_file.write_text(json.dumps(row) + "\n")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompt = protocol.pack_ids(chat_prompt_ids(tokenizer, None, task))
+    samples = []
+    for answer, reward in (("Paris", 1.0), ("Lyon", 0.0)):
+        ids = tokenizer.encode(answer, add_special_tokens=False)
+        samples.append(
+            protocol.Sample(
+                prompt_ids=prompt,
+                completion_ids=protocol.pack_ids(ids),
+                logprobs=protocol.pack_floats([-0.1] * len(ids)),
+                loss_mask=protocol.pack_mask([1] * len(ids)),
+                reward=reward,
+                advantage=0.0,
+                policy_version=0,
+            )
+        )
+    hanging = msgspec.structs.replace(
+        make_group("hanging"), env="prompt", task_id=task.id, samples=samples
+    )
+    overrides = [
+        f'swarm.run_id="{RUN_ID}"',
+        "rollout.group_size=2",
+        'envs.0.name="prompt"',
+        f"envs.0.task_file={json.dumps(str(task_file))}",
+        'envs.0.reward="tests.rewards:blocks"',
+        "trainer.reward_check_fraction=1.0",
+        f"trainer.reward_check_timeout_s={HUNG_CHECK_TIMEOUT_S}",
+        "trainer.groups_per_step=4",  # nothing trains: accepted groups stay queued
+    ]
+    with launched_trainer(tiny_model_dir, tmp_path, keys_file, overrides) as trainer:
+        asyncio.run(serve_beside_a_hung_check(trainer, hanging))
+        stopped = trainer.stop()  # (asserts a clean exit, the function's thread blocked)
+    assert stopped["counts/reward_check_timeouts"] == 1
+    assert stopped["counts/reward_threads_left"] == 1
+    assert stopped["counts/groups_accepted"] == 2 and stopped["counts/busy_replies"] == 1
+    assert "counts/groups_rejected_reward" not in stopped
+    log = (tmp_path / "trainer.log").read_text()
+    assert "gave up a reward re-check" in log and "group hanging from test-node" in log
+
+
+async def serve_beside_a_hung_check(trainer: Launched, hanging: protocol.TrajectoryGroup) -> None:
+    # The group is sent twice at once, by two clients: one copy starts the check, and the
+    # other is answered "busy" (a group in its check is sent again) while the check runs.
+    clients = [await connect(trainer) for _ in range(3)]
+    submit = protocol.SubmitGroup(group=hanging)
+    copies = [
+        asyncio.create_task(client.request(submit, timeout_s=6 * HUNG_CHECK_TIMEOUT_S))
+        for client in clients[:2]
+    ]
+    done, (checked,) = await asyncio.wait(copies, return_when=asyncio.FIRST_COMPLETED)
+    [busy] = [copy.result() for copy in done]
+    assert isinstance(busy, protocol.Error) and busy.code == "busy", busy
+    # Meanwhile the trainer serves: another group, a status query.
+    served = await clients[2].request(protocol.SubmitGroup(group=make_group("served")))
+    assert isinstance(served, protocol.GroupAck) and served.status == "accepted", served
+    status = await clients[2].request(protocol.GroupStatusQuery(group_ids=["served", "hanging"]))
+    assert status.statuses == {"served": "queued", "hanging": "unknown"}
+    assert not checked.done()
+    # Given up: the group is accepted with the rewards it was sent with.
+    ack = await checked
+    assert isinstance(ack, protocol.GroupAck) and ack.status == "accepted", ack
+    for client in clients:
+        client.close()

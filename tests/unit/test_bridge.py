@@ -1,5 +1,6 @@
 """The bridge from the event loop to blocking work: where calls run, what a role waits for
-at its end, and one-at-a-time use of a resource from one loop after another."""
+at its end, a user's call that never returns, and one-at-a-time use of a resource from one
+loop after another."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import threading
 
 import pytest
 
-from agentjet.bridge import Exclusive, blocking, finish, is_bridge_thread
+from agentjet.bridge import Exclusive, abandoned, blocking, detached, finish, is_bridge_thread
 
 pytestmark = pytest.mark.unit
 
@@ -53,6 +54,42 @@ def test_finish_waits_for_a_call_its_caller_abandoned() -> None:
     finish()
     assert ended.is_set()
     opener.join()
+
+
+def test_a_detached_call_given_up_runs_on_counted_and_finish_does_not_wait_for_it() -> None:
+    """A user's function that never returns: its caller gives up (a timeout cancels the
+    await); its thread, a daemon bridge thread with the caller's context, cannot be stopped
+    and is counted until the function returns. A role's stop (`finish`) does not wait."""
+    entered, release = threading.Event(), threading.Event()
+    seen: list[tuple[threading.Thread, str]] = []
+
+    def hangs() -> None:
+        seen.append((threading.current_thread(), REQUEST.get()))
+        entered.set()
+        release.wait()
+
+    def raises() -> None:
+        raise KeyError("no such column")
+
+    async def give_up() -> None:
+        REQUEST.set("reward check")
+        with pytest.raises(KeyError):
+            await detached(raises)  # what the function raises, the caller gets
+        call = asyncio.ensure_future(detached(hangs))
+        await blocking(entered.wait)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+
+    asyncio.run(give_up())
+    [(thread, context)] = seen
+    assert is_bridge_thread(thread) and thread.daemon and thread.is_alive()
+    assert context == "reward check"
+    assert abandoned() == 1
+    finish()  # returns, the thread still blocked
+    release.set()
+    thread.join()
+    assert abandoned() == 0
 
 
 def test_exclusive_serves_one_loop_after_another() -> None:

@@ -114,7 +114,7 @@ def test_the_default_image_is_the_one_build_image_makes():
 
 
 def test_swarm_flags_become_config_overrides() -> None:
-    from agentjet.cli import _resolve, build_parser
+    from agentjet_app.cli import _resolve, build_parser
 
     args = build_parser().parse_args(
         ["node", "--role", "trainer", "--join", "/ip4/10.0.0.1/tcp/7001/p2p/Qm1",
@@ -138,7 +138,7 @@ def test_swarm_flags_become_config_overrides() -> None:
     ],
 )
 def test_bad_swarm_flags_are_one_clear_error(argv: list[str], message: str) -> None:
-    from agentjet.cli import _resolve, build_parser
+    from agentjet_app.cli import _resolve, build_parser
 
     args = build_parser().parse_args(["coordinator", *argv])
     with pytest.raises(AgentjetError, match=message):
@@ -160,7 +160,7 @@ def test_nothing_listens_beyond_loopback_unless_configured(source: str | None):
 
 def test_a_full_disk_is_one_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
     """/dev/full answers every write with ENOSPC, as a full disk does."""
-    from agentjet.cli import main
+    from agentjet_app.cli import main
 
     assert main(["tasks", "--count", "3", "--out", "/dev/full"]) == 1
     error = capsys.readouterr().err

@@ -4,29 +4,37 @@ quarantine bookkeeping, and the learner leaving forged groups out of its gradien
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import math
 import random
+import threading
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
 import torch
 from transformers import AutoTokenizer
 
+import tests.rewards
 from agentjet import protocol, rl
-from agentjet.cli import format_swarm
-from agentjet.config import TrainerConfig
+from agentjet.bridge import DETACHED_PREFIX, abandoned, blocking
+from agentjet.config import EnvConfig, TrainerConfig
 from agentjet.episode import Episode, SamplingParams
 from agentjet.tasks import TaskSource, arithmetic_task_from_id, generate_tasks, write_task_file
+from agentjet_app.cli import format_swarm
 from node.learner import Learner
 from node.model import load_causal_lm
-from node.rollout import build_group
+from node.rollout_produce import build_group
 from node.torch_engine import TorchEngine
 from node.verify import (
     MAX_LISTED_NODES,
     MAX_TRACKED_NODES,
     Admission,
     Quarantine,
+    RewardCheck,
     find_task,
     over_gap,
     picked_for_reward_check,
@@ -35,11 +43,17 @@ from node.verify import (
 )
 from sandboxes.envs.chat import chat_prompt_ids
 from tests.factories import forge, make_group
-from tests.unit.test_trainer_logic import lone_swarm
+from tests.unit.test_trainer_logic import lone_optimizer
 
 pytestmark = pytest.mark.unit
 
 ARITHMETIC = reward_checkers([])["arithmetic"]
+
+
+def arithmetic_problem(
+    group: protocol.TrajectoryGroup, task: protocol.Task, tokenizer: Any
+) -> str | None:
+    return asyncio.run(reward_problem(group, task, tokenizer, ARITHMETIC))
 
 
 def test_logprob_differences_sum_each_samples_trained_tokens():
@@ -166,15 +180,131 @@ def test_rewards_are_rechecked_against_the_task_the_prompt_asks(tiny_model_dir: 
         ]
         return msgspec.structs.replace(make_group(), task_id=task.id, samples=samples)
 
-    assert (
-        reward_problem(group(task, ["It is 7.", "5"], [1.0, 0.0]), task, tokenizer, ARITHMETIC)
-        is None
-    )
-    wrong = reward_problem(group(task, ["It is 7.", "5"], [1.0, 1.0]), task, tokenizer, ARITHMETIC)
+    assert arithmetic_problem(group(task, ["It is 7.", "5"], [1.0, 0.0]), task, tokenizer) is None
+    wrong = arithmetic_problem(group(task, ["It is 7.", "5"], [1.0, 1.0]), task, tokenizer)
     assert wrong == "sample 1: reward 1 reported, 0 on re-check"
     # a right answer to another question, claimed for this task
-    asked_other = reward_problem(group(other, ["7"], [1.0]), task, tokenizer, ARITHMETIC)
+    asked_other = arithmetic_problem(group(other, ["7"], [1.0]), task, tokenizer)
     assert asked_other == "sample 0: the prompt does not ask task 'd1:3+4'"
+
+
+class CharTokenizer:
+    """Token ids are code points: groups made by hand, without a model."""
+
+    @staticmethod
+    def encode(text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+    @staticmethod
+    def decode(ids: list[int], skip_special_tokens: bool = False) -> str:
+        return "".join(map(chr, ids))
+
+
+CAPITAL = protocol.Task(id="q1", env="prompt", prompt="Capital of France?", answer="Paris")
+SUM = arithmetic_task_from_id("d1:3+4", "arithmetic")
+
+
+def reward_check(tmp_path: Path, reward: str, timeout_s: float) -> RewardCheck:
+    """A trainer's reward check, every group picked, of arithmetic and of a "prompt"
+    environment whose task file holds CAPITAL, scored by tests/rewards.py `reward`."""
+    task_file = tmp_path / "tasks.jsonl"
+    row = {"id": CAPITAL.id, "prompt": CAPITAL.prompt, "answer": CAPITAL.answer}
+    task_file.write_text(json.dumps(row) + "\n")
+    prompt = EnvConfig(name="prompt", task_file=str(task_file), reward=f"tests.rewards:{reward}")
+    config = TrainerConfig(reward_check_fraction=1.0, reward_check_timeout_s=timeout_s)
+    return RewardCheck([EnvConfig(name="arithmetic"), prompt], config, secret=b"test")
+
+
+def played(
+    task: protocol.Task, group_id: str, answers: list[str], rewards: list[float]
+) -> protocol.TrajectoryGroup:
+    """A group of `task` as a rollout node sends it: `answers` with the `rewards` it claims."""
+    prompt = CharTokenizer.encode(" ".join(m["content"] for m in task.messages()))
+    samples = [
+        protocol.Sample(
+            prompt_ids=protocol.pack_ids(prompt),
+            completion_ids=protocol.pack_ids(CharTokenizer.encode(a)),
+            logprobs=protocol.pack_floats([-0.1] * len(a)),
+            loss_mask=protocol.pack_mask([1] * len(a)),
+            reward=r,
+            advantage=0.0,
+            policy_version=0,
+        )
+        for a, r in zip(answers, rewards, strict=True)
+    ]
+    return msgspec.structs.replace(
+        make_group(group_id), env=task.env, task_id=task.id, samples=samples
+    )
+
+
+@pytest.fixture
+def blocked_rewards() -> Iterator[None]:
+    """tests/rewards.py `blocks` hangs during the test; its threads end after it."""
+    tests.rewards.ENTERED.clear()
+    tests.rewards.RELEASE.clear()
+    yield
+    tests.rewards.RELEASE.set()
+    for thread in threading.enumerate():
+        if thread.name.startswith(DETACHED_PREFIX):
+            thread.join()
+    assert abandoned() == 0
+
+
+def test_a_quick_reward_function_is_rechecked(tmp_path: Path) -> None:
+    check = reward_check(tmp_path, "says_answer", timeout_s=30.0)
+    right = played(CAPITAL, "right", ["It is Paris.", "Lyon"], [1.0, 0.0])
+    wrong = played(CAPITAL, "wrong", ["It is Paris.", "Lyon"], [1.0, 1.0])
+    assert asyncio.run(check.problem(right, CharTokenizer)) is None
+    problem = asyncio.run(check.problem(wrong, CharTokenizer))
+    assert problem == "sample 1: reward 1 reported, 0 on re-check"
+    unknown = msgspec.structs.replace(right, task_id="q2")  # no row of this trainer's
+    assert asyncio.run(check.problem(unknown, CharTokenizer)) is None
+    assert check.metrics() == {"groups_reward_unchecked": 1, "reward_threads_left": 0}
+
+
+@pytest.mark.parametrize("reward", ["blocks", "never_returns"], ids=["sync", "async"])
+def test_a_reward_check_that_never_ends_is_given_up_and_the_rewards_kept(
+    tmp_path: Path, reward: str, blocked_rewards: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Past trainer.reward_check_timeout_s a check proves nothing: the rewards stand as sent
+    (wrong ones too), counted and logged. A sync function's thread cannot be stopped: it is
+    counted while it runs."""
+    check = reward_check(tmp_path, reward, timeout_s=0.05)
+    wrong = played(CAPITAL, "hangs", ["It is Paris.", "Lyon"], [0.0, 1.0])
+    with caplog.at_level(logging.WARNING, logger="node.verify"):
+        assert asyncio.run(check.problem(wrong, CharTokenizer)) is None
+    left = 1 if reward == "blocks" else 0
+    assert check.metrics() == {"reward_check_timeouts": 1, "reward_threads_left": left}
+    assert check.in_check == set()
+    [line] = [r.message for r in caplog.records if r.name == "node.verify"]
+    assert line.startswith("gave up a reward re-check (trainer.reward_check_timeout_s = 0.05 s)")
+    assert "group hangs from test-node" in line
+
+
+def test_a_blocked_reward_check_leaves_the_loop_checking_other_groups(
+    tmp_path: Path, blocked_rewards: None
+) -> None:
+    """While a sync reward function blocks (in a thread of its own) the loop checks other
+    groups; the blocked check ends when its function returns, checked as any."""
+    check = reward_check(tmp_path, "blocks", timeout_s=60.0)
+    assert SUM is not None
+    blocked = played(CAPITAL, "blocked", ["It is Paris.", "Lyon"], [0.0, 1.0])
+    sums = [played(SUM, "right sum", ["It is 7.", "5"], [1.0, 0.0]),
+            played(SUM, "wrong sum", ["It is 7.", "5"], [1.0, 1.0])]  # fmt: skip
+
+    async def scenario() -> tuple[list[str | None], str | None]:
+        pending = asyncio.create_task(check.problem(blocked, CharTokenizer))
+        await blocking(tests.rewards.ENTERED.wait)  # the function runs, and blocks
+        assert check.in_check == {"blocked"}
+        served = [await check.problem(group, CharTokenizer) for group in sums]
+        assert not pending.done()
+        tests.rewards.RELEASE.set()
+        return served, await pending
+
+    served, blocked_problem = asyncio.run(scenario())
+    assert served == [None, "sample 1: reward 1 reported, 0 on re-check"]
+    assert blocked_problem == "sample 1: reward 1 reported, 0 on re-check"
+    assert check.metrics() == {"reward_threads_left": 0}
 
 
 def test_a_node_is_quarantined_after_its_nth_failed_check():
@@ -301,12 +431,9 @@ def test_the_learner_leaves_forged_groups_out_of_its_gradients_exactly(
     def step(groups: list[protocol.TrajectoryGroup]) -> tuple[dict, dict[str, torch.Tensor]]:
         torch.manual_seed(0)
         model, _ = load_causal_lm(tiny_model_dir)
-        swarm = lone_swarm(model, target_batch_size=6)
-        try:
-            config = TrainerConfig(micro_batch_samples=2, max_logprob_gap=0.5)
-            row = Learner(model, swarm, config, temperature, 0).train_step(groups).row()
-        finally:
-            swarm.shutdown()
+        optimizer = lone_optimizer(model, target_batch_size=6)
+        config = TrainerConfig(micro_batch_samples=2, max_logprob_gap=0.5)
+        row = Learner(model, optimizer, config, temperature, 0).train_step(groups).row()
         return row, model.state_dict()
 
     mixed, mixed_weights = step([forged[0], honest[0], forged[1], honest[1]])
@@ -341,4 +468,4 @@ def test_random_prompts_do_not_break_the_reward_check(tiny_model_dir: Path):
             policy_version=0,
         )
         group = msgspec.structs.replace(make_group(), samples=[sample])
-        assert reward_problem(group, task, tokenizer, ARITHMETIC) is not None
+        assert arithmetic_problem(group, task, tokenizer) is not None

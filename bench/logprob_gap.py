@@ -50,7 +50,7 @@ from agentjet.episode import Episode, SamplingParams  # noqa: E402
 from agentjet.tasks import generate_tasks  # noqa: E402
 from node.learner import Learner  # noqa: E402
 from node.model import build_tiny_model, load_causal_lm, resolve_model  # noqa: E402
-from node.rollout import build_group  # noqa: E402
+from node.rollout_produce import build_group  # noqa: E402
 from node.swarm import SwarmOptimizer  # noqa: E402
 from node.torch_engine import TorchEngine  # noqa: E402
 from sandboxes.envs.arithmetic import ArithmeticEnv  # noqa: E402

@@ -40,7 +40,7 @@ from agentjet.timeline import merge_calls  # noqa: E402
 from node.agents import AgentEnv, Played  # noqa: E402
 from node.learner import Learner  # noqa: E402
 from node.model import load_causal_lm, resolve_model  # noqa: E402
-from node.rollout import build_group  # noqa: E402
+from node.rollout_produce import build_group  # noqa: E402
 from node.swarm import SwarmOptimizer  # noqa: E402
 from node.torch_engine import TorchEngine  # noqa: E402
 from sandboxes.envs.react import ReactAgent  # noqa: E402

@@ -1,11 +1,11 @@
 """A bounded sample of a rollout node's recent groups, decoded for the trajectory viewer.
 
-    Rollout._produce ──▶ maybe_record(group, tokenizer): picked by a seeded hash of its id?
-                            │ yes: decode each token alone, one JSON line
-                            ▼
-                         <run dir>/trajectories.jsonl ──▶ read_trajectories, find_trajectory
-                            (past the cap: the newest half kept,      (the dashboard; newest
-                             written beside it and renamed over it)    first, torn lines skipped)
+    Producer._hold ──▶ maybe_record(group, tokenizer): picked by a seeded hash of its id?
+                          │ yes: decode each token alone, one JSON line
+                          ▼
+                       <run dir>/trajectories.jsonl ──▶ read_trajectories, find_trajectory
+                          (past the cap: the newest half kept,      (the dashboard; newest
+                           written beside it and renamed over it)    first, torn lines skipped)
 
 One line per recorded group:
 

@@ -126,7 +126,7 @@ def groups_from_samples(
     0, ... so that every sample carries gradient (a learner forwards and checks each one)."""
     from agentjet.episode import Episode
     from agentjet.protocol import Task, WorkGrant
-    from node.rollout import build_group
+    from node.rollout_produce import build_group
 
     groups = []
     for i, (prompt, samples) in enumerate(zip(prompts, sampled, strict=True)):

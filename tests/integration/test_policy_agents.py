@@ -17,7 +17,7 @@ from agentjet.protocol import Task, WorkGrant, unpack_ids
 from node.agents import AgentEnv
 from node.lora import random_adapters
 from node.policy_sync import PolicyView
-from node.rollout import build_groups
+from node.rollout_produce import build_groups
 from node.torch_engine import TorchEngine
 from tests.agents import (
     planner_and_solver,

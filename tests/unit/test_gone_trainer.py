@@ -1,7 +1,7 @@
 """A rollout node does not fetch policy versions from a trainer it found gone (issue 47:
 it went on asking one 37 s after logging it gone), nor, after one fetch it did not
-answer, before the directory says it is back. Fake trainers behind the node's own
-directory bookkeeping (node/rollout.py) and PolicySync: no sockets, no sleeps."""
+answer, before the directory says it is back. Fake trainers behind the node's view of its
+peers (node/rollout_peers.py) and PolicySync: no sockets, no sleeps."""
 
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ from agentjet import protocol
 from agentjet.config import Config, ModelConfig, NetConfig
 from agentjet.metrics import MetricsWriter
 from agentjet.transport import PeerUnavailable
-from node import rollout as rollout_module
+from node import rollout_peers
 from node.delivery import TrainerPeer
 from node.engine import Engine
 from node.policy_sync import PolicySync
-from node.rollout import Rollout
+from node.rollout_peers import Peers
 
 pytestmark = pytest.mark.unit
 
@@ -89,24 +89,22 @@ def trainer_record(node_id: str, heartbeat: float) -> protocol.NodeRecord:
 
 def rollout_node(
     monkeypatch: pytest.MonkeyPatch, trainers: dict[str, FakeTrainer]
-) -> tuple[Rollout, PolicySync]:
-    """A rollout node's directory bookkeeping and policy sync, its trainers' clients fakes."""
-    node = Rollout(Config())
-    node.hello = protocol.Hello(node_id=node.node_id, role="rollout")
-    node.keys = None
+) -> tuple[Peers, PolicySync]:
+    """A rollout node's view of its peers and its policy sync, its trainers' clients fakes."""
     engine = cast(Engine, FakeEngine())
     no_metrics = cast(Callable[[], MetricsWriter], lambda: None)  # (written on a fetch only)
     sync = PolicySync("", engine, ModelConfig(), NetConfig(map_local=False), no_metrics)
-    node.policies[""] = sync
+    hello = protocol.Hello(node_id="rollout-test", role="rollout")
+    peers = Peers(Config(), hello, None, {"": sync})
     by_endpoint = {ENDPOINTS[name]: trainer for name, trainer in trainers.items()}
     monkeypatch.setattr(
-        rollout_module, "trainer_client", lambda endpoint, *_: FakeClient(by_endpoint[endpoint])
+        rollout_peers, "trainer_client", lambda endpoint, *_: FakeClient(by_endpoint[endpoint])
     )
-    return node, sync
+    return peers, sync
 
 
-async def poll(node: Rollout, sync: PolicySync) -> None:
-    await sync.poll(node.trainers, node.clients, lambda: (None, []), node.heartbeats)
+async def poll(peers: Peers, sync: PolicySync) -> None:
+    await sync.poll(peers.trainers, peers.clients, lambda: (None, []), peers.heartbeats)
 
 
 def fetch_lines(caplog: pytest.LogCaptureFixture, trainer_id: str) -> list[str]:
@@ -122,32 +120,32 @@ def test_a_rollout_node_does_not_fetch_from_a_trainer_it_found_gone(
 ) -> None:
     caplog.set_level(logging.INFO)
     trainers = {DEAD: FakeTrainer(alive=False), LIVE: FakeTrainer(alive=True)}
-    node, sync = rollout_node(monkeypatch, trainers)
+    peers, sync = rollout_node(monkeypatch, trainers)
 
     async def scenario() -> None:
         # Both listed; the dead one, newest, is asked first and does not answer.
-        node._apply_trainers([trainer_record(DEAD, 100.0), trainer_record(LIVE, 100.0)], now=0.0)
-        await poll(node, sync)
+        peers.apply_trainers([trainer_record(DEAD, 100.0), trainer_record(LIVE, 100.0)], now=0.0)
+        await poll(peers, sync)
         assert (trainers[DEAD].asked, trainers[LIVE].asked) == (1, 1)
         # Its record outlives it (record_ttl_s): still listed, no newer heartbeat: not asked.
         for heartbeat in (101.0, 102.0):
-            node._apply_trainers(
+            peers.apply_trainers(
                 [trainer_record(DEAD, 100.0), trainer_record(LIVE, heartbeat)], now=heartbeat
             )
-            await poll(node, sync)
+            await poll(peers, sync)
         assert (trainers[DEAD].asked, trainers[LIVE].asked) == (1, 3)
 
         # Found gone; a read that lags lists its last record again: it is not back.
-        node._drop_trainer(DEAD)
-        node._apply_trainers([trainer_record(DEAD, 100.0), trainer_record(LIVE, 103.0)], now=3.0)
-        assert DEAD not in node.trainers
-        await poll(node, sync)
+        peers.drop_trainer(DEAD)
+        peers.apply_trainers([trainer_record(DEAD, 100.0), trainer_record(LIVE, 103.0)], now=3.0)
+        assert DEAD not in peers.trainers
+        await poll(peers, sync)
         assert (trainers[DEAD].asked, trainers[LIVE].asked) == (1, 4)
 
         # Restarted, it heartbeats again: back, and asked again.
-        node._apply_trainers([trainer_record(DEAD, 110.0), trainer_record(LIVE, 110.0)], now=10.0)
-        assert DEAD in node.trainers
-        await poll(node, sync)
+        peers.apply_trainers([trainer_record(DEAD, 110.0), trainer_record(LIVE, 110.0)], now=10.0)
+        assert DEAD in peers.trainers
+        await poll(peers, sync)
         assert trainers[DEAD].asked == 2
 
     asyncio.run(scenario())
@@ -162,13 +160,13 @@ def test_a_fetch_in_flight_from_a_trainer_found_gone_ends_then(
     """Before, it waited out net.request_timeout_s (and again on the trainer's socket after
     its sealed endpoint): a minute after the trainer died, half of it after the log said so."""
     trainers = {DEAD: FakeTrainer(alive=False, hang=True), LIVE: FakeTrainer(alive=True)}
-    node, sync = rollout_node(monkeypatch, trainers)
+    peers, sync = rollout_node(monkeypatch, trainers)
 
     async def scenario() -> None:
-        node._apply_trainers([trainer_record(DEAD, 100.0), trainer_record(LIVE, 100.0)], now=0.0)
-        polling = asyncio.create_task(poll(node, sync))
+        peers.apply_trainers([trainer_record(DEAD, 100.0), trainer_record(LIVE, 100.0)], now=0.0)
+        polling = asyncio.create_task(poll(peers, sync))
         await trainers[DEAD].asking.wait()
-        node._drop_trainer(DEAD)
+        peers.drop_trainer(DEAD)
         async with asyncio.timeout(10):  # (a guard: it ends at once)
             await polling
         assert trainers[DEAD].cancelled == 1
@@ -184,12 +182,12 @@ def test_a_trainer_without_a_directory_is_asked_at_every_poll_in_one_line(
     asked at every poll, and its failures are counted, not logged one line each."""
     caplog.set_level(logging.INFO)
     trainers = {DEAD: FakeTrainer(alive=False)}
-    node, sync = rollout_node(monkeypatch, trainers)
-    node._add_trainer(TrainerPeer(DEAD, ENDPOINTS[DEAD]))
+    peers, sync = rollout_node(monkeypatch, trainers)
+    peers.add_trainer(TrainerPeer(DEAD, ENDPOINTS[DEAD]))
 
     async def scenario() -> None:
         for _ in range(3):
-            await poll(node, sync)
+            await poll(peers, sync)
 
     asyncio.run(scenario())
     assert trainers[DEAD].asked == 3

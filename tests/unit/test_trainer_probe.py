@@ -1,4 +1,5 @@
-"""A rollout node asks a trainer directly before it calls it gone (node/rollout.py, `answers`).
+"""A rollout node asks a trainer directly before it calls it gone (`answers`, used by
+node/rollout_peers.py).
 
 A directory read can miss a live trainer's record; re-sending that trainer's groups would
 train them twice. Real ZMQ sockets on loopback.

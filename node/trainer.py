@@ -26,7 +26,9 @@ Groups that fail a check of node/verify.py (a wrong reward on arrival, sampler l
 far from the learner's in its forward pass) are never trained: "rejected" or "dropped",
 counted, and held against their sending node, which is quarantined after
 `trainer.quarantine_after` failures. Blocking torch and DHT work crosses the one bridge
-(agentjet/bridge.py `blocking`); the event loop keeps answering peers meanwhile.
+(agentjet/bridge.py `blocking`), and a reward re-check's user function is awaited too (each
+group is answered from a task of its own, its check bounded by
+`trainer.reward_check_timeout_s`): the event loop keeps answering peers meanwhile.
 """
 
 from __future__ import annotations
@@ -39,14 +41,14 @@ from collections import Counter
 from collections.abc import Coroutine
 from contextlib import ExitStack, suppress
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import msgspec
 import torch
 
 from agentjet import protocol, rl
 from agentjet.bridge import blocking
-from agentjet.config import Config
+from agentjet.config import Config, ModelConfig
 from agentjet.devices import (
     check_fits,
     learner_bytes,
@@ -54,53 +56,54 @@ from agentjet.devices import (
     memory_share,
     peak_memory,
 )
-from agentjet.errors import ModelError
+from agentjet.identity import NodeKeys
 from agentjet.lifeline import CLEANUP_AFTER_CHILD_DEATH_S, watch_children
 from agentjet.metrics import MetricsWriter, Rate
 from agentjet.roles import supervise, wait_for
-from agentjet.tasks import TaskSource
 from agentjet.transport import Server
 from node import memory
+from node.dht import node_of
+from node.directory import Directory, Mark
+from node.gpu_monitor import GpuMonitor
 from node.gpu_monitor import metrics as gpu_metrics
 from node.groups import Filling, GroupBook, StepGroups, doubt_wait_s, oldest_version
 from node.learner import Learner, StepResult, teacher_coefs
-from node.lora import merged_weights
 from node.members import MemberGate
-from node.publisher import Publisher, sealed_bind_endpoint
-from node.replay import Replay
-from node.rounds import step_share
-from node.swarm import Directory, Mark, SwarmOptimizer, attach_when_peered, node_of
+from node.publisher import sealed_bind_endpoint
+from node.replay import Replay, ReplayStats
+from node.rounds import StepOutcome, step_share
+from node.swarm import SwarmOptimizer, attach_when_peered
 from node.teacher import open_teacher_check
-from node.verify import (
-    Quarantine,
-    find_task,
-    picked_for_reward_check,
-    reward_checkers,
-    reward_problem,
-)
-from node.weights import (
-    RESUME_STATE,
-    PolicySnapshot,
-    prune_checkpoints,
-    read_resume_state,
-    save_checkpoint,
-    snapshot,
-)
-
-if TYPE_CHECKING:
-    from node.trainer_host import TrainerHost
+from node.trainer_intake import Head, Intake
+from node.trainer_lineage import join_or_resume, load_params, record_lineage, swarm_lineage
+from node.trainer_versions import Versions
+from node.verify import Quarantine, RewardCheck
+from node.weights import read_resume_state
 
 log = logging.getLogger(__name__)
 
 # Trained groups rollout nodes must keep (spooled) until a checkpoint holds their steps:
 # past this many the trainer checkpoints early, whatever trainer.checkpoint_every says.
 MAX_UNDURABLE_GROUPS = 512
-# Longest prompt+completion accepted from the wire, in tokens (bounds learner memory).
-MAX_SEQUENCE_TOKENS = 8192
-# Under the run dir: one line per policy lineage this trainer published under (its lives).
-LINEAGES_LOG = "lineages.log"
 # The trainer's samples/s (progress output, its directory record) is over this many seconds.
 SAMPLE_RATE_WINDOW_S = 60.0
+
+
+class Host(Protocol):
+    """What a trainer's process (node/trainer_host.py `TrainerHost`) lends each of its
+    trainers: its node's name and keys, the DHT, the device, and the shared base model."""
+
+    keys: NodeKeys | None
+    device: torch.device
+    compute_dtype: torch.dtype
+    tokenizer: Any
+    gpu: GpuMonitor
+    dht: Any  # hivemind.DHT (node/dht.py `start_dht`)
+    maddrs: list[str]
+
+    def node_id(self, policy: str) -> str: ...
+
+    def model_for(self, model: ModelConfig) -> Any: ...
 
 
 class Trainer:
@@ -115,25 +118,21 @@ class Trainer:
         self.node_id = ""  # set by the host at setup
         self.book = GroupBook()
         self.replay = Replay(config.trainer)
-        self.lineage = protocol.Lineage()
+        # The current version and its lineage, shared with the trainer's parts.
+        self.head = Head()
         self.quarantine = Quarantine(config.trainer.quarantine_after)
         self.reward_check_secret = os.urandom(16)
-        # What this trainer re-checks rewards with, and where it rebuilds their tasks
-        # (node/verify.py).
-        self.reward_checkers = reward_checkers(config.envs)
-        self.task_sources = [
-            TaskSource.from_config(env) for env in config.envs if env.name in self.reward_checkers
-        ]
+        # Rewards re-checked on arrival (node/verify.py).
+        self.reward_check = RewardCheck(config.envs, config.trainer, self.reward_check_secret)
         self.samples_per_s = 0.0  # over the last SAMPLE_RATE_WINDOW_S (progress, status)
         self.sample_rate = Rate(SAMPLE_RATE_WINDOW_S)
         # Other live trainers' records, from the last directory read.
         self.other_trainers: dict[str, protocol.NodeRecord] = {}
         self.counts: Counter[str] = Counter()
         self.lag_histogram: Counter[int] = Counter()
-        self.version = 0
         self.step_task: asyncio.Task[float] | None = None
 
-    def setup(self, cleanup: ExitStack, host: TrainerHost) -> None:
+    def setup(self, cleanup: ExitStack, host: Host) -> None:
         cfg = self.config
         self.node_id = host.node_id(self.policy)
         keys = host.keys
@@ -152,10 +151,91 @@ class Trainer:
         self.gpus: list[protocol.GpuStats] = []  # the last sample
         resume = read_resume_state(self.run_dir / "checkpoints")
         if resume is not None:
-            self._load_params(resume["params"])
+            load_params(self.model, resume["params"], self.run_dir)
         self.dht = host.dht
         self.directory = Directory(self.dht, cfg.swarm, keys, self.policy)
         cleanup.callback(self.directory.withdraw, self.node_id)
+        self._open_swarm(cleanup, keys)
+        self.head.lineage, resumed = join_or_resume(
+            self.swarm,
+            self.directory,
+            cfg.swarm,
+            resume,
+            self.run_dir,
+            self._other_trainers_in,
+            self.other_trainers,
+        )
+        record_lineage(self.run_dir, self.head.lineage)
+        self.head.version = self.swarm.epoch
+        self.book.open_log(self.run_dir / "trained_groups.log", resumed, self.head.lineage)
+        cleanup.callback(self.book.close_log)
+        self.learner = Learner(
+            self.model,
+            self.swarm,
+            cfg.trainer,
+            temperature=cfg.rollout.sampling.temperature,
+            pad_token_id=int(self.tokenizer.pad_token_id or 0),
+            compute_dtype=self.compute_dtype,
+            teacher_coefs=teacher_coefs(cfg.envs),
+            teacher_check=open_teacher_check(
+                cfg, self.tokenizer, self.device, self.reward_check_secret
+            ),
+        )
+        self._open_serving(cleanup, keys)
+        self.metrics = MetricsWriter(self.run_dir, "trainer", cfg.log)
+        cleanup.callback(self.metrics.close)
+        cleanup.callback(self._final_checkpoint)
+        self.batch_ready = asyncio.Event()
+        self.filling = Filling(cfg.trainer.fill_timeout_s if cfg.trainer.dynamic_sampling else 0)
+        self.directory_settled = asyncio.Event()
+        self.connected = asyncio.Event()  # the directory lists some other node
+        self.connected.set()
+        self.intake = Intake(
+            cfg,
+            self.policy,
+            self.node_id,
+            self.head,
+            self.book,
+            self.replay,
+            self.quarantine,
+            self.reward_check,
+            self.filling,
+            self.batch_ready,
+            self.publisher,
+            self.metrics,
+            self.counts,
+            self.tokenizer,
+            self.vocab_size,
+            self.learner.teacher_coefs,
+        )
+        self.endpoint = cfg.swarm.announce_endpoint or self.server.endpoint
+        self.publisher.announce(self.endpoint)
+        self.maddrs = host.maddrs
+        self.metrics.write(
+            {
+                "event": "started",
+                "node_id": self.node_id,
+                "policy_version": self.head.version,
+                "policy_sha256": self.publisher.published.sha256,
+                "lineage": self.head.lineage.id,
+                "lineage_ancestors": self.head.lineage.ancestors,
+                "joined": bool(cfg.swarm.initial_peers),
+            }
+        )
+        log.info(
+            "trainer %s ready: %s, policy version %d (lineage %s), run dir %s, swarm %s",
+            self.node_id,
+            self.endpoint,
+            self.head.version,
+            self.head.lineage.id,
+            self.run_dir.resolve(),
+            " ".join(self.maddrs),
+        )
+
+    def _open_swarm(self, cleanup: ExitStack, keys: NodeKeys | None) -> None:
+        """This trainer's optimizer over the swarm (node/swarm.py), in its policy's own
+        hivemind run; with keys, its averagers answer members only."""
+        cfg = self.config
         gate = None
         if keys is not None:
             # Only members average with this trainer or download its state (the host made
@@ -181,62 +261,11 @@ class Trainer:
             attach_at_start=cfg.swarm.averagers == "at_start",
         )
         cleanup.callback(self.swarm.shutdown)
-        loaded = False
-        records: list[protocol.NodeRecord] = []
-        if cfg.swarm.initial_peers:
-            mine = int(resume["policy_version"]) if resume is not None else 0
-            records = self._wait_for_newer_checkpoint(mine)
-            self.other_trainers = self._other_trainers_in(records)
-            # A peer at this checkpoint's very version counts too: resumed on its own, this
-            # trainer would name the weights it then makes in lock step with that peer a
-            # lineage of its own, and groups trained under either name would be sent again
-            # when that name's trainer dies (the fault suite saw both).
-            behind = resume is None or max(self._other_versions(), default=-1) >= mine
-            if behind and self.swarm.peered():  # (else alone: nobody to load from)
-                log.info("joined the swarm; loading its state from peers")
-                loaded = self.swarm.load_state_from_peers(
-                    wait_s=cfg.swarm.state_wait_s,  # while another trainer is listed:
-                    while_true=lambda: bool(self._other_trainers_in(self.directory.records())),
-                )
-        resumed = -1
-        if loaded:
-            self.lineage = self._swarm_lineage()
-        else:
-            parent, start = protocol.Lineage(), 0  # the base weights
-            if resume is not None:
-                resumed = start = int(resume["policy_version"])
-                self.swarm.restore(resumed, resume["optimizer"])
-                parent = msgspec.convert(resume.get("lineage", {}), protocol.Lineage)
-            used = self._used_lineages()
 
-            def taken(lineage_id: str) -> bool:
-                return lineage_id in used or any(
-                    r.lineage.id == lineage_id and r.policy_version > start for r in records
-                )
-
-            self.lineage = protocol.open_lineage(parent, start, taken)
-            if resume is not None:
-                log.info(
-                    "resumed from checkpoint: policy version %d, lineage %s",
-                    resumed,
-                    self.lineage.id,
-                )
-        self._record_lineage()
-        self.version = self.swarm.epoch
-        self.book.open_log(self.run_dir / "trained_groups.log", resumed, self.lineage)
-        cleanup.callback(self.book.close_log)
-        self.learner = Learner(
-            self.model,
-            self.swarm,
-            cfg.trainer,
-            temperature=cfg.rollout.sampling.temperature,
-            pad_token_id=int(self.tokenizer.pad_token_id or 0),
-            compute_dtype=self.compute_dtype,
-            teacher_coefs=teacher_coefs(cfg.envs),
-            teacher_check=open_teacher_check(
-                cfg, self.tokenizer, self.device, self.reward_check_secret
-            ),
-        )
+    def _open_serving(self, cleanup: ExitStack, keys: NodeKeys | None) -> None:
+        """The trainer's endpoint (CURVE with keys), the sealed chunks' one, and the
+        publisher of its versions, serving the current one."""
+        cfg = self.config
         self.server = Server(
             cfg.net.trainer_endpoint,
             protocol.trainer_request_decoder,
@@ -252,38 +281,19 @@ class Trainer:
                 cfg.net.max_message_bytes,
             )
             cleanup.callback(sealed.close)
-        self.publisher = Publisher(self._snapshot(sealed is not None), cfg.swarm.run_id, sealed)
-        self.metrics = MetricsWriter(self.run_dir, "trainer", cfg.log)
-        cleanup.callback(self.metrics.close)
-        cleanup.callback(self._final_checkpoint)
-        self.batch_ready = asyncio.Event()
-        self.filling = Filling(cfg.trainer.fill_timeout_s if cfg.trainer.dynamic_sampling else 0)
-        self.directory_settled = asyncio.Event()
-        self.connected = asyncio.Event()  # the directory lists some other node
-        self.connected.set()
-        self.endpoint = cfg.swarm.announce_endpoint or self.server.endpoint
-        self.publisher.announce(self.endpoint)
-        self.maddrs = host.maddrs
-        self.metrics.write(
-            {
-                "event": "started",
-                "node_id": self.node_id,
-                "policy_version": self.version,
-                "policy_sha256": self.publisher.published.sha256,
-                "lineage": self.lineage.id,
-                "lineage_ancestors": self.lineage.ancestors,
-                "joined": bool(cfg.swarm.initial_peers),
-            }
+        self.versions = Versions(
+            cfg,
+            self.run_dir,
+            self.head,
+            self.model,
+            self.tokenizer,
+            self.compute_dtype,
+            self.swarm,
+            self.book,
+            self.directory,
+            str(self.dht.peer_id),
         )
-        log.info(
-            "trainer %s ready: %s, policy version %d (lineage %s), run dir %s, swarm %s",
-            self.node_id,
-            self.endpoint,
-            self.version,
-            self.lineage.id,
-            self.run_dir.resolve(),
-            " ".join(self.maddrs),
-        )
+        self.publisher = self.versions.open_publisher(sealed)
 
     async def run(self, stop: asyncio.Event) -> None:
         sealed: dict[str, Coroutine[Any, Any, None]] = {}
@@ -328,13 +338,13 @@ class Trainer:
                 policy=self.policy,
                 endpoint=self.endpoint,
                 maddrs=self.maddrs,
-                policy_version=self.version,
+                policy_version=self.head.version,
                 queue=len(self.book.queue),
                 capacity=cfg.trainer.max_queued_groups,
                 samples_per_s=self.samples_per_s,
                 time=time.time(),
                 quarantined=self.quarantine.listed(),
-                lineage=self.lineage,
+                lineage=self.head.lineage,
                 gpus=self.gpus,
                 refused=self.server.refusals()
                 | {kind: n for kind, n in self.swarm.refusals().items() if n},
@@ -366,15 +376,15 @@ class Trainer:
             await asyncio.sleep(cfg.swarm.heartbeat_s)
 
     def _final_checkpoint(self) -> None:
-        if self.version > self.book.checkpointed_version and self.version > 0:
+        if self.head.version > self.book.checkpointed_version and self.head.version > 0:
             if self.withheld:
-                log.warning("version %d is withheld: no final checkpoint", self.version)
+                log.warning("version %d is withheld: no final checkpoint", self.head.version)
             else:
-                self._checkpoint()
+                self.versions.checkpoint()
         self.metrics.write(
             {
                 "event": "stopped",
-                "policy_version": self.version,
+                "policy_version": self.head.version,
                 "queued_group_ids": self.book.held_ids(),
                 "quarantined": list(self.quarantine.reasons),
                 **self._counts(),
@@ -384,184 +394,19 @@ class Trainer:
     # ── serving ──────────────────────────────────────────────────────────────────
 
     async def _serve(self) -> None:
-        while True:
-            envelope, msg = await self.server.recv()
-            await self.server.reply(envelope, self._answer(msg))
+        async def answer_group(envelope: list[bytes], msg: protocol.SubmitGroup) -> None:
+            await self.server.reply(envelope, await self.intake.receive(msg))
 
-    def _answer(self, msg: protocol.TrainerRequest) -> protocol.TrainerReply:
-        match msg:
-            case protocol.Hello():
-                return protocol.answer_hello(msg, self.config.swarm.run_id, self.version)
-            case protocol.SubmitGroup(group=group, trainer_id=addressed):
-                if addressed and addressed != self.node_id:
-                    return protocol.Error(
-                        code="gone", message=f"this is {self.node_id}, not {addressed}"
-                    )
-                return self._receive(group)
-            case protocol.GroupStatusQuery(group_ids=ids):
-                if len(ids) > protocol.MAX_STATUS_IDS:
-                    return protocol.Error(
-                        code="invalid", message=f"over {protocol.MAX_STATUS_IDS} ids"
-                    )
-                return protocol.GroupStatus(
-                    statuses={g: self.book.status(g) for g in ids},
-                    policy_version=self.version,
-                    lineage=self.lineage,
-                    node_id=self.node_id,
-                )
-            case protocol.PolicyQuery():
-                return self.publisher.info(self.lineage, msg.manifest)
-            case protocol.WeightChunkRequest():
-                return self.publisher.chunk(msg)
-            case protocol.MetricsRequest():
-                return self.metrics.recent.answer(msg)
-        return protocol.Error(code="unknown", message=f"unexpected {type(msg).__name__}")
-
-    def _receive(self, group: protocol.TrajectoryGroup) -> protocol.GroupAck | protocol.Error:
-        def ack(status: str, reason: str = "") -> protocol.GroupAck:
-            self.counts[f"groups_{status}"] += 1
-            if status == "stale":
-                self.book.drop([group.group_id])
-            return protocol.GroupAck(
-                group_id=group.group_id,
-                status=status,  # type: ignore[arg-type]
-                policy_version=self.version,
-                reason=reason,
-            )
-
-        if self.book.known(group.group_id):
-            return ack("duplicate")
-        if group.policy != self.policy:  # (rollout nodes send a group to its policy's trainers)
-            mine = f"policy {self.policy}" if self.policy else "the swarm's one policy"
-            return ack(
-                "rejected", f"a group of policy {group.policy!r}; this trainer trains {mine}"
-            )
-        admission = self.quarantine.admit(group.node_id, time.monotonic())
-        # A quarantine that leaves this trainer nothing to train: said again, then lifted.
-        notices = {"quarantine_lifted": admission.lifted, "quarantine_reminder": admission.reminder}
-        for event, line in notices.items():
-            if line is not None:
-                log.warning("%s", line)
-                self.counts[f"{event}s"] += 1
-                self.metrics.write({"event": event, "node_id": group.node_id, "message": line})
-        if admission.refused is not None:
-            self.counts["groups_refused_quarantined"] += 1
-            return ack("rejected", admission.refused)
-        # Dynamic sampling: a group whose rewards all agree needs no room in the queue
-        # (unless a teacher scored it: its tokens teach still).
-        left_out = (
-            self.config.trainer.dynamic_sampling
-            and rl.zero_variance([s.reward for s in group.samples])
-            and not (group.env in self.learner.teacher_coefs and group.samples[0].teacher_logprobs)
-        )
-        queued = len(self.book.queue)
-        if queued >= self.config.trainer.max_queued_groups and not left_out:
-            self.counts["busy_replies"] += 1
-            return protocol.Error(code="busy", message=f"{queued} groups queued")
-        problem = protocol.check_group(group, self.vocab_size, MAX_SEQUENCE_TOKENS)
-        if problem is not None:
-            log.warning("rejected group %s from %s: %s", group.group_id, group.node_id, problem)
-            return ack("rejected", problem)
-        problem = self._check_rewards(group)
-        if problem is not None:
-            # Remembered as dropped: a re-send (the ack was lost) is not held against the
-            # node twice.
-            self.book.drop([group.group_id])
-            self.counts["groups_rejected_reward"] += 1
-            self._failed_check(group.node_id, f"wrong reward: {problem}")
-            return ack("rejected", f"wrong reward: {problem}")
-        oldest = oldest_version(group)
-        if rl.is_stale(oldest, self.version, self.config.trainer.max_policy_lag):
-            self._record_dropped([group.group_id])
-            return ack("stale")
-        if left_out:
-            self.book.drop([group.group_id])
-            self.filling.left_out += 1
-            self._record_dropped([group.group_id], "zero_variance")
-            return ack("zero_variance")
-        self.book.accept(group)
-        if len(self.book.queue) >= self.replay.fresh_needed(self.version, self.lineage):
-            self.batch_ready.set()
-        return ack("accepted")
-
-    def _swarm_lineage(self) -> protocol.Lineage:
-        """The lineage of the swarm's weights just downloaded: the newest trainer's (this
-        trainer's own when none is listed)."""
-        records = list(self.other_trainers.values())
-        if not records:
-            return self.lineage
-        return max(records, key=lambda r: r.policy_version).lineage
-
-    def _wait_for_newer_checkpoint(self, mine: int) -> list[protocol.NodeRecord]:
-        """The directory's records, once a trainer that saved a checkpoint newer than
-        version `mine` is live again (or after swarm.rejoin_wait_s): its steps were
-        reported trained, and training on from older weights would lose them."""
-        cfg = self.config.swarm
-        own = str(self.dht.peer_id)
-        newer = max(
-            (m.version for peer, m in self.directory.checkpoints().items() if peer != own),
-            default=-1,
-        )
-        records = self.directory.records()
-        if newer <= mine or not cfg.rejoin_wait_s:
-            return records
-        log.warning(
-            "another trainer saved version %d, newer than this trainer's %d: waiting up to "
-            "%.0f s for it to be live (swarm.rejoin_wait_s)",
-            newer,
-            mine,
-            cfg.rejoin_wait_s,
-        )
-        deadline = time.monotonic() + cfg.rejoin_wait_s
-        while time.monotonic() < deadline:
-            if any(r.policy_version >= newer for r in self._other_trainers_in(records).values()):
-                return records
-            time.sleep(cfg.heartbeat_s)
-            records = self.directory.records()
-        log.warning("no trainer holding version %d came back; going on from %d", newer, mine)
-        return records
-
-    def _used_lineages(self) -> set[str]:
-        """The lineages this trainer (any earlier life, same run dir) has published under."""
-        path = self.run_dir / LINEAGES_LOG
-        return set(path.read_text().split("\n")[:-1]) if path.exists() else set()
-
-    def _record_lineage(self) -> None:
-        """Note the current lineage as used, before any version of it is published."""
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.run_dir / LINEAGES_LOG, "a") as f:
-            f.write(self.lineage.id + "\n")
-
-    def _check_rewards(self, group: protocol.TrajectoryGroup) -> str | None:
-        """Why the group's rewards are wrong, when it is picked for a re-check and its task
-        can be rebuilt here; else None."""
-        fraction = self.config.trainer.reward_check_fraction
-        check = self.reward_checkers.get(group.env)
-        if check is None or not picked_for_reward_check(
-            group.group_id, fraction, self.reward_check_secret
-        ):
-            return None
-        task = find_task(group, self.task_sources)
-        if task is None:
-            self.counts["groups_reward_unchecked"] += 1
-            return None
-        return reward_problem(group, task, self.tokenizer, check)
-
-    def _failed_check(self, node_id: str, reason: str) -> None:
-        log.warning("a group from %s failed a check: %s", node_id, reason)
-        if self.quarantine.failed(node_id, reason):
-            why = self.quarantine.reason(node_id)
-            log.warning("node %s is %s: %s", node_id, why, self.quarantine.consequence())
-            self.counts["nodes_quarantined"] += 1
-            self.counts["replays_dropped_quarantine"] += self.replay.forget_node(node_id)
-            self.metrics.write(
-                {
-                    "event": "quarantined",
-                    "node_id": node_id,
-                    "reason": why,
-                    "message": self.quarantine.consequence(),
-                }
-            )
+        # A group is answered from a task of its own: its answer may wait for its reward
+        # re-check (a user's function, up to trainer.reward_check_timeout_s), and the loop
+        # serves every other request meanwhile.
+        async with asyncio.TaskGroup() as groups:
+            while True:
+                envelope, msg = await self.server.recv()
+                if isinstance(msg, protocol.SubmitGroup):
+                    groups.create_task(answer_group(envelope, msg))
+                else:
+                    await self.server.reply(envelope, self.intake.answer(msg))
 
     # ── learning ─────────────────────────────────────────────────────────────────
 
@@ -573,11 +418,13 @@ class Trainer:
             await self.directory_settled.wait()
         last = time.perf_counter()
         while True:
-            if cfg.run.max_steps and self.version >= cfg.run.max_steps:
+            if cfg.run.max_steps and self.head.version >= cfg.run.max_steps:
                 # Checked before the first step too: a run resumed at or past the bound
                 # trains nothing more.
                 log.info(
-                    "reached max_steps=%d at policy version %d", cfg.run.max_steps, self.version
+                    "reached max_steps=%d at policy version %d",
+                    cfg.run.max_steps,
+                    self.head.version,
                 )
                 stop.set()
                 return
@@ -595,7 +442,7 @@ class Trainer:
                 self.counts["fill_timeouts_empty"] += 1
                 self.filling.restart()
                 continue
-            if self.withheld or max(self._other_versions(), default=-1) > self.version:
+            if self.withheld or max(self._other_versions(), default=-1) > self.head.version:
                 # Other trainers moved on (or this version is withheld): take the swarm's
                 # state (and lineage) first, so the gradients are computed on the weights
                 # the swarm holds. A group's own version is no reason: a forged one would
@@ -607,25 +454,25 @@ class Trainer:
             groups_per_step = self._step_share()
             batch, stale = self.book.take(
                 groups_per_step,
-                self.version,
+                self.head.version,
                 cfg.trainer.max_policy_lag,
-                self.lineage,
+                self.head.lineage,
                 short=not full,
-                least=self.replay.fresh_needed(self.version, self.lineage),
+                least=self.replay.fresh_needed(self.head.version, self.head.lineage),
             )
             if stale:
                 # Too old, or sampled by weights these do not descend from (a lineage that
                 # died with its trainer): no importance ratio across lineages.
                 foreign = [
-                    g for g in stale if not self.lineage.trains(g.lineage, oldest_version(g))
+                    g for g in stale if not self.head.lineage.trains(g.lineage, oldest_version(g))
                 ]
                 self.counts["groups_dropped_lineage"] += len(foreign)
                 self.counts["groups_dropped_stale"] += len(stale) - len(foreign)
-                self._record_dropped([g.group_id for g in stale])
+                self.intake.record_dropped([g.group_id for g in stale])
             if not batch:
                 self.batch_ready.clear()
                 continue
-            replays = self.replay.take(len(batch), self.version, self.lineage)
+            replays = self.replay.take(len(batch), self.head.version, self.head.lineage)
             # A stop must not cut a step in two (weights stepped, version or row not
             # recorded): the step runs shielded and `run` waits for it before cleanup.
             short = len(batch) + len(replays) < groups_per_step
@@ -634,7 +481,9 @@ class Trainer:
                 self._step(batch, last, short, replays, shared), name="trainer-step"
             )
             last = await asyncio.shield(self.step_task)
-            if len(self.book.queue) >= self.replay.fresh_needed(self.version, self.lineage):
+            if len(self.book.queue) >= self.replay.fresh_needed(
+                self.head.version, self.head.lineage
+            ):
                 self.batch_ready.set()  # (the step's groups can fill the next one's rest)
             else:
                 self.batch_ready.clear()
@@ -699,14 +548,16 @@ class Trainer:
         downloaded = await blocking(self.swarm.load_state_from_peers)
         if not downloaded:
             return
-        if self.swarm.epoch != self.version:
+        if self.swarm.epoch != self.head.version:
             log.info(
-                "caught up with the swarm: policy version %d -> %d", self.version, self.swarm.epoch
+                "caught up with the swarm: policy version %d -> %d",
+                self.head.version,
+                self.swarm.epoch,
             )
             self.counts["catch_ups"] += 1
-        self.version = self.swarm.epoch
-        lineage = self._swarm_lineage()
-        if lineage.id != self.lineage.id:
+        self.head.version = self.swarm.epoch
+        lineage = swarm_lineage(self.other_trainers.values(), self.head.lineage)
+        if lineage.id != self.head.lineage.id:
             # This trainer's own steps since it forked are in no weights that go on: their
             # groups become unknown, so rollout nodes offer them again.
             forgotten = self.book.abandon_undurable()
@@ -715,40 +566,25 @@ class Trainer:
                 "lineage %s go back to rollout nodes",
                 lineage.id,
                 forgotten,
-                self.lineage.id,
+                self.head.lineage.id,
             )
-            self.lineage = lineage
-            self._record_lineage()
+            self.head.lineage = lineage
+            record_lineage(self.run_dir, self.head.lineage)
             self.replay.clear()  # no importance ratio across lineages
         if self.withheld:
-            log.info("version %d is a peer's withheld one: withheld here too", self.version)
+            log.info("version %d is a peer's withheld one: withheld here too", self.head.version)
         else:
-            await self._publish()
+            await self.versions.publish()
         self.metrics.write(
             {
                 "event": "caught_up",
-                "policy_version": self.version,
+                "policy_version": self.head.version,
                 "version_withheld": self.withheld,
-                "lineage": self.lineage.id,
-                "lineage_ancestors": self.lineage.ancestors,
+                "lineage": self.head.lineage.id,
+                "lineage_ancestors": self.head.lineage.ancestors,
                 "policy_sha256": self.publisher.published.sha256,
             }
         )
-
-    async def _publish(self) -> None:
-        """Serve the current weights as the current version."""
-        self.publisher.retire()  # (its memory is free for the next version)
-        self.publisher.publish(await blocking(self._snapshot, self.publisher.sealed is not None))
-
-    def _snapshot(self, seal: bool) -> PolicySnapshot:
-        """The current version as rollout nodes load it: in the compute dtype (the engine's),
-        sealed with the swarm's keys, made after a step (which handed back the memory it
-        freed, else it and the new version would peak together) or a state download; what
-        making it freed is handed back after."""
-        chunk_bytes = self.config.net.weight_chunk_bytes
-        made = snapshot(self.model, self.version, chunk_bytes, self.compute_dtype, seal)
-        memory.trim()
-        return made
 
     async def _settle_doubtful(self) -> None:
         """Look up the marks of the doubtful batches; mark trained the groups of those a
@@ -762,12 +598,12 @@ class Trainer:
         except Exception as e:  # a DHT error: look again at the next turn
             log.info("could not read the marks of doubtful batches: %r", e)
             return
-        if any(b.batch_id in marked and self.version <= b.epoch for b in self.book.doubtful):
+        if any(b.batch_id in marked and self.head.version <= b.epoch for b in self.book.doubtful):
             await self._catch_up()  # the peer's weights hold them: take those first
-        trained, again = self.book.settle(marked, self.version, others)
+        trained, again = self.book.settle(marked, self.head.version, others)
         for batch in trained:
-            # This trainer's weights (version `self.version`) hold the peer's step.
-            self.book.trained(batch.groups, self.version, self.lineage.id)
+            # This trainer's weights (version `self.head.version`) hold the peer's step.
+            self.book.trained(batch.groups, self.head.version, self.head.lineage.id)
             self.counts["groups_trained_by_peer"] += len(batch.groups)
             log.info(
                 "batch %s: a peer stepped with it; %d groups are trained",
@@ -778,8 +614,8 @@ class Trainer:
                 {
                     "event": "trained_by_peer",
                     "batch_id": batch.batch_id,
-                    "policy_version": self.version,
-                    "lineage": self.lineage.id,
+                    "policy_version": self.head.version,
+                    "lineage": self.head.lineage.id,
                     "trained_group_ids": [g.group_id for g in batch.groups],
                 }
             )
@@ -787,14 +623,6 @@ class Trainer:
             log.info("batch %s: no peer took it; its groups go back", batch.batch_id)
             self.counts["groups_requeued"] += len(batch.groups)
             self.batch_ready.set()
-
-    def _record_dropped(self, group_ids: list[str], why: str = "stale") -> None:
-        """A metrics row for groups dropped as `why` ("stale", or "zero_variance": left out
-        by dynamic sampling), written before any rollout node hears of it (and deletes its
-        copy): a crash right after cannot hide a drop."""
-        self.metrics.write(
-            {"event": why, "policy_version": self.version, f"{why}_group_ids": group_ids}
-        )
 
     async def _step(
         self,
@@ -815,7 +643,9 @@ class Trainer:
         toward the swarm's target, so the step is taken now.
         """
         cfg = self.config
-        lags = [rl.policy_lag(s.policy_version, self.version) for g in batch for s in g.samples]
+        lags = [
+            rl.policy_lag(s.policy_version, self.head.version) for g in batch for s in g.samples
+        ]
         self.lag_histogram.update(lags)
         if short:
             log.info(
@@ -835,35 +665,20 @@ class Trainer:
         # rounds kept failing made no version, so no snapshot trimmed, and its heap grew by
         # the step's free memory at every retry (9-13 GB at version 0, issue 47).
         await blocking(memory.trim)
-        self._reject_for_logprobs(batch, result)
+        self.intake.reject_for_logprobs(batch, result)
         outcome = result.outcome
-        self.replay.drop(result.replays_dropped)
-        self.counts["replays_dropped_logprobs"] += len(result.replays_dropped)
-        replayed = [g.group_id for g in replays if g.group_id not in result.replays_dropped]
-        if outcome.discarded:  # their gradients went nowhere: no use
-            replayed = []
-        replay_stats = self.replay.used(replayed, self.version)
-        self.counts["groups_replayed"] += replay_stats.groups
+        replayed, replay_stats = replays_used(
+            self.replay, replays, result, self.head.version, self.counts
+        )
         groups = self.book.stepped(
             [g for g in batch if g.group_id not in result.rejected],
             applied=outcome.applied,
             discarded=outcome.discarded,
             in_doubt=outcome.in_doubt,
-            version=self.version,
+            version=self.head.version,
             deadline=time.monotonic() + doubt_wait_s(cfg.swarm),
         )
-        await self._after_step(groups, outcome.epoch, outcome.peer_batches)
-        changed = outcome.epoch != self.version
-        self.version = outcome.epoch
-        if changed:
-            if self.withheld:
-                log.warning(
-                    "version %d may differ from the swarm's: withheld until it takes theirs",
-                    self.version,
-                )
-                self.counts["versions_withheld"] += 1
-            else:
-                await self._publish()
+        changed = await self._after_step(groups, outcome)
         now = time.perf_counter()
         self.samples_per_s = self.sample_rate.add(last, now, result.metrics["charts/samples"])
         self.gpus = self.gpu.sample()
@@ -871,7 +686,7 @@ class Trainer:
             result.row()
             | {
                 "event": "step",
-                "lineage": self.lineage.id,
+                "lineage": self.head.lineage.id,
                 "trained_group_ids": [g.group_id for g in groups.trained],
                 "trained_group_versions": [oldest_version(g) for g in groups.trained],
                 # trained again (node/replay.py): already trained, never acknowledged again
@@ -892,16 +707,15 @@ class Trainer:
                 **self._counts(),
             }
         )
-        due = self.version % cfg.trainer.checkpoint_every == 0
+        due = self.head.version % cfg.trainer.checkpoint_every == 0
         undurable = len(self.book.undurable) >= MAX_UNDURABLE_GROUPS
         if changed and not self.withheld and (due or undurable):
-            await blocking(self._checkpoint)
+            await blocking(self.versions.checkpoint)
         return now
 
-    async def _after_step(
-        self, groups: StepGroups, version: int, peer_batches: tuple[str, ...]
-    ) -> None:
-        """Record what a step did to its groups: trained ones in the book and the DHT."""
+    async def _after_step(self, groups: StepGroups, outcome: StepOutcome) -> bool:
+        """Record what a step did to its groups (trained ones in the book and the DHT) and
+        publish the version it made; returns whether it made one."""
         if groups.doubtful is not None:
             self.counts["groups_in_doubt"] += len(groups.doubtful.groups)
             log.info(
@@ -913,79 +727,27 @@ class Trainer:
             log.info("step not taken: %d groups go back to the queue", len(groups.requeued))
         if groups.trained:
             self.replay.add(groups.trained)
-            self.book.trained(groups.trained, version, self.lineage.id)
+            self.book.trained(groups.trained, outcome.epoch, self.head.lineage.id)
             self.counts["groups_trained"] += len(groups.trained)
             ids = [g.group_id for g in groups.trained]
-            mark = Mark(self.lineage.id, version)
-            await blocking(self.directory.mark_trained, ids, mark, peer_batches)
-
-    def _reject_for_logprobs(
-        self, batch: list[protocol.TrajectoryGroup], result: StepResult
-    ) -> None:
-        """The groups the learner left out for their logprob gap or their teacher logprobs':
-        dropped, held against their nodes."""
-        bound = self.config.trainer.max_logprob_gap
-        for group in batch:
-            if group.group_id in result.rejected:
-                self.book.drop([group.group_id])
-                teacher_gap = result.teacher_gaps.get(group.group_id)
-                if teacher_gap is not None and teacher_gap > bound:
-                    self.counts["groups_rejected_teacher"] += 1
-                    what = f"teacher logprob gap {teacher_gap:.3g}"
-                else:
-                    self.counts["groups_rejected_logprobs"] += 1
-                    what = f"logprob gap {result.logprob_gaps[group.group_id]:.3g}"
-                self._failed_check(group.node_id, f"{what} over trainer.max_logprob_gap={bound:g}")
-
-    def _checkpoint(self) -> None:
-        """Save the policy (an HF folder) and what resuming needs, then mark its steps'
-        groups durable. Runs between steps (a worker thread, or shutdown)."""
-        root = self.run_dir / "checkpoints"
-        directory = root / f"v{self.version:06d}"
-        lora = self.config.model.lora_rank > 0
-        save_checkpoint(
-            self.model.get_base_model() if lora else self.model,
-            self.tokenizer,
-            directory,
-            self.version,
-            {"model": self.config.model.name, "time": time.time(), "lineage": self.lineage.id},
-            state_dict=merged_weights(self.model, self.config.model) if lora else None,
-            resume_state={
-                "params": {
-                    n: p.detach().to("cpu", copy=True)
-                    for n, p in self.model.named_parameters()
-                    if p.requires_grad
-                },
-                "optimizer": self.swarm.optimizer_state(),
-                "lineage": msgspec.to_builtins(self.lineage),
-            },
-        )
-        latest = root / "latest.tmp"  # a crash leaves the old name or the new one
-        latest.write_text(directory.name + "\n")
-        os.replace(latest, root / "latest")
-        for older in root.glob(f"v*/{RESUME_STATE}"):
-            if older.parent != directory:
-                older.unlink()
-        prune_checkpoints(root, self.config.trainer.keep_checkpoints)
-        self.book.checkpointed(self.version)
-        self.directory.record_checkpoint(str(self.dht.peer_id), Mark(self.lineage.id, self.version))
-        log.info("checkpoint %s", directory)
-
-    def _load_params(self, params: dict[str, torch.Tensor]) -> None:
-        """A checkpoint's trainable parameters into the model (before the optimizer exists)."""
-        own = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
-        if own.keys() != params.keys() or any(own[n].shape != t.shape for n, t in params.items()):
-            raise ModelError(
-                f"the checkpoint in {self.run_dir / 'checkpoints'} was made with another model "
-                "or LoRA config; use a new run dir, or the config it was made with"
+            mark = Mark(self.head.lineage.id, outcome.epoch)
+            await blocking(self.directory.mark_trained, ids, mark, outcome.peer_batches)
+        changed = outcome.epoch != self.head.version
+        self.head.version = outcome.epoch
+        if changed and self.withheld:
+            log.warning(
+                "version %d may differ from the swarm's: withheld until it takes theirs",
+                self.head.version,
             )
-        with torch.no_grad():
-            for name, tensor in params.items():
-                own[name].copy_(tensor)
+            self.counts["versions_withheld"] += 1
+        elif changed:
+            await self.versions.publish()
+        return changed
 
     def _counts(self) -> dict[str, int]:
         return {
             **{f"counts/{k}": v for k, v in self.counts.items()},
+            **{f"counts/{k}": v for k, v in self.reward_check.metrics().items()},
             **{f"counts/swarm_{k}": v for k, v in self.swarm.counts().items()},
             "counts/rejected_messages": self.server.rejected,
             "counts/sealed_chunks_served": self.publisher.sealed_served,
@@ -993,6 +755,25 @@ class Trainer:
             "counts/denied_handshakes": self.server.denied,
             **{f"counts/refused_{kind}": n for kind, n in self.server.refused.items()},
         }
+
+
+def replays_used(
+    replay: Replay,
+    replays: list[protocol.TrajectoryGroup],
+    result: StepResult,
+    version: int,
+    counts: Counter[str],
+) -> tuple[list[str], ReplayStats]:
+    """The ids of the `replays` a step trained again (none if its gradients were thrown
+    away), and their stats; those its learner left out for their logprobs leave the buffer."""
+    replay.drop(result.replays_dropped)
+    counts["replays_dropped_logprobs"] += len(result.replays_dropped)
+    replayed = [g.group_id for g in replays if g.group_id not in result.replays_dropped]
+    if result.outcome.discarded:  # their gradients went nowhere: no use
+        replayed = []
+    stats = replay.used(replayed, version)
+    counts["groups_replayed"] += stats.groups
+    return replayed, stats
 
 
 def fewest_trainers(

@@ -41,10 +41,11 @@ from agentjet.devices import resolve_device, resolve_dtype
 from agentjet.errors import ConfigError
 from agentjet.identity import node_keys
 from agentjet.roles import log_context, print_join_command, run_role
+from node.dht import start_dht, visible_maddrs
+from node.directory import Directory
 from node.gpu_monitor import GpuMonitor
 from node.lora import add_adapters
 from node.model import DTYPES, load_causal_lm, resolve_model
-from node.swarm import Directory, start_dht, visible_maddrs
 from node.trainer import Trainer
 
 log = logging.getLogger(__name__)

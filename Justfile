@@ -57,11 +57,18 @@ test-faults *ARGS: ensure
     rm -f bench/results/faults.json
     AGENTJET_FAULTS_OUT=bench/results/faults.json {{bin}}/pytest tests/integration/test_fuzz.py tests/integration/test_closed_swarm.py tests/integration/test_faults.py {{ARGS}}
 
-# Lint, format check and types
+# Lint, format check, types and the house check
 lint: ensure
     {{bin}}/ruff check .
     {{bin}}/ruff format --check .
-    {{bin}}/mypy agentjet coordinator node sandboxes
+    {{bin}}/mypy agentjet agentjet_app coordinator node sandboxes
+    {{bin}}/python tests/house.py
+
+# House check (issue 48): the largest classes, modules and functions, the kernel's upward
+# imports and the import circles, against their limits and tests/house_baseline.json;
+# fails on a new violation or a grown one (--update lowers the baseline after a shrink)
+house *ARGS: ensure
+    {{bin}}/python tests/house.py {{ARGS}}
 
 # Lint, format check, types, then the tests
 check: lint test
@@ -125,7 +132,7 @@ bench-merge *ARGS: ensure
 bench-sched-sim *ARGS: ensure
     {{bin}}/python bench/sched_sim.py {{ARGS}}
 
-# The README's swarm on a busy box: 2 trainers vs 1, a rollout node, a coordinator and a
+# The swarm commands (docs/swarm.md) on a busy box: 2 trainers vs 1, a rollout node, a coordinator and a
 # CPU hog, 10 minutes each (rounds, versions/min, peak PSS, stop times; ~25 min in all;
 # writes bench/results/swarm_load.json)
 bench-swarm-load *ARGS: ensure

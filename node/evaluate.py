@@ -12,7 +12,7 @@ agentjet/progress.py), so the JSON on stdout stays clean.
 
 By default one greedy answer per task. With `samples` > 0, that many answers per task are
 sampled as rollouts sample them (`rollout.sampling`: temperature, top-p), so the figure is
-the policy's expected success, the quantity RL training raises. The two differ (README,
+the policy's expected success, the quantity RL training raises. The two differ (docs/guide-data.md,
 "Evaluate a checkpoint").
 
 The same environment code that plays training episodes scores evaluation ones, so the

@@ -16,7 +16,7 @@ its fresh groups, however many: the trained samples per generated sample grow.
   versions before the step's. Least-used and freshest first.
 - A replayed sample is importance-corrected like any lagged one: the clipped token-level
   ratio pi_theta / mu against the logprobs of the policy that sampled it (rl.policy_loss).
-  No proximal policy (decoupled PPO): docs/ARCHITECTURE.md says why.
+  No proximal policy (decoupled PPO): docs/training.md, "Replay", says why.
 - "Trained" is untouched: a replay is never queued, named in the DHT, marked or
   acknowledged; its group was acknowledged once, by the step that first trained it.
 - What may not be trained is never replayed: a group that failed a check never entered;

@@ -81,11 +81,12 @@ from agentjet.identity import NodeKeys, read_node_keys  # noqa: E402
 from agentjet.keys import write_keys  # noqa: E402
 from agentjet.lifeline import descendants  # noqa: E402
 from agentjet.transport import Client, Server  # noqa: E402
+from node.dht import visible_maddrs  # noqa: E402
 from node.learner import Learner  # noqa: E402
 from node.lora import add_adapters  # noqa: E402
 from node.model import build_tiny_model, load_causal_lm, resolve_model  # noqa: E402
 from node.publisher import Publisher  # noqa: E402
-from node.swarm import SwarmOptimizer, visible_maddrs  # noqa: E402
+from node.swarm import SwarmOptimizer  # noqa: E402
 from node.trainer_link import fetch_chunks  # noqa: E402
 from node.weights import PolicySnapshot, SpareBuffer, WeightAssembly, snapshot  # noqa: E402
 
@@ -111,7 +112,8 @@ SERVICE_TIMEOUT_S = 120.0
 # Small learning rate: the policy barely moves, so the synthetic groups' sampler logprobs
 # stay the policy's own (importance ratio ≈ 1, no clipping) for the whole run.
 LR = 1e-6
-# What `--set model.lora_rank=8` (README) trains: the project's default targets and alpha.
+# What `--set model.lora_rank=8` (docs/training.md, "LoRA") trains: the project's default
+# targets and alpha.
 LORA = ModelConfig(lora_rank=8)
 # average_state_every for --grads-only: never an epoch inside a benchmark's window.
 NO_STATE_AVERAGING = 1_000_000
@@ -270,19 +272,23 @@ def trainer_child(s: TrainerSettings, out: TextIO) -> None:
             trainable_bytes=sum(p.numel() * p.element_size() for p in params),
         )
         commands.wait_for("go")
-        train_until_stopped(learner, groups, commands, out)
+        train_until_stopped(learner, swarm, groups, commands, out)
     finally:
         swarm.shutdown()
 
 
 def train_until_stopped(
-    learner: Learner, groups: list[protocol.TrajectoryGroup], commands: Commands, out: TextIO
+    learner: Learner,
+    swarm: SwarmOptimizer,
+    groups: list[protocol.TrajectoryGroup],
+    commands: Commands,
+    out: TextIO,
 ) -> None:
     """`applied_samples`: the samples whose gradients went into the step that reached
     `epoch` (this trainer's share of that global step); 0 when nothing was applied."""
     pending = 0
     while not commands.closed and "stop" not in commands.read(0):
-        reloads = learner.swarm.optimizer.reloads
+        reloads = swarm.optimizer.reloads
         row = learner.train_step(groups).row()
         pending += row["charts/samples"]
         applied = discarded = 0
@@ -299,7 +305,7 @@ def train_until_stopped(
             discarded_samples=discarded,
             step_s=row["perf/step_s"],
             # The swarm's state downloaded in this step: the trainer was out of sync.
-            state_reloads=learner.swarm.optimizer.reloads - reloads,
+            state_reloads=swarm.optimizer.reloads - reloads,
         )
 
 

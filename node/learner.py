@@ -2,7 +2,11 @@
 
     groups ──advantages (recomputed from rewards)──▶ samples with A != 0
            ──micro-batches──▶ forward: log pi_theta(completion tokens) ──▶ rl.policy_loss
-           ──backward (grads accumulate)──▶ clip ──▶ SwarmOptimizer.step ──▶ new policy version
+           ──backward (grads accumulate)──▶ clip ──▶ optimizer.step_outcome ──▶ new policy version
+
+The optimizer is a `StepOptimizer`: a trainer's is the swarm's (node/swarm.py
+`SwarmOptimizer`, hivemind underneath); `LocalOptimizer` (node/local_optimizer.py) is its
+in-process twin for a lone trainer, which the unit tests step with.
 
 Samples with zero advantage contribute exactly zero gradient, so they are counted but
 never forwarded: on arithmetic, where most groups are all-right or all-wrong, this is
@@ -23,8 +27,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from transformers import DynamicCache
@@ -33,7 +38,7 @@ from agentjet import rl
 from agentjet.config import EnvConfig, TrainerConfig
 from agentjet.devices import out_of_memory
 from agentjet.protocol import TrajectoryGroup, top_k_of, unpack_floats, unpack_ids, unpack_mask
-from node.swarm import StepOutcome, SwarmOptimizer
+from node.rounds import StepOutcome
 from node.teacher import TeacherCheck
 from node.verify import over_gap
 
@@ -81,7 +86,7 @@ class _Pass:
 
 @dataclass(frozen=True)
 class StepResult:
-    """What `Learner.train_step` did: the swarm step's outcome, the groups left out for
+    """What `Learner.train_step` did: the optimizer step's outcome, the groups left out for
     their logprob gap, each checked group's gap (rl.logprob_gap), and the step's
     metrics (losses/, charts/, perf/)."""
 
@@ -110,11 +115,31 @@ class StepResult:
         }
 
 
+class StepOptimizer(Protocol):
+    """What the learner needs of its optimizer: it names a batch's groups, then hands over
+    the `.grad`s the batch accumulated, and reads the policy version the weights are at."""
+
+    @property
+    def epoch(self) -> int:
+        """The policy version of the current weights."""
+        ...
+
+    def name_groups(self, group_ids: Iterable[str]) -> str:
+        """Name the groups the next `step_outcome` trains; the id of the batch that holds
+        them."""
+        ...
+
+    def step_outcome(self, batch_size: int) -> StepOutcome:
+        """Step on the `.grad`s of `batch_size` samples (once the epoch's samples are in)
+        and clear them; what became of them."""
+        ...
+
+
 class Learner:
     def __init__(
         self,
         model: Any,
-        swarm: SwarmOptimizer,
+        optimizer: StepOptimizer,
         config: TrainerConfig,
         temperature: float,
         pad_token_id: int,
@@ -130,7 +155,7 @@ class Learner:
         self.model = model
         self.device: torch.device = next(model.parameters()).device
         self.compute_dtype = compute_dtype
-        self.swarm = swarm
+        self.optimizer = optimizer
         self.config = config
         # The sampler's logprobs are of softmax(logits / T); ours must be the same quantity.
         self.temperature = temperature
@@ -145,8 +170,8 @@ class Learner:
         replays: list[TrajectoryGroup] | None = None,
     ) -> StepResult:
         """Accumulate gradients over `groups` and `replays` (groups trained before, again:
-        node/replay.py), less those that fail the logprob check, and step the swarm
-        optimizer. `count_at_least`: the samples the batch counts for toward the swarm's
+        node/replay.py), less those that fail the logprob check, and step the
+        optimizer. `count_at_least`: the samples the batch counts for toward the optimizer's
         target at least (a short step under dynamic sampling counts as full)."""
         start = time.perf_counter()
         replays = replays or []
@@ -182,12 +207,12 @@ class Learner:
             counted = max(counted, count_at_least)
         # Named even when they add no gradient: they are trained with the batch they join.
         # (Replays are not: their groups were trained, and named, once.)
-        self.swarm.name_groups(g.group_id for g in groups)
+        self.optimizer.name_groups(g.group_id for g in groups)
         if counted == 0:
             # No sample with gradient, or every group rejected: the batch adds nothing.
-            outcome = StepOutcome(self.swarm.epoch, applied=False, discarded=False)
+            outcome = StepOutcome(self.optimizer.epoch, applied=False, discarded=False)
         else:
-            outcome = self.swarm.step_outcome(batch_size=counted)
+            outcome = self.optimizer.step_outcome(batch_size=counted)
         rewards = [s.reward for g in groups for s in g.samples]
         taught = [r for r in rows if r.teacher_logprobs is not None]
         passed = {g: gap for g, gap in gap_of.items() if g not in over}

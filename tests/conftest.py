@@ -10,12 +10,16 @@ nodes: they refuse to start without one.
 
 Every test carries exactly one tier marker (TIERS, declared in pyproject.toml); collection
 fails naming any test with none or several, so an untiered test cannot slip past `-m`.
+A unit test starts no process: while one runs, starting a process fails it (UNIT_RULE,
+tests/procs.py `ProcessesForbidden`). Every process the tests start dies with the test run,
+however it ends (tests/procs.py: `popen` and `run` for programs, `die_with_this_process`,
+installed here, for forks of this process).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import docker
@@ -26,8 +30,18 @@ import torch
 
 from agentjet.keys import DEFAULT_KEYS_FILE, write_keys
 from node.model import build_tiny_model
+from tests import procs
 
 TIERS = ("unit", "integration", "docker", "netns", "gpu")
+UNIT_RULE = (
+    "unit tests start no process (pyproject.toml: 'unit: pure logic, no processes'): "
+    "test the logic without the process, or mark the test integration"
+)
+# A unit test's guard, and whether its call phase failed (its report).
+GUARD = pytest.StashKey[procs.ProcessesForbidden]()
+CALL_FAILED = pytest.StashKey[bool]()
+
+procs.die_with_this_process()
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -44,6 +58,51 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             f"every test needs exactly one tier marker of {', '.join(TIERS)} "
             "(a decorator or the module's pytestmark); these do not:\n" + "\n".join(problems)
         )
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Generator[None, None, None]:
+    """For a test marked unit, from its setup (the fixtures of any scope it brings up
+    included) to the end of its teardown: starting a process fails it (UNIT_RULE)."""
+    if item.get_closest_marker("unit") is not None:
+        item.stash[GUARD] = procs.ProcessesForbidden(UNIT_RULE).__enter__()
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    report = yield
+    if report.when == "call":
+        item.stash[CALL_FAILED] = report.failed
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Generator[None, None, None]:
+    """The unit tier's guard ends with the test's teardown. A test that passed fails here if
+    it caught the guard's failure and went on, or left a child process running (one started
+    from C, which the guard cannot see start)."""
+    guard = item.stash.get(GUARD, None)
+    try:
+        result = yield
+    finally:
+        if guard is not None:
+            guard.__exit__()
+    if guard is None or item.stash.get(CALL_FAILED, True):
+        return result  # not a unit test, or one that failed already (or never ran)
+    if guard.attempts:
+        pytest.fail(f"{', '.join(guard.attempts)}: tried to start a process; {UNIT_RULE}")
+    if left := guard.left_running():
+        pytest.fail(f"started processes still running: {', '.join(left)}; {UNIT_RULE}")
+    return result
+
+
+@pytest.fixture
+def process_guard(request: pytest.FixtureRequest) -> procs.ProcessesForbidden:
+    """A unit test's guard (tests/procs.py `ProcessesForbidden`), for the guard's tests."""
+    return request.node.stash[GUARD]
 
 
 @pytest.fixture(scope="session")

@@ -42,6 +42,8 @@ from typing import Any
 
 import pytest
 
+from tests import procs
+
 # SIGTERM → SIGKILL: long enough for a Python process to run its shutdown handlers.
 STOP_GRACE_S = 3.0
 # 10.213.0.0/16 is private and unlikely to be routed on a developer's machine; each run
@@ -60,7 +62,7 @@ class NetnsError(RuntimeError):
 
 
 def _ip(*args: str) -> str:
-    done = subprocess.run(["ip", *args], capture_output=True, text=True, check=False)
+    done = procs.run(["ip", *args], capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise NetnsError(f"`ip {' '.join(args)}` failed: {done.stderr.strip()}")
     return done.stdout
@@ -115,7 +117,7 @@ class Node:
 
     def popen(self, argv: list[str], **kwargs: Any) -> subprocess.Popen[Any]:
         """Start argv inside this node's namespace in a new session; the Swarmnet reaps it."""
-        proc = subprocess.Popen(
+        proc = procs.popen(
             ["ip", "netns", "exec", self.ns, *argv], start_new_session=True, **kwargs
         )
         self._processes.append(proc)
@@ -135,7 +137,7 @@ class Node:
         for ns, port in ((self.ns, self._port), (self._hub_ns, self._hub_port)):
             argv = ["ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", port, "root"]
             argv += ["tbf", "rate", f"{rate_mbit}mbit", "burst", "128kb", "latency", "50ms"]
-            done = subprocess.run(argv, capture_output=True, text=True, check=False)
+            done = procs.run(argv, capture_output=True, text=True, check=False)
             if done.returncode != 0:
                 raise NetnsError(f"`{' '.join(argv)}` failed: {done.stderr.strip()}")
 
@@ -149,7 +151,7 @@ class Node:
             "cat",
             f"/sys/class/net/{self._port}/statistics/tx_bytes",
         ]
-        return int(subprocess.run(argv, capture_output=True, text=True, check=True).stdout)
+        return int(procs.run(argv, capture_output=True, text=True, check=True).stdout)
 
 
 class Swarmnet:

@@ -4,19 +4,21 @@ tests of two trainers' rounds.
 Two optimizers in one process share hivemind's process-wide signing key, so their progress
 records overwrite each other in the DHT and neither sees the other's batch: a peer must be
 a process of its own, as every real trainer is. `Peer` starts it (spawned, so no thread
-or lock of the test process is copied), asks it to step or announce a batch, and reaps it
-by PID.
+or lock of the test process is copied; it dies with the test process, tests/procs.py), asks
+it to step or announce a batch, and reaps it by PID.
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import os
 from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
 
 from agentjet.config import SwarmConfig
+from tests import procs
 
 # Any answer from the peer comes within this long (a step waits for its round).
 REPLY_TIMEOUT_S = 120.0
@@ -34,9 +36,11 @@ def fake_gradients(model: torch.nn.Module, seed: int) -> None:
         p.grad = torch.randn(p.shape, generator=generator) * 0.1
 
 
-def _serve(conn: Connection, config: SwarmConfig) -> None:
+def _serve(conn: Connection, config: SwarmConfig, test_pid: int) -> None:
     from agentjet.lifeline import Lifeline
     from node.swarm import SwarmOptimizer
+
+    procs.die_with_parent(test_pid)  # spawned: the test process's fork hook never ran here
 
     # hivemind forks its DHT and averagers, as in a trainer (a spawned process would
     # spawn them too, and they cannot be pickled).
@@ -73,7 +77,7 @@ class Peer:
         context = multiprocessing.get_context("spawn")
         self._conn, child = context.Pipe()
         # Not a daemon: those may not start processes (hivemind's DHT and averagers).
-        self.process = context.Process(target=_serve, args=(child, config))
+        self.process = context.Process(target=_serve, args=(child, config, os.getpid()))
         self.process.start()
         self._ask(None)  # its "ready"
 

@@ -29,7 +29,7 @@ from node.model import load_causal_lm
 from node.torch_engine import TorchEngine
 from tests.engine_contract import chat_prompts, check_engine_contract
 from tests.factories import groups_from_samples
-from tests.unit.test_trainer_logic import lone_swarm
+from tests.integration.test_lone_trainer import lone_swarm
 
 pytestmark = [
     pytest.mark.gpu,

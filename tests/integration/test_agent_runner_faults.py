@@ -37,6 +37,7 @@ from agentjet.protocol import Task
 from node.agents import AgentEnv
 from node.openai_api import ApiError, EpisodeHub
 from tests.factories import RuleGenerator
+from tests.procs import popen, run
 
 pytestmark = pytest.mark.integration
 
@@ -111,7 +112,7 @@ class Processes:
             open(self.dir / f"{name}.out", "wb") as out,
             open(self.dir / f"{name}.err", "wb") as err,
         ):
-            proc = subprocess.Popen(argv, stdout=out, stderr=err, cwd=cwd, start_new_session=True)
+            proc = popen(argv, stdout=out, stderr=err, cwd=cwd, start_new_session=True)
         self.procs[name] = proc
         return proc
 
@@ -250,7 +251,7 @@ def agent_argv(url: str, *args: str) -> list[str]:
 
 
 def run_agent(argv: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    return run(argv, cwd=cwd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
 
 
 def test_the_agent_module_is_imported_from_the_current_folder_or_app_dir(

@@ -50,6 +50,7 @@ from agentjet.protocol import (
     WorkRequest,
 )
 from agentjet.transport import Client, NotAMember, PeerUnavailable
+from tests import procs
 from tests.factories import member_hello
 
 pytestmark = pytest.mark.integration
@@ -104,7 +105,7 @@ class Coordinators:
         config_path = self.workdir / "coordinator.toml"
         config_path.write_text(to_toml(config))
         with open(self.log_path, "ab") as log:
-            proc = subprocess.Popen(
+            proc = procs.popen(
                 [sys.executable, "-m", "coordinator", str(config_path)],
                 cwd=REPO_ROOT,
                 env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
@@ -444,7 +445,7 @@ def test_importing_the_coordinator_does_not_import_torch() -> None:
         "heavy = sorted({'torch', 'hivemind', 'transformers', 'vllm'} & set(sys.modules)); "
         "print(','.join(heavy))"
     )
-    result = subprocess.run(
+    result = procs.run(
         [sys.executable, "-c", probe],
         cwd=REPO_ROOT,
         env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
@@ -532,12 +533,12 @@ def test_agentjet_status_prints_the_scheduler_table(coordinators: Coordinators) 
     asyncio.run(one_round())
     # Through the real entry point, checking on the way that it never loads torch.
     probe = (
-        "import sys; from agentjet.cli import main; "
+        "import sys; from agentjet_app.cli import main; "
         f"code = main(['status', '--coordinator', {coordinators.endpoint!r}, "
         f"'--keys', {str(coordinators.keys_file)!r}]); "
         "print('torch loaded' if 'torch' in sys.modules else 'torch not loaded'); sys.exit(code)"
     )
-    result = subprocess.run(
+    result = procs.run(
         [sys.executable, "-c", probe],
         cwd=REPO_ROOT,
         capture_output=True,
@@ -553,8 +554,8 @@ def test_agentjet_status_prints_the_scheduler_table(coordinators: Coordinators) 
     assert env_line.split()[1] == "4"  # visits
     assert out.rstrip().endswith("torch not loaded")
 
-    silent = subprocess.run(
-        [sys.executable, "-m", "agentjet.cli", "status", "--coordinator",
+    silent = procs.run(
+        [sys.executable, "-m", "agentjet_app.cli", "status", "--coordinator",
          coordinators.endpoint.replace("coordinator.ipc", "nobody.ipc"), "--timeout-s", "0.5",
          "--keys", str(coordinators.keys_file)],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=START_TIMEOUT_S,

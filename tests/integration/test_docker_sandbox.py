@@ -30,6 +30,7 @@ from sandboxes.docker_sandbox import (
 from sandboxes.envs import make_env
 from sandboxes.image import DEFAULT_IMAGE
 from sandboxes.pool import SandboxPool, open_pool
+from tests import procs
 from tests.factories import RuleGenerator
 
 pytestmark = pytest.mark.docker
@@ -211,7 +212,7 @@ sys.stdin.read()  # until killed
 def test_a_restarted_node_reaps_what_a_crashed_one_left(
     engine: DockerEngine, docker_client: docker.DockerClient
 ) -> None:
-    node = subprocess.Popen(
+    node = procs.popen(
         [sys.executable, "-c", _CRASHING_NODE],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,

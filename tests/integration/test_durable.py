@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -20,6 +19,7 @@ import pytest
 
 from agentjet.lifeline import descendants, running
 from agentjet.metrics import read_metrics
+from tests import procs
 from tests.integration.test_swarm import REPO_ROOT, Swarm, free_listen, swarm_factory
 
 pytestmark = pytest.mark.integration
@@ -32,8 +32,8 @@ ORPHAN_WAIT_S = 10.0
 
 def keys_init(path: Path) -> None:
     """The README's first command."""
-    done = subprocess.run(
-        [sys.executable, "-m", "agentjet.cli", "keys", "init", "--out", str(path)],
+    done = procs.run(
+        [sys.executable, "-m", "agentjet_app.cli", "keys", "init", "--out", str(path)],
         capture_output=True,
         text=True,
         cwd=REPO_ROOT,

@@ -25,6 +25,7 @@ import torch
 from agentjet.lifeline import descendants, running
 from agentjet.metrics import read_metrics
 from node.model import build_tiny_model
+from tests import procs
 
 RUN_TIMEOUT_S = 600
 MAX_STEPS = 5
@@ -36,7 +37,7 @@ def local_argv(
     """`agentjet local` on the tiny model with the tests' small settings, plus `settings`
     (more `--set key=value` overrides)."""
     argv = [
-        sys.executable, "-m", "agentjet.cli", "local",
+        sys.executable, "-m", "agentjet_app.cli", "local",
         "--run-dir", str(run_dir),
         "--max-steps", str(max_steps),
         "--set", f"model.name={json.dumps(str(tiny_model_dir))}",
@@ -76,7 +77,7 @@ def run_local(
     argv = local_argv(tiny_model_dir, run_dir, max_steps, settings)
     output_path = run_dir.with_name(run_dir.name + ".out")
     with open(output_path, "ab") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = procs.popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     spawned: set[int] = set()
     deadline = time.monotonic() + RUN_TIMEOUT_S
     try:
@@ -558,8 +559,8 @@ def test_two_policies_train_side_by_side_and_every_group_reaches_its_own_trainer
     held."""
     run_dir = tmp_path / "run"
     held_out = tmp_path / "held_out.jsonl"  # the solver's, scored during training
-    made = subprocess.run(
-        [sys.executable, "-m", "agentjet.cli", "tasks", "--count", "4", "--difficulties", "1",
+    made = procs.run(
+        [sys.executable, "-m", "agentjet_app.cli", "tasks", "--count", "4", "--difficulties", "1",
          "--out", str(held_out)],
         capture_output=True, text=True, check=False,
     )  # fmt: skip

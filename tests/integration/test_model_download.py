@@ -15,7 +15,6 @@ import json
 import os
 import re
 import socket
-import subprocess
 import sys
 import threading
 from collections.abc import Iterator
@@ -29,6 +28,7 @@ import pytest
 from agentjet.config import EMBEDDED_MODEL
 from agentjet.errors import ModelError
 from node.model import load_causal_lm, resolve_model
+from tests import procs
 
 pytestmark = pytest.mark.integration
 
@@ -199,7 +199,7 @@ def _resolve_in_child(name: str, endpoint: str, hf_home: Path, offline: bool = F
     )
     if offline:
         env["HF_HUB_OFFLINE"] = "1"
-    proc = subprocess.run(
+    proc = procs.run(
         [sys.executable, "-c", CHILD, name],
         cwd=ROOT,
         env=env,

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from tests import procs
 from tests.netns import Node, Swarmnet, list_namespaces, require_netns
 
 pytestmark = pytest.mark.netns
@@ -101,8 +102,8 @@ def echo(client: Node, server: Node, *, within_s: float = 0.0) -> str:
 
 def root_namespace_mentions(net: Swarmnet) -> list[str]:
     """Lines of the root namespace's links and addresses that belong to this swarm."""
-    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=True)
-    addrs = subprocess.run(["ip", "-o", "addr"], capture_output=True, text=True, check=True)
+    links = procs.run(["ip", "-o", "link"], capture_output=True, text=True, check=True)
+    addrs = procs.run(["ip", "-o", "addr"], capture_output=True, text=True, check=True)
     lines = links.stdout.splitlines() + addrs.stdout.splitlines()
     return [line for line in lines if net.tag in line or f" {net.subnet_base}." in line]
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import procs
 from tests.netns import require_netns
 
 pytestmark = pytest.mark.netns
@@ -30,7 +31,7 @@ def test_a_killed_relay_and_a_corrupting_one_cost_retries_never_a_wrong_weight(t
     out = tmp_path / "faults.json"
     argv = [sys.executable, str(ROOT / "bench" / "relay.py"), "--faults", "--out", str(out)]
     argv += ["--mbytes", "16", "--chunk-mb", "1", "--rate-mbit", "100"]
-    bench = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    bench = procs.popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         output, _ = bench.communicate(timeout=300)
     finally:

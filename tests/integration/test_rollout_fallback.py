@@ -20,6 +20,7 @@ import pytest
 
 from agentjet.config import load_config, to_toml
 from agentjet.metrics import read_metrics
+from tests import procs
 
 pytestmark = pytest.mark.integration
 
@@ -50,22 +51,31 @@ def test_rollout_trains_on_local_tasks_while_coordinator_is_away(
     )
     path = tmp_path / "config.toml"
     path.write_text(to_toml(config))
-    procs = {}
+    roles: dict[str, subprocess.Popen[bytes]] = {}
     for role in ("trainer", "rollout"):
         log = open(tmp_path / f"{role}.log", "wb")  # noqa: SIM115
-        procs[role] = subprocess.Popen(
-            [sys.executable, "-m", "agentjet.cli", "node", "--role", role, "--config", str(path)],
+        roles[role] = procs.popen(
+            [
+                sys.executable,
+                "-m",
+                "agentjet_app.cli",
+                "node",
+                "--role",
+                role,
+                "--config",
+                str(path),
+            ],
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
         log.close()
     try:
-        assert procs["trainer"].wait(timeout=RUN_TIMEOUT_S) == 0
-        procs["rollout"].send_signal(signal.SIGTERM)
-        assert procs["rollout"].wait(timeout=STOP_TIMEOUT_S) == 0
+        assert roles["trainer"].wait(timeout=RUN_TIMEOUT_S) == 0
+        roles["rollout"].send_signal(signal.SIGTERM)
+        assert roles["rollout"].wait(timeout=STOP_TIMEOUT_S) == 0
     finally:
-        for proc in procs.values():
+        for proc in roles.values():
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()

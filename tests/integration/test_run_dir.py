@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from agentjet.cli import main as cli_main
+from agentjet_app.cli import main as cli_main
+from tests import procs
 from tests.integration.test_cli import agentjet
 from tests.integration.test_coordinator import (  # noqa: F401
     REPO_ROOT,
@@ -40,7 +41,7 @@ sys.stdin.read()
 
 
 def start_holder(run_dir: Path, name: str) -> subprocess.Popen[str]:
-    holder = subprocess.Popen(
+    holder = procs.popen(
         [sys.executable, "-c", HOLDER, str(run_dir), name],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,

@@ -36,6 +36,7 @@ from agentjet.protocol import pack_ids
 from agentjet.transport import Client, PeerUnavailable
 from node.trainer_link import fetch_chunks
 from node.weights import WeightAssembly
+from tests import procs
 from tests.factories import make_group, tiny_trainer_settings
 
 pytestmark = pytest.mark.integration
@@ -109,8 +110,17 @@ def launched_trainer(
     path.write_text(to_toml(config))
     log_path = tmp_path / "trainer.log"
     log = open(log_path, "wb")  # noqa: SIM115
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "agentjet.cli", "node", "--role", "trainer", "--config", str(path)],
+    proc = procs.popen(
+        [
+            sys.executable,
+            "-m",
+            "agentjet_app.cli",
+            "node",
+            "--role",
+            "trainer",
+            "--config",
+            str(path),
+        ],
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,

@@ -12,17 +12,17 @@ import pytest
 import torch
 
 from agentjet import protocol
-from agentjet.cli import format_swarm
 from agentjet.config import EnvConfig, ModelConfig, TrainerConfig
 from agentjet.episode import Episode, SamplingParams
 from agentjet.errors import ModelError
 from agentjet.rl import distill_advantages, policy_loss, teacher_kl
+from agentjet_app.cli import format_swarm
 from node.learner import Learner
 from node.model import build_tiny_model, load_causal_lm, load_tokenizer
-from node.rollout import build_group
+from node.rollout_produce import build_group
 from node.teacher import LocalTeachers, TeacherCheck, scores_problem
 from node.torch_engine import TorchEngine
-from tests.unit.test_trainer_logic import lone_swarm
+from tests.unit.test_trainer_logic import lone_optimizer
 
 pytestmark = pytest.mark.unit
 
@@ -201,24 +201,21 @@ def test_distillation_moves_the_student_toward_the_teacher_with_no_reward_signal
         ]
     )
     model, _ = load_causal_lm(tiny_model_dir)
-    swarm = lone_swarm(model, target_batch_size=6, lr=3e-3)
-    try:
-        plain = Learner(model, swarm, TrainerConfig(micro_batch_samples=4), TEMPERATURE, 0)
-        assert plain.train_step(groups).row()["charts/trained_samples"] == 0
-        # The same samples, trained again as the student moves: off the logprob check.
-        config = TrainerConfig(micro_batch_samples=4, max_logprob_gap=0.0)
-        learner = Learner(model, swarm, config, TEMPERATURE, 0, teacher_coefs={"arithmetic": 1.0})
-        gaps = []
-        for _ in range(4):
-            rows = learner._rows(groups)
-            with torch.no_grad():
-                out = learner._forward(rows)
-            trained = out.mask.bool()
-            gaps.append(float((out.logprobs[trained] - teacher[_trained(groups)]).abs().mean()))
-            row = learner.train_step(groups).row()
-            assert row["charts/trained_samples"] == 6 and row["charts/teacher_samples"] == 6
-    finally:
-        swarm.shutdown()
+    optimizer = lone_optimizer(model, target_batch_size=6, lr=3e-3)
+    plain = Learner(model, optimizer, TrainerConfig(micro_batch_samples=4), TEMPERATURE, 0)
+    assert plain.train_step(groups).row()["charts/trained_samples"] == 0
+    # The same samples, trained again as the student moves: off the logprob check.
+    config = TrainerConfig(micro_batch_samples=4, max_logprob_gap=0.0)
+    learner = Learner(model, optimizer, config, TEMPERATURE, 0, teacher_coefs={"arithmetic": 1.0})
+    gaps = []
+    for _ in range(4):
+        rows = learner._rows(groups)
+        with torch.no_grad():
+            out = learner._forward(rows)
+        trained = out.mask.bool()
+        gaps.append(float((out.logprobs[trained] - teacher[_trained(groups)]).abs().mean()))
+        row = learner.train_step(groups).row()
+        assert row["charts/trained_samples"] == 6 and row["charts/teacher_samples"] == 6
     sampler = torch.cat(
         [
             torch.from_numpy(protocol.unpack_floats(s.logprobs).copy())
@@ -262,16 +259,13 @@ def test_a_trainer_that_rescores_teacher_logprobs_leaves_forged_ones_out_exactly
     def step(groups: list[protocol.TrajectoryGroup], check: TeacherCheck | None):
         torch.manual_seed(0)
         model, _ = load_causal_lm(tiny_model_dir)
-        swarm = lone_swarm(model, target_batch_size=6)
-        try:
-            config = TrainerConfig(micro_batch_samples=2, max_logprob_gap=0.5)
-            coefs = {"arithmetic": 1.0}
-            learner = Learner(
-                model, swarm, config, TEMPERATURE, 0, teacher_coefs=coefs, teacher_check=check
-            )
-            result = learner.train_step(groups)
-        finally:
-            swarm.shutdown()
+        optimizer = lone_optimizer(model, target_batch_size=6)
+        config = TrainerConfig(micro_batch_samples=2, max_logprob_gap=0.5)
+        coefs = {"arithmetic": 1.0}
+        learner = Learner(
+            model, optimizer, config, TEMPERATURE, 0, teacher_coefs=coefs, teacher_check=check
+        )
+        result = learner.train_step(groups)
         return result, model.state_dict()
 
     mixed, mixed_weights = step([sure, honest[0], missing, honest[1]], check)

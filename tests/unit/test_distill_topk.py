@@ -23,7 +23,7 @@ from node.teacher import LocalTeachers, TeacherCheck, scores_problem
 from node.torch_engine import TorchEngine
 from tests.factories import make_group, make_sample
 from tests.unit.test_distill import TEMPERATURE, played_groups
-from tests.unit.test_trainer_logic import lone_swarm
+from tests.unit.test_trainer_logic import lone_optimizer
 
 pytestmark = pytest.mark.unit
 
@@ -198,15 +198,12 @@ def test_the_learners_topk_loss_is_the_one_built_from_plain_forwards(
     engine = TorchEngine(tiny_model_dir, seed=1)
     groups = _scored(engine, teacher_dir, (1.0, 0.0, 0.0))
     model, _ = load_causal_lm(tiny_model_dir)
-    swarm = lone_swarm(model, target_batch_size=6)
-    try:
-        config = TrainerConfig(micro_batch_samples=8)
-        learner = Learner(model, swarm, config, TEMPERATURE, 0, teacher_coefs=COEFS)
-        rows = learner._rows(groups)
-        with torch.no_grad():
-            out = learner._forward(rows)
-    finally:
-        swarm.shutdown()
+    optimizer = lone_optimizer(model, target_batch_size=6)
+    config = TrainerConfig(micro_batch_samples=8)
+    learner = Learner(model, optimizer, config, TEMPERATURE, 0, teacher_coefs=COEFS)
+    rows = learner._rows(groups)
+    with torch.no_grad():
+        out = learner._forward(rows)
     want = 0.0
     for group in groups:
         for sample in group.samples:
@@ -232,17 +229,14 @@ def test_a_student_moves_toward_its_teachers_top_k_with_no_reward_signal(
     engine = TorchEngine(tiny_model_dir, seed=1)
     groups = _scored(engine, teacher_dir, (0.0, 0.0, 0.0))
     model, _ = load_causal_lm(tiny_model_dir)
-    swarm = lone_swarm(model, target_batch_size=6, lr=3e-3)
+    optimizer = lone_optimizer(model, target_batch_size=6, lr=3e-3)
     kls = []
-    try:
-        config = TrainerConfig(micro_batch_samples=4, max_logprob_gap=0.0)
-        learner = Learner(model, swarm, config, TEMPERATURE, 0, teacher_coefs=COEFS)
-        for _ in range(4):
-            row = learner.train_step(groups).row()
-            assert row["charts/trained_samples"] == 6 and row["charts/teacher_samples"] == 6
-            kls.append(row["charts/teacher_topk_kl"])
-    finally:
-        swarm.shutdown()
+    config = TrainerConfig(micro_batch_samples=4, max_logprob_gap=0.0)
+    learner = Learner(model, optimizer, config, TEMPERATURE, 0, teacher_coefs=COEFS)
+    for _ in range(4):
+        row = learner.train_step(groups).row()
+        assert row["charts/trained_samples"] == 6 and row["charts/teacher_samples"] == 6
+        kls.append(row["charts/teacher_topk_kl"])
     assert kls[-1] < 0.8 * kls[0], kls
     assert all(b < a for a, b in zip(kls, kls[1:], strict=False)), kls
 

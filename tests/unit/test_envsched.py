@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 
-from agentjet.cli import format_status
 from agentjet.config import (
     Config,
     CoordinatorConfig,
@@ -27,6 +26,7 @@ from agentjet.config import (
 from agentjet.errors import ConfigError
 from agentjet.protocol import CoordinatorStatus, GroupReport, SchedulerRow, Task
 from agentjet.tasks import generate_tasks, write_task_file
+from agentjet_app.cli import format_status
 from bench import sched_sim
 from coordinator.envsched import (
     MIN_ENV_HEALTH,

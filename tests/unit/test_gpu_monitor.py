@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from agentjet import protocol
-from agentjet.cli import format_swarm
 from agentjet.protocol import GpuStats, NodeRecord
+from agentjet_app.cli import format_swarm
 from node.gpu_monitor import GpuMonitor, cuda_indices, metrics, nvml_indices
 
 pytestmark = pytest.mark.unit

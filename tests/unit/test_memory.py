@@ -1,13 +1,11 @@
-"""node/memory.py: a child forked in `left_behind()` does not hold the parent's tensors."""
+"""node/memory.py: which of a process's memory is private, and zeros that cost nothing until
+written (with a forked child: tests/integration/test_memory.py)."""
 
 from __future__ import annotations
 
-import json
 import mmap
-import os
-from collections.abc import Callable
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -17,48 +15,20 @@ from node import memory
 pytestmark = pytest.mark.unit
 
 
-def mapped(address: int) -> bool:
-    """Whether `address` lies in a mapping of this process."""
-    for line in Path("/proc/self/maps").read_text().splitlines():
-        low, high = (int(x, 16) for x in line.split()[0].split("-"))
-        if low <= address < high:
-            return True
-    return False
+@pytest.fixture
+def shared_by_descriptor() -> Iterator[None]:
+    """torch's own sharing strategy for the test: hivemind, once another test of the run has
+    imported it, sets "file_system", under which sharing a tensor starts torch's
+    torch_shm_manager process."""
+    before = torch.multiprocessing.get_sharing_strategy()
+    torch.multiprocessing.set_sharing_strategy("file_descriptor")
+    yield
+    torch.multiprocessing.set_sharing_strategy(before)
 
 
-def in_child(probe: Callable[[], Any]) -> Any:
-    """Fork, run `probe` in the child, return what it returned (as JSON); reaps the child."""
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child
-        try:
-            os.write(write, json.dumps(probe()).encode())
-        finally:
-            os._exit(0)
-    os.close(write)
-    with os.fdopen(read) as pipe:
-        answer = pipe.read()
-    os.waitpid(pid, 0)
-    return json.loads(answer)
-
-
-def middle(tensor: torch.Tensor) -> int:
-    return tensor.data_ptr() + tensor.numel() * tensor.element_size() // 2
-
-
-def test_a_child_forked_inside_the_block_has_no_copy_of_the_parents_tensor() -> None:
-    weights = torch.full((8 << 20,), 3.0)  # 32 MiB, private to this process
-    averaged = torch.full((1 << 20,), 5.0).share_memory_()
-    with memory.left_behind():
-        seen = in_child(lambda: [mapped(middle(weights)), float(averaged[7])])
-    assert seen == [False, 5.0]  # shared memory still reaches the child
-    # The parent keeps its tensor, and a later fork inherits it as usual.
-    weights.add_(1)
-    assert float(weights[12345]) == 4.0
-    assert in_child(lambda: [mapped(middle(weights)), float(weights[12345])]) == [True, 4.0]
-
-
-def test_ranges_are_whole_pages_inside_large_private_storages_only() -> None:
+def test_ranges_are_whole_pages_inside_large_private_storages_only(
+    shared_by_descriptor: None,
+) -> None:
     large = torch.zeros(3 << 20, dtype=torch.uint8)[1:]  # a view: its storage counts once
     small = torch.zeros(1000)
     shared = torch.zeros(1 << 20).share_memory_()
@@ -80,19 +50,6 @@ def pss_kb() -> int:
         if line.startswith("Pss:"):
             return int(line.split()[1])
     raise AssertionError("no Pss line")
-
-
-def test_shared_zeros_cost_nothing_until_written_and_a_forked_child_sees_the_writes() -> None:
-    like = torch.ones(64, 1024, 1024)  # 256 MB
-    before = pss_kb()
-    zeros = memory.shared_zeros(like)
-    assert zeros.shape == like.shape and zeros.dtype == torch.float32 and zeros.is_shared()
-    assert pss_kb() - before < 16 * 1024  # not 256 MB
-    assert not zeros[::97].any()
-    zeros[:8].fill_(2.0)  # 32 MB written: those pages exist now
-    assert 24 * 1024 < pss_kb() - before < 64 * 1024
-    # shared, as an averager's buffers must be: a forked child reads the parent's writes
-    assert in_child(lambda: float(zeros[7, 5, 3])) == 2.0
 
 
 def test_untouched_zeros_cost_nothing_until_written_and_are_each_their_own_tensor() -> None:

@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from agentjet.cli import format_swarm
 from agentjet.config import config_from_dict, load_config, policy_names, policy_view, to_toml
 from agentjet.errors import ConfigError
 from agentjet.protocol import NodeRecord
+from agentjet_app.cli import format_swarm
 
 pytestmark = pytest.mark.unit
 

@@ -18,10 +18,10 @@ from agentjet.errors import ConfigError
 from node.learner import Learner
 from node.model import load_causal_lm
 from node.replay import Replay, group_bytes
-from node.rollout import build_group
+from node.rollout_produce import build_group
 from node.torch_engine import TorchEngine
 from tests.factories import make_group
-from tests.unit.test_trainer_logic import lone_swarm
+from tests.unit.test_trainer_logic import lone_optimizer
 
 pytestmark = pytest.mark.unit
 
@@ -175,41 +175,38 @@ def test_a_replayed_groups_ratios_are_against_its_sampler(
     group = build_group(grant, episodes, "n", 0.0)
 
     model, _ = load_causal_lm(tiny_model_dir)
-    # (a smaller step than lone_swarm's default: the moved policy stays within the gap bound)
-    swarm = lone_swarm(model, target_batch_size=3, lr=1e-4)
-    try:
-        # one micro-batch: the statistics are means over all trained tokens
-        config = TrainerConfig(micro_batch_samples=8, max_logprob_gap=0.5)
-        learner = Learner(model, swarm, config, temperature, 0)
-        first = learner.train_step([group]).row()
-        assert first["losses/ratio_mean"] == pytest.approx(1.0, abs=1e-4)
-        # by hand: the moved weights' logprobs of the sampled tokens, per trained token
-        ratios, binds = [], []
-        advantages = rl.sample_advantages([s.reward for s in group.samples], [-1, -1, -1])
-        with torch.no_grad():
-            for sample, advantage in zip(group.samples, advantages, strict=True):
-                completion = protocol.unpack_ids(sample.completion_ids).tolist()
-                mu = protocol.unpack_floats(sample.logprobs)
-                ids_ = torch.tensor([prompt + completion])
-                logits = model(input_ids=ids_).logits[0].float() / temperature
-                logp = torch.log_softmax(logits, dim=-1)
-                for t, token in enumerate(completion):
-                    pi = float(logp[len(prompt) - 1 + t, token])
-                    ratio = math.exp(pi - float(mu[t]))
-                    ratios.append(ratio)
-                    # the clip binds where the ratio left 1 ± 0.2 the advantage's way
-                    binds.append(ratio > 1.2 if advantage > 0 else ratio < 0.8)
-        assert max(abs(r - 1) for r in ratios) > 1e-3, "the step did not move the policy"
-        replayed = learner.train_step([], replays=[group])
-        row = replayed.row()
-        assert row["losses/ratio_mean"] == pytest.approx(sum(ratios) / len(ratios), abs=1e-4)
-        assert row["losses/clip_frac"] == pytest.approx(sum(binds) / len(binds), abs=1e-6)
-        assert row["charts/samples"] == 0 and row["charts/trained_samples"] == 3
-        assert row["policy_version"] == 2 and not replayed.rejected
-        # a bound the moved policy exceeds: the replay is dropped, its node not blamed
-        learner.config = TrainerConfig(micro_batch_samples=8, max_logprob_gap=1e-6)
-        tight = learner.train_step([], replays=[group])
-        assert tight.replays_dropped == {"g"} and not tight.rejected
-        assert tight.row()["policy_version"] == 2
-    finally:
-        swarm.shutdown()
+    # (a smaller step than lone_optimizer's default: the moved policy stays within the gap bound)
+    optimizer = lone_optimizer(model, target_batch_size=3, lr=1e-4)
+    # one micro-batch: the statistics are means over all trained tokens
+    config = TrainerConfig(micro_batch_samples=8, max_logprob_gap=0.5)
+    learner = Learner(model, optimizer, config, temperature, 0)
+    first = learner.train_step([group]).row()
+    assert first["losses/ratio_mean"] == pytest.approx(1.0, abs=1e-4)
+    # by hand: the moved weights' logprobs of the sampled tokens, per trained token
+    ratios, binds = [], []
+    advantages = rl.sample_advantages([s.reward for s in group.samples], [-1, -1, -1])
+    with torch.no_grad():
+        for sample, advantage in zip(group.samples, advantages, strict=True):
+            completion = protocol.unpack_ids(sample.completion_ids).tolist()
+            mu = protocol.unpack_floats(sample.logprobs)
+            ids_ = torch.tensor([prompt + completion])
+            logits = model(input_ids=ids_).logits[0].float() / temperature
+            logp = torch.log_softmax(logits, dim=-1)
+            for t, token in enumerate(completion):
+                pi = float(logp[len(prompt) - 1 + t, token])
+                ratio = math.exp(pi - float(mu[t]))
+                ratios.append(ratio)
+                # the clip binds where the ratio left 1 ± 0.2 the advantage's way
+                binds.append(ratio > 1.2 if advantage > 0 else ratio < 0.8)
+    assert max(abs(r - 1) for r in ratios) > 1e-3, "the step did not move the policy"
+    replayed = learner.train_step([], replays=[group])
+    row = replayed.row()
+    assert row["losses/ratio_mean"] == pytest.approx(sum(ratios) / len(ratios), abs=1e-4)
+    assert row["losses/clip_frac"] == pytest.approx(sum(binds) / len(binds), abs=1e-6)
+    assert row["charts/samples"] == 0 and row["charts/trained_samples"] == 3
+    assert row["policy_version"] == 2 and not replayed.rejected
+    # a bound the moved policy exceeds: the replay is dropped, its node not blamed
+    learner.config = TrainerConfig(micro_batch_samples=8, max_logprob_gap=1e-6)
+    tight = learner.train_step([], replays=[group])
+    assert tight.replays_dropped == {"g"} and not tight.rejected
+    assert tight.row()["policy_version"] == 2

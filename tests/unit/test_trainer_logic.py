@@ -8,7 +8,6 @@ recomputed logprobs must equal the sampler's, i.e. importance ratios of exactly 
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import deque
 from pathlib import Path
 
@@ -16,13 +15,13 @@ import pytest
 import torch
 
 from agentjet import protocol
-from agentjet.config import SwarmConfig, TrainerConfig
+from agentjet.config import TrainerConfig
 from agentjet.episode import Episode, SamplingParams
 from node.groups import take_batch
 from node.learner import Learner
+from node.local_optimizer import LocalOptimizer
 from node.model import load_causal_lm
-from node.rollout import build_group
-from node.swarm import SwarmOptimizer
+from node.rollout_produce import build_group
 from node.torch_engine import TorchEngine
 from tests.factories import make_group
 
@@ -82,13 +81,10 @@ def test_learner_logprobs_match_the_sampler(tiny_model_dir: Path, one_torch_thre
         groups.append(build_group(grant, episodes, "n", 0.0))
 
     model, _ = load_causal_lm(tiny_model_dir)
-    swarm = lone_swarm(model, target_batch_size=6)
-    try:
-        before = {k: v.clone() for k, v in model.state_dict().items()}
-        learner = Learner(model, swarm, TrainerConfig(micro_batch_samples=2), temperature, 0)
-        row = learner.train_step(groups).row()
-    finally:
-        swarm.shutdown()
+    optimizer = lone_optimizer(model, target_batch_size=6)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    learner = Learner(model, optimizer, TrainerConfig(micro_batch_samples=2), temperature, 0)
+    row = learner.train_step(groups).row()
     assert row["losses/ratio_mean"] == pytest.approx(1.0, abs=1e-4)
     assert row["losses/sampler_kl"] == pytest.approx(0.0, abs=1e-4)
     assert row["losses/clip_frac"] == 0.0
@@ -103,99 +99,22 @@ def test_with_a_sample_budget_a_version_waits_for_enough_gradient(tiny_model_dir
     """trainer.informative_samples_per_step: batches whose samples carry no gradient add
     nothing; the optimizer steps once the budget of samples with gradient is reached."""
     model, _ = load_causal_lm(tiny_model_dir)
-    swarm = lone_swarm(model, target_batch_size=4)
+    optimizer = lone_optimizer(model, target_batch_size=4)
     # The factory's groups carry made-up logprobs: the logprob check is off.
     config = TrainerConfig(informative_samples_per_step=4, max_logprob_gap=0.0)
-    learner = Learner(model, swarm, config, 1.0, 0)
-    try:
-        versions = [
-            learner.train_step([make_group(name, rewards=rewards)]).outcome.epoch
-            for name, rewards in (("same", (1.0, 1.0)), ("a", (1.0, 0.0)), ("b", (0.0, 1.0)))
-        ]
-    finally:
-        swarm.shutdown()
+    learner = Learner(model, optimizer, config, 1.0, 0)
+    versions = [
+        learner.train_step([make_group(name, rewards=rewards)]).outcome.epoch
+        for name, rewards in (("same", (1.0, 1.0)), ("a", (1.0, 0.0)), ("b", (0.0, 1.0)))
+    ]
     assert versions == [0, 0, 1]
 
 
-def lone_swarm(model: torch.nn.Module, target_batch_size: int, lr: float = 1e-3) -> SwarmOptimizer:
-    """A one-peer hivemind optimizer of its own run (the same path as a swarm)."""
-    return SwarmOptimizer(
-        SwarmConfig(run_id=f"test-{time.monotonic_ns()}"),
-        model.parameters(),
-        lr=lr,
-        weight_decay=0.0,
-        target_batch_size=target_batch_size,
+def lone_optimizer(
+    model: torch.nn.Module, target_batch_size: int, lr: float = 1e-3
+) -> LocalOptimizer:
+    """A lone trainer's optimizer in this process: it steps as a one-peer `SwarmOptimizer`
+    does (tests/integration/test_lone_trainer.py), with no hivemind process."""
+    return LocalOptimizer(
+        model.parameters(), lr=lr, weight_decay=0.0, target_batch_size=target_batch_size
     )
-
-
-PAGE_KB = 4
-
-
-def resident_kb(tensor: torch.Tensor) -> int:
-    """The resident size of the mapping that holds `tensor`'s storage."""
-    address = tensor.untyped_storage().data_ptr()
-    inside = False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()[0]
-        if "-" in head and not head.endswith(":"):
-            start, end = (int(x, 16) for x in head.split("-"))
-            inside = start <= address < end
-        elif inside and head == "Rss:":
-            return int(line.split()[1])
-    raise AssertionError(f"no mapping holds {address:#x}")
-
-
-def test_a_lone_trainer_steps_as_adamw_does_and_writes_no_gradient_buffer_of_hivemind():
-    """Steps of a whole epoch each leave hivemind's accumulators and averaged gradients
-    unwritten (their pages never exist); an epoch over two steps accumulates both."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.Linear(1024, 4))
-    twin = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.Linear(1024, 4))
-    twin.load_state_dict(model.state_dict())
-    plain = torch.optim.AdamW(twin.parameters(), lr=1e-3, weight_decay=0.0)
-    for p in twin.parameters():  # hivemind makes Adam's state with a step on zeros
-        p.grad = torch.zeros_like(p)
-    plain.step()
-    plain.zero_grad()
-
-    def backward(batch: torch.Tensor) -> None:
-        for m in (model, twin):
-            m(batch).square().mean().backward()
-
-    swarm = lone_swarm(model, target_batch_size=4)
-    try:
-        averager = swarm.optimizer.grad_averager
-        for _ in range(3):
-            backward(torch.randn(4, 256))
-            plain.step()
-            plain.zero_grad()
-            assert swarm.step(batch_size=4) == swarm.epoch
-        assert swarm.epoch == 3
-        assert all(
-            torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True)
-        )
-        buffers = [*averager._local_accumulators, *averager._averaged_tensors]
-        # none of their data written: at most one page each (the shared ones' refcount
-        # header, where torch shares memory by file name, as hivemind sets it when imported
-        # first); the largest is 1 MB
-        assert all(resident_kb(t) <= PAGE_KB for t in buffers), [resident_kb(t) for t in buffers]
-
-        # An epoch of 8 samples in two steps of 4: the first batch's gradients go into
-        # the accumulators before `.grad` is cleared, and the step is on their mean.
-        swarm.optimizer.tracker.target_batch_size = 8
-        first, second = torch.randn(4, 256), torch.randn(4, 256)
-        backward(first)
-        assert swarm.step(batch_size=4) == 3
-        twin_grads = [p.grad.clone() for p in twin.parameters()]
-        twin.zero_grad()
-        backward(second)
-        for p, g in zip(twin.parameters(), twin_grads, strict=True):
-            p.grad = (g + p.grad) * 0.5
-        plain.step()
-        assert swarm.step(batch_size=4) == 4
-        assert all(
-            torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True)
-        )
-        assert resident_kb(averager._local_accumulators[0]) > 0
-    finally:
-        swarm.shutdown()

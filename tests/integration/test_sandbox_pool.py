@@ -11,7 +11,7 @@ from sandboxes.base import SandboxError
 from sandboxes.pool import SandboxPool
 from sandboxes.process import ProcessSandbox
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.integration
 
 QUICK_S = 10.0
 

@@ -20,8 +20,9 @@ import pytest
 from sandboxes import runner
 from sandboxes.base import FAULT_LOST, FAULT_TIMEOUT, SandboxError
 from sandboxes.process import ProcessSandbox
+from tests import procs
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.integration
 
 QUICK_S = 10.0
 needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bwrap is not installed")
@@ -42,11 +43,11 @@ def test_a_program_sees_what_python_dash_c_shows_it(box: ProcessSandbox) -> None
     assert box.exec(code, QUICK_S).stdout == "__main__ ['-c'] '' True\n"
     # The same program under a fresh interpreter prints the same traceback, its own frames only.
     failing = "def f():\n    1/0\nf()\n"
-    fresh = subprocess.run([sys.executable, "-c", failing], capture_output=True, text=True)
+    fresh = procs.run([sys.executable, "-c", failing], capture_output=True, text=True)
     result = box.exec(failing, QUICK_S)
     assert (result.exit_code, result.stderr) == (fresh.returncode, fresh.stderr)
     syntax = box.exec("print(", QUICK_S)
-    fresh = subprocess.run([sys.executable, "-c", "print("], capture_output=True, text=True)
+    fresh = procs.run([sys.executable, "-c", "print("], capture_output=True, text=True)
     assert (syntax.exit_code, syntax.stderr) == (fresh.returncode, fresh.stderr)
 
 
@@ -173,7 +174,7 @@ def test_a_program_cannot_reach_the_runners_channel() -> None:
 def start_runner(
     argv: list[str] | None = None,
 ) -> tuple[subprocess.Popen[bytes], runner.RunnerLink]:
-    proc = subprocess.Popen(
+    proc = procs.popen(
         argv or [sys.executable, "-c", runner.source()],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,

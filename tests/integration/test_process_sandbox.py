@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 import time
 import uuid
@@ -15,8 +14,9 @@ import pytest
 
 from sandboxes.base import SandboxError
 from sandboxes.process import ProcessSandbox, ResourceLimits
+from tests import procs
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.integration
 
 # Generous for a run that should end at once, small next to the timeouts tested.
 QUICK_S = 10.0
@@ -263,7 +263,7 @@ def test_bwrap_keeps_the_host_read_only_and_offline() -> None:
 def test_an_interpreter_installed_under_tmp_still_runs_under_bwrap(tmp_path: Path) -> None:
     # bwrap gives the program an empty /tmp; a checkout (and its venv) may live there.
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    procs.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     (tmp_path / "secret.txt").write_text("host only")
     with ProcessSandbox(python=str(venv / "bin" / "python"), use_bwrap=True) as box:
         result = box.exec(f"import os, sys; print(sys.prefix, os.listdir('{tmp_path}'))", QUICK_S)

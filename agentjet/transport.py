@@ -67,6 +67,11 @@ class PeerUnavailable(TimeoutError):
     """The server did not answer in time; the request may be retried later."""
 
 
+# A server's refusal of a request on a connection that has said no Hello (a server
+# restarted behind a client's socket knows none): the client says Hello again.
+HELLO_FIRST = "say Hello with this node's certificate first"
+
+
 class NotAMember(ProtocolError):
     """The server refused this node as no member of the swarm (Error code "denied")."""
 
@@ -185,7 +190,7 @@ class Server:
         certificate = self.members.get(client_key)
         if certificate is None:
             membership.refuse("anonymous", "a request before a Hello with a certificate")
-            return "say Hello with this node's certificate first"
+            return HELLO_FIRST
         refused = membership.refusal(certificate, time.time())
         if refused is not None:
             membership.refuse(*refused)
@@ -299,7 +304,17 @@ class Client:
         async with self._lock:
             await self._handshake(timeout_s)
             await self._send(msg)
-            return self._checked(msg, await self._receive(timeout_s))
+            reply = await self._receive(timeout_s)
+            if _denied(reply) and reply.message == HELLO_FIRST:
+                # A server restarted on the same endpoint behind this socket (ZMQ reconnects
+                # by itself) knows no Hello from it and refuses every request (seen in the
+                # fault suite: a rollout node stopped on its restarted coordinator's refusal).
+                # A fresh socket says Hello again (once).
+                self._reset()
+                await self._handshake(timeout_s)
+                await self._send(msg)
+                reply = await self._receive(timeout_s)
+            return self._checked(msg, reply)
 
     async def pipelined(
         self, msgs: Sequence[msgspec.Struct], window: int, timeout_s: float | None = None
@@ -342,7 +357,7 @@ class Client:
             self.welcome = reply
 
     def _checked(self, msg: msgspec.Struct, reply: Any) -> Any:
-        if isinstance(reply, protocol.Error) and reply.code == "denied":
+        if _denied(reply):
             raise _refused(self.endpoint, type(msg).__name__, reply)
         return reply
 
@@ -379,6 +394,10 @@ class Client:
 
     def close(self) -> None:
         self._reset()
+
+
+def _denied(reply: Any) -> bool:
+    return isinstance(reply, protocol.Error) and reply.code == "denied"
 
 
 def _refused(endpoint: str, what: str, error: protocol.Error) -> ProtocolError:

@@ -25,7 +25,6 @@ import pytest
 
 from agentjet.config import SwarmConfig
 from agentjet.protocol import Lineage
-from tests import procs
 
 pytestmark = pytest.mark.integration
 
@@ -73,6 +72,7 @@ def two_trainers(tmp_path: Path, b_gives_up: bool = False) -> Iterator[tuple[Any
     """Trainers A and B (`trainer` below) in a swarm whose DHT this process also serves;
     yields that DHT and the config once B is gone and A is done (A stays until the end)."""
     from node.dht import start_dht, visible_maddrs
+    from tests import procs  # (here: this file also runs as a trainer's script)
 
     config = SwarmConfig(run_id=f"test-batches-{time.monotonic_ns()}", averaging_timeout_s=10.0)
     dht = start_dht(config, keys=None)

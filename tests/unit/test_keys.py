@@ -349,6 +349,29 @@ def test_client_reconnects_with_curve_after_a_timeout(tmp_path: Path, swarm: Swa
     asyncio.run(scenario())
 
 
+def test_a_client_says_hello_again_to_a_server_restarted_behind_its_socket(
+    tmp_path: Path, swarm: SwarmKeys
+):
+    """ZMQ reconnects a client's socket by itself to a server restarted on the same
+    endpoint, which knows no Hello from it and refuses its next request: the client says
+    Hello again and is served (a rollout node stopped on its restarted coordinator's
+    refusal, in the fault suite)."""
+    endpoint = f"ipc://{tmp_path}/server.ipc"
+    keys = member(swarm, "rollout-a")
+
+    async def scenario() -> None:
+        peer = client(endpoint, keys)
+        async with serving(member(swarm, "trainer-1"), endpoint):
+            assert isinstance(await peer.request(protocol.PolicyQuery()), protocol.PolicyInfo)
+        async with serving(member(swarm, "trainer-1"), endpoint) as server:  # restarted
+            assert isinstance(await peer.request(protocol.PolicyQuery()), protocol.PolicyInfo)
+            # (the request on the reconnected socket came before any Hello: refused once)
+            assert server.keys.membership.refused == {"anonymous": 1}  # type: ignore[union-attr]
+        peer.close()
+
+    asyncio.run(scenario())
+
+
 def test_dht_tokens_are_node_certificates(swarm: SwarmKeys):
     """The swarm's DHT admits a peer whose token carries a current certificate of this root,
     signed by that node: not another swarm's, not one changed in flight, not a revoked one."""

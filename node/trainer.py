@@ -191,22 +191,22 @@ class Trainer:
         self.connected = asyncio.Event()  # the directory lists some other node
         self.connected.set()
         self.intake = Intake(
-            cfg,
-            self.policy,
-            self.node_id,
-            self.head,
-            self.book,
-            self.replay,
-            self.quarantine,
-            self.reward_check,
-            self.filling,
-            self.batch_ready,
-            self.publisher,
-            self.metrics,
-            self.counts,
-            self.tokenizer,
-            self.vocab_size,
-            self.learner.teacher_coefs,
+            config=cfg,
+            policy=self.policy,
+            node_id=self.node_id,
+            head=self.head,
+            book=self.book,
+            replay=self.replay,
+            quarantine=self.quarantine,
+            reward_check=self.reward_check,
+            filling=self.filling,
+            batch_ready=self.batch_ready,
+            publisher=self.publisher,
+            metrics=self.metrics,
+            counts=self.counts,
+            tokenizer=self.tokenizer,
+            vocab_size=self.vocab_size,
+            teacher_coefs=self.learner.teacher_coefs,
         )
         self.endpoint = cfg.swarm.announce_endpoint or self.server.endpoint
         self.publisher.announce(self.endpoint)
@@ -282,16 +282,16 @@ class Trainer:
             )
             cleanup.callback(sealed.close)
         self.versions = Versions(
-            cfg,
-            self.run_dir,
-            self.head,
-            self.model,
-            self.tokenizer,
-            self.compute_dtype,
-            self.swarm,
-            self.book,
-            self.directory,
-            str(self.dht.peer_id),
+            config=cfg,
+            run_dir=self.run_dir,
+            head=self.head,
+            model=self.model,
+            tokenizer=self.tokenizer,
+            compute_dtype=self.compute_dtype,
+            swarm=self.swarm,
+            book=self.book,
+            directory=self.directory,
+            peer_id=str(self.dht.peer_id),
         )
         self.publisher = self.versions.open_publisher(sealed)
 

@@ -13,6 +13,8 @@ import random
 import uuid
 from collections import defaultdict
 
+import msgspec
+
 from agentjet import protocol
 from agentjet.config import Config
 from agentjet.episode import Episode
@@ -69,10 +71,7 @@ class Work:
         delay = RETRY_MIN_S
         while True:
             try:
-                coordinator = self.peers.coordinator
-                if coordinator is None:
-                    raise PeerUnavailable("no coordinator in the swarm's directory")
-                reply = await coordinator.request(request, self.coordinator_timeout())
+                reply = await self._ask(request)
             except PeerUnavailable as e:
                 if not self.coordinator_away:
                     log.warning("%s; drawing tasks locally until it is back", e)
@@ -151,16 +150,21 @@ class Work:
             delay = RETRY_MIN_S
             while True:
                 try:
-                    coordinator = self.peers.coordinator
-                    if coordinator is None:
-                        raise PeerUnavailable("no coordinator yet")
-                    reply = await coordinator.request(report, self.coordinator_timeout())
+                    reply = await self._ask(report)
                     break
                 except PeerUnavailable:
                     await asyncio.sleep(delay)
                     delay = min(2 * delay, RETRY_MAX_S)
             if isinstance(reply, protocol.Error):
                 log.warning("coordinator refused report %s: %s", report.grant_id, reply.message)
+
+    async def _ask(self, msg: msgspec.Struct) -> object:
+        """`msg` to the coordinator, briefly while it has gone silent; PeerUnavailable while
+        the swarm's directory names none."""
+        coordinator = self.peers.coordinator
+        if coordinator is None:
+            raise PeerUnavailable("no coordinator in the swarm's directory")
+        return await coordinator.request(msg, self.coordinator_timeout())
 
     async def heartbeat(self) -> None:
         interval_s = self.config.coordinator.lease_s / 4  # several beats per lease

@@ -9,7 +9,8 @@ checkpoint of its run dir, or the base weights, each in a policy lineage (protoc
 
 Versions a trainer had published past its checkpoint are gone with its process: a new
 lineage tells rollout nodes to drop the weights (and groups) of the old one. The trainer
-role (node/trainer.py) calls these from its setup and when it catches up with the swarm.
+role (node/trainer.py) calls these from its setup, its catch-up (node/trainer_catch_up.py)
+when it takes the swarm's state.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from agentjet.config import SwarmConfig
 from agentjet.errors import ModelError
 from node.directory import Directory
 from node.swarm import SwarmOptimizer
+from node.weights import trainable_params
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +161,7 @@ def wait_for_newer_checkpoint(
 
 def load_params(model: Any, params: dict[str, torch.Tensor], run_dir: Path) -> None:
     """A checkpoint's trainable parameters into `model` (before its optimizer exists)."""
-    own = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    own = trainable_params(model)
     if own.keys() != params.keys() or any(own[n].shape != t.shape for n, t in params.items()):
         raise ModelError(
             f"the checkpoint in {run_dir / 'checkpoints'} was made with another model "

@@ -35,6 +35,7 @@ from node.weights import (
     prune_checkpoints,
     save_checkpoint,
     snapshot,
+    trainable_params,
 )
 
 log = logging.getLogger(__name__)
@@ -95,11 +96,9 @@ class Versions:
             {"model": self.config.model.name, "time": time.time(), "lineage": lineage.id},
             state_dict=merged_weights(self.model, self.config.model) if lora else None,
             resume_state={
-                "params": {
-                    n: p.detach().to("cpu", copy=True)
-                    for n, p in self.model.named_parameters()
-                    if p.requires_grad
-                },
+                # A full fine-tune's trainable parameters are the safetensors just written:
+                # saved once, the final checkpoint of a Ctrl-C takes ~4 s less (issue 47).
+                **({"params": trainable_params(self.model)} if lora else {}),
                 "optimizer": self.swarm.optimizer_state(),
                 "lineage": msgspec.to_builtins(lineage),
             },

@@ -137,6 +137,11 @@ class RecentChunks:
         self._kept.clear()
 
 
+def trainable_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters that train (with LoRA: the adapters only), by name, not copied."""
+    return {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+
+
 def snapshot(
     model: torch.nn.Module,
     version: int,
@@ -147,7 +152,7 @@ def snapshot(
     """The parameters that train (with LoRA: the adapters only) as one version in chunks,
     cast to `dtype` on the way (None: as they are), in a frozen memory file that nodes on
     this host can map (`frozen_safetensors`), sealed under a fresh key if `seal`."""
-    tensors = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    tensors = trainable_params(model)
     blob, fd = frozen_safetensors(tensors, {"policy_version": str(version)}, dtype)
     try:
         made = chunked(blob, version, chunk_bytes, seal, fd)
@@ -535,7 +540,9 @@ def save_checkpoint(
 ) -> Path:
     """An HF folder (safetensors) that transformers and `agentjet eval` load; atomic rename.
     `state_dict`: the weights to save in place of the model's own (LoRA merged in).
-    `resume_state`: saved beside them as RESUME_STATE (see `read_resume_state`)."""
+    `resume_state`: saved beside them as RESUME_STATE (see `read_resume_state`); without a
+    "params" entry, resuming reads the trainable parameters from the safetensors written here
+    (a full fine-tune: its parameters are the model's weights, saved once, not twice)."""
     directory = Path(directory)
     tmp = directory.with_name(directory.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -570,7 +577,8 @@ def read_resume_state(checkpoints: Path) -> dict[str, Any] | None:
     latest = checkpoints / "latest"
     if not latest.exists():
         return None
-    path = checkpoints / latest.read_text().strip() / RESUME_STATE
+    folder = checkpoints / latest.read_text().strip()
+    path = folder / RESUME_STATE
     if not path.exists():
         return None
     try:
@@ -579,16 +587,29 @@ def read_resume_state(checkpoints: Path) -> dict[str, Any] | None:
             # Saved on any device, read onto the CPU (the optimizer moves state to its params).
             reader = cast(BinaryIO, CountingReader(file, report.update))
             state = torch.load(reader, weights_only=True, map_location="cpu")
-        if not isinstance(state, dict) or not {"policy_version", "params", "optimizer"} <= set(
-            state
-        ):
-            raise ValueError("missing policy_version, params or optimizer")
+        if not isinstance(state, dict) or not {"policy_version", "optimizer"} <= set(state):
+            raise ValueError("missing policy_version or optimizer")
+        if "params" not in state:  # a full fine-tune's: they are the checkpoint's weights
+            state["params"] = _folder_weights(folder)
     except Exception as e:
         raise ModelError(
             f"cannot resume from {path}: {e}. Move that checkpoint aside to resume from an "
             "earlier one, or use a new run dir to start afresh"
         ) from None
     return state
+
+
+def _folder_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors files of an HF folder (one, or a sharded set)."""
+    from safetensors.torch import load_file
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no params in {RESUME_STATE} and no safetensors beside it")
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        weights.update(load_file(file, device="cpu"))
+    return weights
 
 
 def read_checkpoint_meta(directory: Path) -> dict[str, Any]:

@@ -1,13 +1,21 @@
 """The trainer role: receive trajectory groups, train with the swarm, publish policy versions.
 
-    rollout ──SubmitGroup──▶ Server ──check, dedupe by group id──▶ queue ──GroupAck──▶ rollout
-                                                                      │
-    learner task:  groups_per_step fresh groups ──(thread)──▶ Learner.train_step
-                   ──▶ gradients averaged with the other trainers (hivemind) ──▶ version v+1
-                   ──▶ groups marked trained (GroupStatus, and in the DHT)
-                   ──▶ PolicySnapshot (served in chunks: PolicyQuery / WeightChunkRequest)
-                   ──▶ checkpoint every N versions ──▶ metrics/trainer.jsonl
-    heartbeat:     NodeRecord (endpoint, lineage, version, queue, quarantined) ──▶ the DHT directory
+    rollout ──SubmitGroup──▶ Server ──Intake.receive: checks, dedupe by group id──▶ queue
+            ◀──GroupAck──                                                        │
+    learn loop: groups_per_step fresh groups ──▶ Step.run ──(thread)──▶ Learner.train_step
+                ──▶ gradients averaged with the other trainers (hivemind) ──▶ version v+1
+                ──▶ groups marked trained (GroupStatus, and in the DHT)
+                ──▶ PolicySnapshot (served in chunks: PolicyQuery / WeightChunkRequest)
+                ──▶ checkpoint every N versions ──▶ metrics/trainer.jsonl
+        between steps: CatchUp.run (peers ahead: the swarm's state), Doubtful.settle
+    heartbeat:  NodeRecord (Status.record: endpoint, lineage, version, queue, quarantined)
+                ──▶ the DHT directory ──▶ the other trainers of its policy (Peers)
+
+`setup()` wires the parts, each a module of its own: what the trainer takes in
+(node/trainer_intake.py), where it starts (trainer_lineage.py), its versions
+(trainer_versions.py), its view of the other trainers (trainer_peers.py), its record and
+counts (trainer_status.py), catching up with the swarm (trainer_catch_up.py), doubtful
+batches (trainer_doubtful.py), its steps (trainer_step.py); `run()` drives them.
 
 Run with `agentjet node --role trainer [--policy NAME] [--join MULTIADDR]`: its process
 (node/trainer_host.py) runs one Trainer per policy it serves. A trainer that joins a running
@@ -46,47 +54,35 @@ from typing import Any, Protocol
 import msgspec
 import torch
 
-from agentjet import protocol, rl
-from agentjet.bridge import blocking
+from agentjet import protocol
 from agentjet.config import Config, ModelConfig
-from agentjet.devices import (
-    check_fits,
-    learner_bytes,
-    limit_memory,
-    memory_share,
-    peak_memory,
-)
+from agentjet.devices import check_fits, learner_bytes, limit_memory, memory_share
 from agentjet.identity import NodeKeys
 from agentjet.lifeline import CLEANUP_AFTER_CHILD_DEATH_S, watch_children
-from agentjet.metrics import MetricsWriter, Rate
+from agentjet.metrics import MetricsWriter
 from agentjet.roles import supervise, wait_for
 from agentjet.transport import Server
-from node import memory
-from node.dht import node_of
-from node.directory import Directory, Mark
+from node.directory import Directory
 from node.gpu_monitor import GpuMonitor
-from node.gpu_monitor import metrics as gpu_metrics
-from node.groups import Filling, GroupBook, StepGroups, doubt_wait_s, oldest_version
-from node.learner import Learner, StepResult, teacher_coefs
+from node.groups import Filling, GroupBook, oldest_version
+from node.learner import Learner, teacher_coefs
 from node.members import MemberGate
 from node.publisher import sealed_bind_endpoint
-from node.replay import Replay, ReplayStats
-from node.rounds import StepOutcome, step_share
+from node.replay import Replay
 from node.swarm import SwarmOptimizer, attach_when_peered
 from node.teacher import open_teacher_check
+from node.trainer_catch_up import CatchUp
+from node.trainer_doubtful import Doubtful
 from node.trainer_intake import Head, Intake
-from node.trainer_lineage import join_or_resume, load_params, record_lineage, swarm_lineage
+from node.trainer_lineage import join_or_resume, load_params, record_lineage
+from node.trainer_peers import Peers
+from node.trainer_status import Status
+from node.trainer_step import Step
 from node.trainer_versions import Versions
 from node.verify import Quarantine, RewardCheck
 from node.weights import read_resume_state
 
 log = logging.getLogger(__name__)
-
-# Trained groups rollout nodes must keep (spooled) until a checkpoint holds their steps:
-# past this many the trainer checkpoints early, whatever trainer.checkpoint_every says.
-MAX_UNDURABLE_GROUPS = 512
-# The trainer's samples/s (progress output, its directory record) is over this many seconds.
-SAMPLE_RATE_WINDOW_S = 60.0
 
 
 class Host(Protocol):
@@ -107,6 +103,8 @@ class Host(Protocol):
 
 
 class Trainer:
+    """The trainer of one policy: `setup()` wires its parts, `run()` drives them."""
+
     def __init__(self, config: Config, policy: str = "") -> None:
         """`policy`: the [[policies]] entry this trainer trains ("" without them);
         `config`: that policy's view of the config (agentjet/config.py `policy_view`). Its
@@ -124,37 +122,27 @@ class Trainer:
         self.reward_check_secret = os.urandom(16)
         # Rewards re-checked on arrival (node/verify.py).
         self.reward_check = RewardCheck(config.envs, config.trainer, self.reward_check_secret)
-        self.samples_per_s = 0.0  # over the last SAMPLE_RATE_WINDOW_S (progress, status)
-        self.sample_rate = Rate(SAMPLE_RATE_WINDOW_S)
-        # Other live trainers' records, from the last directory read.
-        self.other_trainers: dict[str, protocol.NodeRecord] = {}
         self.counts: Counter[str] = Counter()
-        self.lag_histogram: Counter[int] = Counter()
         self.step_task: asyncio.Task[float] | None = None
 
     def setup(self, cleanup: ExitStack, host: Host) -> None:
+        """Wire the trainer's parts: its model and optimizer over the swarm, where it
+        starts from, its learner, its sockets and publisher, then the parts its loops drive."""
         cfg = self.config
         self.node_id = host.node_id(self.policy)
         keys = host.keys
-        self.device = host.device
-        self.compute_dtype = host.compute_dtype
-        self.model: Any = host.model_for(cfg.model)
-        self.tokenizer = host.tokenizer
-        self.vocab_size = int(self.model.config.vocab_size)
-        share = memory_share(cfg.trainer.gpu_memory_share, shared=False)
-        check_fits(
-            "the learner", learner_bytes(self.model), self.device, share, "trainer.gpu_memory_share"
-        )
-        limit_memory(self.device, share)
-        self.model.to(self.device)
-        self.gpu = host.gpu
-        self.gpus: list[protocol.GpuStats] = []  # the last sample
-        resume = read_resume_state(self.run_dir / "checkpoints")
-        if resume is not None:
-            load_params(self.model, resume["params"], self.run_dir)
+        resume = self._open_model(host)
         self.dht = host.dht
         self.directory = Directory(self.dht, cfg.swarm, keys, self.policy)
         cleanup.callback(self.directory.withdraw, self.node_id)
+        self.peers = Peers(
+            config=cfg,
+            policy=self.policy,
+            node_id=self.node_id,
+            peer_id=str(self.dht.peer_id),
+            directory=self.directory,
+            replay=self.replay,
+        )
         self._open_swarm(cleanup, keys)
         self.head.lineage, resumed = join_or_resume(
             self.swarm,
@@ -162,8 +150,8 @@ class Trainer:
             cfg.swarm,
             resume,
             self.run_dir,
-            self._other_trainers_in,
-            self.other_trainers,
+            self.peers.others_in,
+            self.peers.others,
         )
         record_lineage(self.run_dir, self.head.lineage)
         self.head.version = self.swarm.epoch
@@ -185,43 +173,12 @@ class Trainer:
         self.metrics = MetricsWriter(self.run_dir, "trainer", cfg.log)
         cleanup.callback(self.metrics.close)
         cleanup.callback(self._final_checkpoint)
-        self.batch_ready = asyncio.Event()
-        self.filling = Filling(cfg.trainer.fill_timeout_s if cfg.trainer.dynamic_sampling else 0)
-        self.directory_settled = asyncio.Event()
-        self.connected = asyncio.Event()  # the directory lists some other node
-        self.connected.set()
-        self.intake = Intake(
-            config=cfg,
-            policy=self.policy,
-            node_id=self.node_id,
-            head=self.head,
-            book=self.book,
-            replay=self.replay,
-            quarantine=self.quarantine,
-            reward_check=self.reward_check,
-            filling=self.filling,
-            batch_ready=self.batch_ready,
-            publisher=self.publisher,
-            metrics=self.metrics,
-            counts=self.counts,
-            tokenizer=self.tokenizer,
-            vocab_size=self.vocab_size,
-            teacher_coefs=self.learner.teacher_coefs,
-        )
         self.endpoint = cfg.swarm.announce_endpoint or self.server.endpoint
         self.publisher.announce(self.endpoint)
-        self.maddrs = host.maddrs
-        self.metrics.write(
-            {
-                "event": "started",
-                "node_id": self.node_id,
-                "policy_version": self.head.version,
-                "policy_sha256": self.publisher.published.sha256,
-                "lineage": self.head.lineage.id,
-                "lineage_ancestors": self.head.lineage.ancestors,
-                "joined": bool(cfg.swarm.initial_peers),
-            }
-        )
+        self.batch_ready = asyncio.Event()  # set when the queue holds a step's fresh groups
+        self.filling = Filling(cfg.trainer.fill_timeout_s if cfg.trainer.dynamic_sampling else 0)
+        self._open_parts(host)
+        self.metrics.write(self.status.started_row())
         log.info(
             "trainer %s ready: %s, policy version %d (lineage %s), run dir %s, swarm %s",
             self.node_id,
@@ -229,8 +186,27 @@ class Trainer:
             self.head.version,
             self.head.lineage.id,
             self.run_dir.resolve(),
-            " ".join(self.maddrs),
+            " ".join(host.maddrs),
         )
+
+    def _open_model(self, host: Host) -> dict[str, Any] | None:
+        """The model this trainer trains, on its device within its memory share, with the
+        run dir's checkpointed parameters loaded; returns that checkpoint's resume state."""
+        self.device = host.device
+        self.compute_dtype = host.compute_dtype
+        self.model: Any = host.model_for(self.config.model)
+        self.tokenizer = host.tokenizer
+        self.vocab_size = int(self.model.config.vocab_size)
+        share = memory_share(self.config.trainer.gpu_memory_share, shared=False)
+        check_fits(
+            "the learner", learner_bytes(self.model), self.device, share, "trainer.gpu_memory_share"
+        )
+        limit_memory(self.device, share)
+        self.model.to(self.device)
+        resume = read_resume_state(self.run_dir / "checkpoints")
+        if resume is not None:
+            load_params(self.model, resume["params"], self.run_dir)
+        return resume
 
     def _open_swarm(self, cleanup: ExitStack, keys: NodeKeys | None) -> None:
         """This trainer's optimizer over the swarm (node/swarm.py), in its policy's own
@@ -255,7 +231,7 @@ class Trainer:
             weight_decay=cfg.trainer.weight_decay,
             target_batch_size=cfg.swarm.target_batch_size or local_batch,
             dht=self.dht,
-            other_trainers=lambda: len(self.other_trainers),
+            other_trainers=lambda: len(self.peers.others),
             gate=gate,
             directory=self.directory,
             attach_at_start=cfg.swarm.averagers == "at_start",
@@ -295,7 +271,87 @@ class Trainer:
         )
         self.publisher = self.versions.open_publisher(sealed)
 
+    def _open_parts(self, host: Host) -> None:
+        """The parts the trainer's loops drive: its intake, its status, catching up with
+        the swarm, settling doubtful batches, and its steps."""
+        self.intake = Intake(
+            config=self.config,
+            policy=self.policy,
+            node_id=self.node_id,
+            head=self.head,
+            book=self.book,
+            replay=self.replay,
+            quarantine=self.quarantine,
+            reward_check=self.reward_check,
+            filling=self.filling,
+            batch_ready=self.batch_ready,
+            publisher=self.publisher,
+            metrics=self.metrics,
+            counts=self.counts,
+            tokenizer=self.tokenizer,
+            vocab_size=self.vocab_size,
+            teacher_coefs=self.learner.teacher_coefs,
+        )
+        self.status = Status(
+            config=self.config,
+            policy=self.policy,
+            node_id=self.node_id,
+            endpoint=self.endpoint,
+            maddrs=host.maddrs,
+            head=self.head,
+            book=self.book,
+            quarantine=self.quarantine,
+            reward_check=self.reward_check,
+            counts=self.counts,
+            swarm=self.swarm,
+            server=self.server,
+            publisher=self.publisher,
+            gpu=host.gpu,
+        )
+        self.catch_up = CatchUp(
+            run_dir=self.run_dir,
+            head=self.head,
+            book=self.book,
+            replay=self.replay,
+            swarm=self.swarm,
+            peers=self.peers,
+            versions=self.versions,
+            publisher=self.publisher,
+            metrics=self.metrics,
+            counts=self.counts,
+        )
+        self.doubtful = Doubtful(
+            head=self.head,
+            book=self.book,
+            directory=self.directory,
+            peers=self.peers,
+            catch_up=self.catch_up.run,
+            metrics=self.metrics,
+            counts=self.counts,
+            batch_ready=self.batch_ready,
+        )
+        self.step = Step(
+            config=self.config,
+            head=self.head,
+            book=self.book,
+            replay=self.replay,
+            filling=self.filling,
+            learner=self.learner,
+            intake=self.intake,
+            swarm=self.swarm,
+            directory=self.directory,
+            versions=self.versions,
+            publisher=self.publisher,
+            status=self.status,
+            metrics=self.metrics,
+            counts=self.counts,
+            device=self.device,
+            local_batch=self.local_batch,
+        )
+
     async def run(self, stop: asyncio.Event) -> None:
+        """Drive the parts until `stop` (or run.max_steps): serve requests, learn, beat
+        the heartbeat, attach the averagers, watch hivemind's processes."""
         sealed: dict[str, Coroutine[Any, Any, None]] = {}
         if self.publisher.sealed is not None:
             sealed["trainer-serve-sealed"] = self.publisher.serve_sealed()
@@ -305,7 +361,7 @@ class Trainer:
                 **sealed,
                 "trainer-serve": self._serve(),
                 "trainer-learn": self._learn(stop),
-                "trainer-heartbeat": self._heartbeat(),
+                "trainer-heartbeat": self.peers.heartbeat(self.status.record),
                 "trainer-averagers": attach_when_peered(self.swarm, self.config.swarm.heartbeat_s),
                 # A step would wait forever on a dead hivemind process (the OOM killer's
                 # pick is the largest): the trainer stops, with one line that says so.
@@ -327,69 +383,19 @@ class Trainer:
             await asyncio.wait([self.step_task])
             self.step_task.result()  # its error, as the learn loop would have raised it
 
-    async def _heartbeat(self) -> None:
-        cfg = self.config
-        reads = 0
-        unseen_since: float | None = None  # since when no read has held this trainer's record
-        while True:
-            record = protocol.NodeRecord(
-                node_id=self.node_id,
-                role="trainer",
-                policy=self.policy,
-                endpoint=self.endpoint,
-                maddrs=self.maddrs,
-                policy_version=self.head.version,
-                queue=len(self.book.queue),
-                capacity=cfg.trainer.max_queued_groups,
-                samples_per_s=self.samples_per_s,
-                time=time.time(),
-                quarantined=self.quarantine.listed(),
-                lineage=self.head.lineage,
-                gpus=self.gpus,
-                refused=self.server.refusals()
-                | {kind: n for kind, n in self.swarm.refusals().items() if n},
-                rounds=self.swarm.round_problem,
-            )
-            if not await blocking(self.directory.publish, record):
-                log.warning("could not store this trainer's record in the DHT")
-            records = await blocking(self.directory.records_seen_by, self.node_id)
-            if not any(r.node_id == self.node_id for r in records):
-                # A read to distrust (a DHT lookup that missed), unless it stays so for a
-                # record's whole life: through a cut link, reads time out or find nothing,
-                # and others no longer see this trainer either.
-                unseen_since = unseen_since or time.monotonic()
-                if time.monotonic() - unseen_since >= cfg.swarm.record_ttl_s:
-                    self._set_connected(False)
-            else:
-                unseen_since = None
-                self.other_trainers = self._other_trainers_in(records)
-                self._step_share()  # (what a step waits for follows the live trainers)
-                # Another node's record: not one of this process's other policies, whose
-                # records its own DHT peer holds even when cut off from the swarm.
-                me = node_of(self.node_id)
-                self._set_connected(any(node_of(r.node_id) != me for r in records))
-                reads += 1
-                if reads == 2:
-                    # Our record was up for a heartbeat before this read: every trainer
-                    # that started before us is listed, and has had time to list us.
-                    self.directory_settled.set()
-            await asyncio.sleep(cfg.swarm.heartbeat_s)
-
     def _final_checkpoint(self) -> None:
         if self.head.version > self.book.checkpointed_version and self.head.version > 0:
             if self.withheld:
                 log.warning("version %d is withheld: no final checkpoint", self.head.version)
             else:
                 self.versions.checkpoint()
-        self.metrics.write(
-            {
-                "event": "stopped",
-                "policy_version": self.head.version,
-                "queued_group_ids": self.book.held_ids(),
-                "quarantined": list(self.quarantine.reasons),
-                **self._counts(),
-            }
-        )
+        self.metrics.write(self.status.stopped_row())
+
+    @property
+    def withheld(self) -> bool:
+        """The current version's weights may be this trainer's own, not the swarm's (a
+        parameter round failed and no peer sent state): not checkpointed nor published."""
+        return self.swarm.withheld
 
     # ── serving ──────────────────────────────────────────────────────────────────
 
@@ -411,11 +417,13 @@ class Trainer:
     # ── learning ─────────────────────────────────────────────────────────────────
 
     async def _learn(self, stop: asyncio.Event) -> None:
+        """Between steps: sit out a cut, settle doubtful batches, wait for a step's groups,
+        catch up with peers ahead; then take a batch and run its step."""
         cfg = self.config
         if cfg.swarm.initial_peers:
             # Step only once this trainer and the others know of each other: two trainers
             # that each step alone from one version would make it two weight sets.
-            await self.directory_settled.wait()
+            await self.peers.settled.wait()
         last = time.perf_counter()
         while True:
             if cfg.run.max_steps and self.head.version >= cfg.run.max_steps:
@@ -428,10 +436,10 @@ class Trainer:
                 )
                 stop.set()
                 return
-            if not self.connected.is_set():
-                await self._sit_out_isolation()
+            if not self.peers.connected.is_set():
+                await self.catch_up.sit_out_isolation()
             if self.book.doubtful:
-                await self._settle_doubtful()
+                await self.doubtful.settle()
                 with suppress(TimeoutError):  # look at the doubtful batches again soon
                     await wait_for(self.batch_ready.wait(), cfg.swarm.heartbeat_s)
                 if not self.batch_ready.is_set():
@@ -442,16 +450,16 @@ class Trainer:
                 self.counts["fill_timeouts_empty"] += 1
                 self.filling.restart()
                 continue
-            if self.withheld or max(self._other_versions(), default=-1) > self.head.version:
+            if self.withheld or max(self.peers.versions(), default=-1) > self.head.version:
                 # Other trainers moved on (or this version is withheld): take the swarm's
                 # state (and lineage) first, so the gradients are computed on the weights
                 # the swarm holds. A group's own version is no reason: a forged one would
                 # make this trainer download the whole state at every step (if the
                 # directory lags a real step, the round at the old version fails and
                 # hivemind's tracker says the swarm moved on).
-                await self._catch_up()
+                await self.catch_up.run()
             # A step whose time to fill has passed takes the varied groups it holds.
-            groups_per_step = self._step_share()
+            groups_per_step = self.peers.step_share()
             batch, stale = self.book.take(
                 groups_per_step,
                 self.head.version,
@@ -478,7 +486,7 @@ class Trainer:
             short = len(batch) + len(replays) < groups_per_step
             shared = groups_per_step < cfg.trainer.groups_per_step
             self.step_task = asyncio.create_task(
-                self._step(batch, last, short, replays, shared), name="trainer-step"
+                self.step.run(batch, last, short, replays, shared), name="trainer-step"
             )
             last = await asyncio.shield(self.step_task)
             if len(self.book.queue) >= self.replay.fresh_needed(
@@ -487,293 +495,6 @@ class Trainer:
                 self.batch_ready.set()  # (the step's groups can fill the next one's rest)
             else:
                 self.batch_ready.clear()
-
-    def _step_share(self) -> int:
-        """This trainer's groups for the next step: with the global batch one trainer's
-        (swarm.target_batch_size = 0), its share of trainer.groups_per_step among the live
-        trainers (node/rounds.py `step_share`)."""
-        groups_per_step = self.config.trainer.groups_per_step
-        if not self.config.swarm.target_batch_size:
-            groups_per_step = step_share(groups_per_step, 1 + len(self.other_trainers))
-        self.replay.groups_per_step = groups_per_step
-        return groups_per_step
-
-    def _other_trainers_in(
-        self, records: list[protocol.NodeRecord]
-    ) -> dict[str, protocol.NodeRecord]:
-        """Other trainers' records, by node id. A record naming this trainer's own peer id
-        is its previous life's (restarted on the same identity before that record
-        expired): dead, and never to be dialed."""
-        own = f"/p2p/{self.dht.peer_id}"
-        return {
-            r.node_id: r
-            for r in records
-            if r.role == "trainer"
-            and r.policy == self.policy
-            and r.node_id != self.node_id
-            and not any(m.endswith(own) for m in r.maddrs)
-        }
-
-    @property
-    def withheld(self) -> bool:
-        """The current version's weights may be this trainer's own, not the swarm's (a
-        parameter round failed and no peer sent state): not checkpointed nor published."""
-        return self.swarm.withheld
-
-    def _other_versions(self) -> list[int]:
-        return [r.policy_version for r in self.other_trainers.values()]
-
-    def _set_connected(self, connected: bool) -> None:
-        if not self.config.swarm.initial_peers or connected == self.connected.is_set():
-            return
-        if connected:
-            log.info("the swarm is reachable again")
-            self.connected.set()
-        else:
-            log.warning("cut off from the swarm (no other node's record): pausing training")
-            self.connected.clear()
-
-    async def _sit_out_isolation(self) -> None:
-        """Train nothing while cut off: alone, this trainer would make its own versions.
-        Back in touch, it drops what it held (rollout nodes have sent those groups to the
-        trainers they could still reach, when its record expired) and catches up."""
-        await self.connected.wait()
-        dropped = self.book.forget_held()
-        self.counts["groups_dropped_isolated"] += dropped
-        log.info("dropped %d groups held while cut off; catching up", dropped)
-        await self._catch_up()
-
-    async def _catch_up(self) -> None:
-        """Take the swarm's current state (weights, optimizer state, version)."""
-        downloaded = await blocking(self.swarm.load_state_from_peers)
-        if not downloaded:
-            return
-        if self.swarm.epoch != self.head.version:
-            log.info(
-                "caught up with the swarm: policy version %d -> %d",
-                self.head.version,
-                self.swarm.epoch,
-            )
-            self.counts["catch_ups"] += 1
-        self.head.version = self.swarm.epoch
-        lineage = swarm_lineage(self.other_trainers.values(), self.head.lineage)
-        if lineage.id != self.head.lineage.id:
-            # This trainer's own steps since it forked are in no weights that go on: their
-            # groups become unknown, so rollout nodes offer them again.
-            forgotten = self.book.abandon_undurable()
-            log.warning(
-                "took the swarm's weights (lineage %s); %d groups of this trainer's own "
-                "lineage %s go back to rollout nodes",
-                lineage.id,
-                forgotten,
-                self.head.lineage.id,
-            )
-            self.head.lineage = lineage
-            record_lineage(self.run_dir, self.head.lineage)
-            self.replay.clear()  # no importance ratio across lineages
-        if self.withheld:
-            log.info("version %d is a peer's withheld one: withheld here too", self.head.version)
-        else:
-            await self.versions.publish()
-        self.metrics.write(
-            {
-                "event": "caught_up",
-                "policy_version": self.head.version,
-                "version_withheld": self.withheld,
-                "lineage": self.head.lineage.id,
-                "lineage_ancestors": self.head.lineage.ancestors,
-                "policy_sha256": self.publisher.published.sha256,
-            }
-        )
-
-    async def _settle_doubtful(self) -> None:
-        """Look up the marks of the doubtful batches; mark trained the groups of those a
-        peer stepped with, queue again those no peer took (`groups.settle`)."""
-        ids = [batch.batch_id for batch in self.book.doubtful]
-        # The other trainers' versions as read before the marks: a trainer listed past a
-        # batch's round had stored its marks of that step by then.
-        others = self._other_versions()
-        try:
-            marked = await blocking(self.directory.marked_batches, ids)
-        except Exception as e:  # a DHT error: look again at the next turn
-            log.info("could not read the marks of doubtful batches: %r", e)
-            return
-        if any(b.batch_id in marked and self.head.version <= b.epoch for b in self.book.doubtful):
-            await self._catch_up()  # the peer's weights hold them: take those first
-        trained, again = self.book.settle(marked, self.head.version, others)
-        for batch in trained:
-            # This trainer's weights (version `self.head.version`) hold the peer's step.
-            self.book.trained(batch.groups, self.head.version, self.head.lineage.id)
-            self.counts["groups_trained_by_peer"] += len(batch.groups)
-            log.info(
-                "batch %s: a peer stepped with it; %d groups are trained",
-                batch.batch_id,
-                len(batch.groups),
-            )
-            self.metrics.write(
-                {
-                    "event": "trained_by_peer",
-                    "batch_id": batch.batch_id,
-                    "policy_version": self.head.version,
-                    "lineage": self.head.lineage.id,
-                    "trained_group_ids": [g.group_id for g in batch.groups],
-                }
-            )
-        for batch in again:
-            log.info("batch %s: no peer took it; its groups go back", batch.batch_id)
-            self.counts["groups_requeued"] += len(batch.groups)
-            self.batch_ready.set()
-
-    async def _step(
-        self,
-        batch: list[protocol.TrajectoryGroup],
-        last: float,
-        short: bool = False,
-        replays: list[protocol.TrajectoryGroup] | None = None,
-        shared: bool = False,
-    ) -> float:
-        """Train on `batch` (and `replays`: trained groups again, node/replay.py), publish
-        and record the new version; returns the step's end time.
-
-        The batch's gradients join those already accumulated. When the swarm steps, every
-        accumulated group is trained; when hivemind discards them (this trainer was out of
-        sync, or the round with peers failed), the groups go back to the queue front.
-        A `short` batch (dynamic sampling's time to fill passed), and one `shared` with
-        the other trainers (its share of the step's groups), counts as a full local batch
-        toward the swarm's target, so the step is taken now.
-        """
-        cfg = self.config
-        lags = [
-            rl.policy_lag(s.policy_version, self.head.version) for g in batch for s in g.samples
-        ]
-        self.lag_histogram.update(lags)
-        if short:
-            log.info(
-                "time to fill a step passed (trainer.fill_timeout_s): training %d of %d groups",
-                len(batch),
-                self.replay.groups_per_step,
-            )
-            self.counts["steps_short"] += 1
-        left_out = self.filling.left_out
-        self.filling.restart()
-        self.publisher.retire_idle()  # (what the step allocates can take its memory)
-        replays = replays or []
-        result: StepResult = await blocking(
-            self.learner.train_step, batch, self.local_batch if short or shared else 0, replays
-        )
-        # What the step freed goes back to the kernel whatever came of it: a trainer whose
-        # rounds kept failing made no version, so no snapshot trimmed, and its heap grew by
-        # the step's free memory at every retry (9-13 GB at version 0, issue 47).
-        await blocking(memory.trim)
-        self.intake.reject_for_logprobs(batch, result)
-        outcome = result.outcome
-        replayed, replay_stats = replays_used(
-            self.replay, replays, result, self.head.version, self.counts
-        )
-        groups = self.book.stepped(
-            [g for g in batch if g.group_id not in result.rejected],
-            applied=outcome.applied,
-            discarded=outcome.discarded,
-            in_doubt=outcome.in_doubt,
-            version=self.head.version,
-            deadline=time.monotonic() + doubt_wait_s(cfg.swarm),
-        )
-        changed = await self._after_step(groups, outcome)
-        now = time.perf_counter()
-        self.samples_per_s = self.sample_rate.add(last, now, result.metrics["charts/samples"])
-        self.gpus = self.gpu.sample()
-        self.metrics.write(
-            result.row()
-            | {
-                "event": "step",
-                "lineage": self.head.lineage.id,
-                "trained_group_ids": [g.group_id for g in groups.trained],
-                "trained_group_versions": [oldest_version(g) for g in groups.trained],
-                # trained again (node/replay.py): already trained, never acknowledged again
-                "replayed_group_ids": replayed,
-                **replay_stats.row(),
-                "replay_buffer_groups": len(self.replay),
-                "policy_sha256": self.publisher.published.sha256,
-                "charts/staleness_mean": sum(lags) / len(lags),
-                "charts/staleness_max": max(lags),
-                "perf/s_per_version": now - last,
-                "short_step": short,
-                # zero-variance groups dynamic sampling left out while this step filled
-                "groups_left_out": left_out,
-                "perf/samples_per_s": self.samples_per_s,
-                "queue": len(self.book.queue),
-                **gpu_metrics(self.gpus),
-                **peak_memory(self.device),
-                **self._counts(),
-            }
-        )
-        due = self.head.version % cfg.trainer.checkpoint_every == 0
-        undurable = len(self.book.undurable) >= MAX_UNDURABLE_GROUPS
-        if changed and not self.withheld and (due or undurable):
-            await blocking(self.versions.checkpoint)
-        return now
-
-    async def _after_step(self, groups: StepGroups, outcome: StepOutcome) -> bool:
-        """Record what a step did to its groups (trained ones in the book and the DHT) and
-        publish the version it made; returns whether it made one."""
-        if groups.doubtful is not None:
-            self.counts["groups_in_doubt"] += len(groups.doubtful.groups)
-            log.info(
-                "step not taken here, maybe by a peer: %d groups wait aside",
-                len(groups.doubtful.groups),
-            )
-        if groups.requeued:
-            self.counts["groups_requeued"] += len(groups.requeued)
-            log.info("step not taken: %d groups go back to the queue", len(groups.requeued))
-        if groups.trained:
-            self.replay.add(groups.trained)
-            self.book.trained(groups.trained, outcome.epoch, self.head.lineage.id)
-            self.counts["groups_trained"] += len(groups.trained)
-            ids = [g.group_id for g in groups.trained]
-            mark = Mark(self.head.lineage.id, outcome.epoch)
-            await blocking(self.directory.mark_trained, ids, mark, outcome.peer_batches)
-        changed = outcome.epoch != self.head.version
-        self.head.version = outcome.epoch
-        if changed and self.withheld:
-            log.warning(
-                "version %d may differ from the swarm's: withheld until it takes theirs",
-                self.head.version,
-            )
-            self.counts["versions_withheld"] += 1
-        elif changed:
-            await self.versions.publish()
-        return changed
-
-    def _counts(self) -> dict[str, int]:
-        return {
-            **{f"counts/{k}": v for k, v in self.counts.items()},
-            **{f"counts/{k}": v for k, v in self.reward_check.metrics().items()},
-            **{f"counts/swarm_{k}": v for k, v in self.swarm.counts().items()},
-            "counts/rejected_messages": self.server.rejected,
-            "counts/sealed_chunks_served": self.publisher.sealed_served,
-            "counts/sealed_requests_refused": self.publisher.sealed_refused,
-            "counts/denied_handshakes": self.server.denied,
-            **{f"counts/refused_{kind}": n for kind, n in self.server.refused.items()},
-        }
-
-
-def replays_used(
-    replay: Replay,
-    replays: list[protocol.TrajectoryGroup],
-    result: StepResult,
-    version: int,
-    counts: Counter[str],
-) -> tuple[list[str], ReplayStats]:
-    """The ids of the `replays` a step trained again (none if its gradients were thrown
-    away), and their stats; those its learner left out for their logprobs leave the buffer."""
-    replay.drop(result.replays_dropped)
-    counts["replays_dropped_logprobs"] += len(result.replays_dropped)
-    replayed = [g.group_id for g in replays if g.group_id not in result.replays_dropped]
-    if result.outcome.discarded:  # their gradients went nowhere: no use
-        replayed = []
-    stats = replay.used(replayed, version)
-    counts["groups_replayed"] += stats.groups
-    return replayed, stats
 
 
 def fewest_trainers(

@@ -9,8 +9,9 @@ learner's forward pass), and the other requests it answers.
 
 A group that fails a check is held against its node (`hold_against`): after
 `trainer.quarantine_after` failures the node is quarantined (node/verify.py). The trainer
-role (node/trainer.py) serves from its loop and hands every request here; its learner's
-step hands back the groups it left out for their logprobs (`reject_for_logprobs`).
+role (node/trainer.py) serves from its loop and hands every request here; its step
+(node/trainer_step.py) hands back the groups the learner left out for their logprobs
+(`reject_for_logprobs`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """`python -m tests.gives_up ARGS` runs `agentjet ARGS` with one fault: the trainer gives
 up on every gradient round just as the round completes, as when its averaging timeout
 strikes at that moment. Its peers step with its gradients, and it must not train them
-again (node/trainer.py, `DoubtfulBatch`)."""
+again (node/trainer_doubtful.py, `DoubtfulBatch`)."""
 
 from __future__ import annotations
 

@@ -378,7 +378,7 @@ def settled_by_marks(swarm: Swarm, trainers: list[str], trained: set[str]) -> se
 
 def trained_by_peers(swarm: Swarm, name: str) -> list[str]:
     """The groups of trainer `name`'s batches that a peer stepped with, though the round
-    failed on `name`'s side (node/trainer.py, `DoubtfulBatch`): no step row of theirs."""
+    failed on `name`'s side (node/trainer_doubtful.py, `DoubtfulBatch`): no step row of theirs."""
     return [
         g
         for r in swarm.metrics(name, "trainer")

@@ -144,7 +144,7 @@ def test_a_trainer_that_gives_up_on_a_round_its_peer_completed_finds_its_batch_m
 ) -> None:
     """B gives up on every gradient round just as it completes (as when its averaging
     timeout strikes then): B steps with none, A with each. B is told each such batch is
-    in doubt, and finds exactly those A stepped with marked (node/trainer.py settles them
+    in doubt, and finds exactly those A stepped with marked (node/trainer_doubtful.py settles them
     trained, instead of training their groups again)."""
     from node.directory import Directory
 

@@ -1,7 +1,7 @@
 """How trainers vouch for each other's groups: which peers' gradients a round's result
 holds (node/allreduce.py), the batch ids their rounds carry, "trained" through a marked
 batch (node/directory.py), and how a trainer settles a batch whose round failed on its side
-only (node/trainer.py)."""
+only (node/trainer_doubtful.py)."""
 
 from __future__ import annotations
 

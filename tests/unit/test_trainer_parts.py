@@ -36,7 +36,9 @@ from tests.factories import make_group
 pytestmark = pytest.mark.unit
 
 
-def _intake(tmp_path: Path, quarantine_after: int = 3, max_policy_lag: int = 2) -> Intake:
+def intake_of(tmp_path: Path, quarantine_after: int = 3, max_policy_lag: int = 2) -> Intake:
+    """An intake of trainer-a at version 5, with parts of its own (tests/unit/test_trainer_loop.py
+    builds the other parts over them)."""
     config = Config(trainer=TrainerConfig(quarantine_after=quarantine_after))
     config.trainer.max_policy_lag = max_policy_lag
     model = torch.nn.Linear(2, 2)
@@ -66,7 +68,7 @@ def _submit(intake: Intake, group: protocol.TrajectoryGroup, to: str = "") -> ob
 
 
 def test_a_fresh_group_is_queued_and_acked_at_the_trainers_version(tmp_path: Path) -> None:
-    intake = _intake(tmp_path)
+    intake = intake_of(tmp_path)
     ack = _submit(intake, make_group("g1", version=4))
     assert isinstance(ack, protocol.GroupAck)
     assert (ack.status, ack.policy_version) == ("accepted", 5)
@@ -77,7 +79,7 @@ def test_a_fresh_group_is_queued_and_acked_at_the_trainers_version(tmp_path: Pat
 
 
 def test_a_group_for_another_trainer_or_policy_is_not_taken(tmp_path: Path) -> None:
-    intake = _intake(tmp_path)
+    intake = intake_of(tmp_path)
     gone = _submit(intake, make_group("g1"), to="trainer-b")
     assert isinstance(gone, protocol.Error) and gone.code == "gone"
     other = msgspec_replace(make_group("g2"), policy="solver")
@@ -88,7 +90,7 @@ def test_a_group_for_another_trainer_or_policy_is_not_taken(tmp_path: Path) -> N
 
 
 def test_a_group_older_than_the_lag_bound_is_dropped_with_a_row_first(tmp_path: Path) -> None:
-    intake = _intake(tmp_path, max_policy_lag=2)
+    intake = intake_of(tmp_path, max_policy_lag=2)
     ack = _submit(intake, make_group("old", version=2))  # 3 versions behind 5
     assert isinstance(ack, protocol.GroupAck) and ack.status == "stale"
     intake.metrics.close()
@@ -99,7 +101,7 @@ def test_a_group_older_than_the_lag_bound_is_dropped_with_a_row_first(tmp_path: 
 
 
 def test_failed_checks_quarantine_the_node_and_its_groups_are_refused(tmp_path: Path) -> None:
-    intake = _intake(tmp_path, quarantine_after=2)
+    intake = intake_of(tmp_path, quarantine_after=2)
     intake.hold_against("test-node", "logprob gap 3 over trainer.max_logprob_gap=0.5")
     intake.hold_against("test-node", "logprob gap 4 over trainer.max_logprob_gap=0.5")
     assert intake.counts["nodes_quarantined"] == 1
@@ -109,7 +111,7 @@ def test_failed_checks_quarantine_the_node_and_its_groups_are_refused(tmp_path: 
 
 
 def test_status_queries_answer_from_the_book_at_the_current_head(tmp_path: Path) -> None:
-    intake = _intake(tmp_path)
+    intake = intake_of(tmp_path)
     _submit(intake, make_group("g1", version=5))
     intake.head.version = 6  # (a step moved it)
     reply = intake.answer(protocol.GroupStatusQuery(group_ids=["g1", "nope"]))

@@ -15,10 +15,11 @@ peers whose whole gradients it averaged in (node/allreduce.py `RoundResult.contr
 A group counts as trained when it is marked itself or when a batch that held it is
 (`Directory.trained`), so one peer's marks cover another's lost ones. The same mark tells a
 trainer whose round failed on its side only (node/optimizer.py `RoundFailed.sent`) that a
-peer stepped with its batch all the same (node/trainer.py, doubtful batches).
+peer stepped with its batch all the same (node/trainer_doubtful.py).
 
 Records read from the DHT are input from strangers: each one is decoded and checked, and a
-bad one is skipped and counted.
+bad one is skipped and counted; with keys, each value is signed by the node that wrote it
+and read only if a member signed it for its key (node/signed_values.py).
 """
 
 from __future__ import annotations
@@ -44,8 +45,9 @@ from agentjet.identity import (
     Revocation,
     encode_revocation,
 )
-from node.dht import SwarmAuthorizer, node_of, start_dht
+from node.dht import SwarmAuthorizer, start_dht
 from node.members import members_key, revoked_key, subkey_values
+from node.signed_values import read_value, sign_record, sign_value, verified_record
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +80,8 @@ class Directory:
     (identity.SignedRecord) and a record is read only if a member signed it under its own
     name (`node_of`: a trainer serving several policies signs NODE/POLICY as NODE): one
     signed by another node than the one it describes, or by none, is refused and counted
-    (`keys.membership.refused`: impersonation, forged, ...) like any other refusal."""
+    (`keys.membership.refused`: impersonation, forged, ...) like any other refusal. Marks,
+    intents and checkpoint records are signed and read alike (node/signed_values.py)."""
 
     def __init__(
         self,
@@ -115,21 +118,18 @@ class Directory:
         return bool(
             self.dht.store(
                 self.key,
-                self._signed(protocol.encode(record)),
+                sign_record(self.keys, protocol.encode(record)),
                 expiration_time=get_dht_time() + self.ttl_s,
                 subkey=record.node_id,
             )
         )
-
-    def _signed(self, payload: bytes) -> bytes:
-        return payload if self.keys is None else self.keys.identity.sign_record(payload)
 
     def withdraw(self, node_id: str) -> None:
         """Replace this node's record by one that expires at once (a clean goodbye); best
         effort, bounded: a stopping node must not hang on a broken DHT."""
         future = self.dht.store(
             self.key,
-            self._signed(b""),
+            sign_record(self.keys, b""),
             expiration_time=get_dht_time() + 0.5,
             subkey=node_id,
             return_future=True,
@@ -148,7 +148,7 @@ class Directory:
         for subkey, item in found.value.items():
             value = getattr(item, "value", None)
             if self.keys is not None:
-                value = self._verified(self.keys.membership, subkey, value)
+                value = verified_record(self.keys.membership, subkey, value)
                 if value is None:
                     continue  # refused, counted by the membership
             if value == b"":
@@ -163,22 +163,6 @@ class Directory:
                 continue
             records.append(record)
         return records
-
-    @staticmethod
-    def _verified(membership: Membership, subkey: object, value: object) -> bytes | None:
-        """The record `value` stored under `subkey` (a node id) if the member that subkey
-        names signed it; else None, the refusal counted by `membership`."""
-        signed = membership.signed_record(value)  # type: ignore[arg-type]
-        if signed is None:
-            return None
-        certificate, payload = signed
-        if node_of(str(subkey)) != certificate.name:
-            membership.refuse(
-                "impersonation",
-                f"a directory record for {subkey!r} signed by {certificate.name!r}",
-            )
-            return None
-        return payload
 
     def revoke(self, revocation: Revocation) -> bool:
         """Store a root-signed revocation where every node reads it (`sync_revocations`)."""
@@ -252,7 +236,7 @@ class Directory:
         keys += [self.trained_batch_prefix + b for b in batch_ids]
         futures = [
             self.dht.store(
-                key, self._signed_value(key, list(mark)), expiration_time=expires,
+                key, sign_value(self.keys, key, list(mark)), expiration_time=expires,
                 return_future=True,
             )
             for key in keys
@@ -264,7 +248,7 @@ class Directory:
         """Say that the trainer `peer_id` saved the weights `mark` names (best effort)."""
         future = self.dht.store(
             self.checkpoints_key,
-            self._signed_value(f"{self.checkpoints_key}/{peer_id}", list(mark)),
+            sign_value(self.keys, f"{self.checkpoints_key}/{peer_id}", list(mark)),
             expiration_time=get_dht_time() + TRAINED_MARK_TTL_S,
             subkey=peer_id,
             return_future=True,
@@ -280,7 +264,7 @@ class Directory:
         if found is None or not isinstance(found.value, dict):
             return {}
         marks = {
-            str(k): read_mark(self._read_value(f"{self.checkpoints_key}/{k}", v))
+            str(k): read_mark(read_value(self.keys, f"{self.checkpoints_key}/{k}", v))
             for k, v in found.value.items()
         }
         return {k: m for k, m in marks.items() if m is not None}
@@ -292,7 +276,7 @@ class Directory:
         return [
             self.dht.store(
                 self.intent_prefix + g,
-                self._signed_value(f"{self.intent_prefix}{g}/{batch_id}", True),
+                sign_value(self.keys, f"{self.intent_prefix}{g}/{batch_id}", True),
                 expiration_time=expires,
                 subkey=batch_id,
                 return_future=True,
@@ -340,7 +324,7 @@ class Directory:
         """The names whose key `prefix + name` holds a well-formed mark, with it."""
         futures = [self.dht.get(prefix + n, return_future=True) for n in names]
         found = {
-            n: read_mark(self._read_value(prefix + n, f.result()))
+            n: read_mark(read_value(self.keys, prefix + n, f.result()))
             for n, f in zip(names, futures, strict=True)
         }
         return {n: m for n, m in found.items() if m is not None}
@@ -351,42 +335,7 @@ class Directory:
         if self.keys is None:
             return named
         key = self.intent_prefix + group_id
-        return {b for b in named if self._read_value(f"{key}/{b}", found.value[b]) is True}
-
-    # Trained marks, batch intents and checkpoint records, like directory records, are
-    # signed by the node that writes them (with keys): a value is read only if a member
-    # signed it, and signed it for the key (and subkey) it is found under, so a signed mark
-    # is not replayed under another group's key. A member is trusted with what it signs:
-    # certificates carry no role, so a rollout node's signed mark would count (named by
-    # its signature, revocable).
-
-    def _signed_value(self, key: str, value: Any) -> Any:
-        """`value` as it is stored under `key`: with keys, an identity.SignedRecord whose
-        payload is `[key, value]`."""
-        if self.keys is None:
-            return value
-        return self.keys.identity.sign_record(msgspec.msgpack.encode([key, value]))
-
-    def _read_value(self, key: str, found: Any) -> Any:
-        """The value a member stored under `key` (`found`: what the DHT returned, or the
-        value itself); None when absent, or refused (counted by the membership)."""
-        value = getattr(found, "value", found)
-        if self.keys is None or value is None:
-            return value
-        signed = self.keys.membership.signed_record(value)
-        if signed is None:
-            return None
-        certificate, payload = signed
-        try:
-            stored_for, inner = msgspec.msgpack.decode(payload)
-        except (msgspec.DecodeError, TypeError, ValueError):
-            stored_for, inner = None, None
-        if stored_for != key:
-            self.keys.membership.refuse(
-                "forged", f"a value {certificate.name!r} signed for another key, under {key!r}"
-            )
-            return None
-        return inner
+        return {b for b in named if read_value(self.keys, f"{key}/{b}", found.value[b]) is True}
 
 
 class Mark(NamedTuple):

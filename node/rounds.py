@@ -4,7 +4,7 @@ what it says when its rounds keep failing.
 Two trainers fed by the same rollout nodes finish their batches at different times: how
 far apart depends on how long a step takes here, which on a busy box is ten times what it
 is on an idle one. A trainer whose batch is ready waits for the other live trainers'
-batches (node/swarm.py `SwarmOptimizer.step_outcome`) up to `RoundPace.wait_s`: a few of
+batches (node/rendezvous.py `Rendezvous.meet`) up to `RoundPace.wait_s`: a few of
 its own measured step cycles, never less than `swarm.averaging_timeout_s`. A fixed wait
 shorter than that spread fails every round on a busy box (issue 47: 2 rounds of 24 in
 20 minutes), and each failure throws a computed batch away.

@@ -3,10 +3,10 @@ node/optimizer.py and node/averagers.py; the DHT in node/dht.py, the directory i
 node/directory.py).
 
     learner grads ──step_outcome(samples)──▶ wait for the other live trainers' batches
-        ──▶ one exact gradient round (node/allreduce.py: every trainer gets the same
-        averaged bits) ──▶ AdamW ──▶ the epoch (= policy version) advances; a lone
-        trainer steps at once. Every `swarm.average_state_every` versions a parameter
-        round re-synchronises a trainer that missed a step.
+        (node/rendezvous.py) ──▶ one exact gradient round (node/allreduce.py: every
+        trainer gets the same averaged bits) ──▶ AdamW ──▶ the epoch (= policy version)
+        advances; a lone trainer steps at once. Every `swarm.average_state_every`
+        versions a parameter round re-synchronises a trainer that missed a step.
 
 Local mode uses this exact path with a single peer, so the swarm code is always exercised.
 """
@@ -39,12 +39,11 @@ from node.dht import start_dht
 from node.directory import Directory
 from node.members import MemberGate
 from node.optimizer import HivemindOptimizer, RoundFailed
-from node.rounds import RoundPace, RoundTrouble, StepOutcome
+from node.rendezvous import Rendezvous
+from node.rounds import RoundTrouble, StepOutcome
 
 log = logging.getLogger(__name__)
 
-# A step waiting for the other trainers' batches reads their progress records this often.
-PEER_POLL_S = 0.5
 # How long a step waits for hivemind's tracker to read the peers it saw (a DHT read; seconds
 # on a busy box).
 TRACKER_REFRESH_S = 5.0
@@ -61,6 +60,74 @@ async def attach_when_peered(swarm: SwarmOptimizer, period_s: float) -> None:
         else:
             await asyncio.sleep(period_s)
     await asyncio.Event().wait()
+
+
+def _hivemind_optimizer(
+    config: SwarmConfig,
+    params: Iterable[torch.nn.Parameter],
+    *,
+    lr: float,
+    weight_decay: float,
+    target_batch_size: int,
+    dht: hivemind.DHT,
+    other_trainers: Callable[[], int],
+    gate: MemberGate | None,
+    attach_at_start: bool,
+) -> HivemindOptimizer:
+    """hivemind.Optimizer as a trainer runs it over `dht` (`SwarmOptimizer`'s arguments)."""
+    compression = Float16Compression() if config.grad_compression == "fp16" else NoCompression()
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # see start_dht
+    try:
+        return HivemindOptimizer(
+            other_trainers=other_trainers,
+            gate=gate,
+            attach_at_start=attach_at_start,
+            dht=dht,
+            run_id=config.run_id,
+            target_batch_size=target_batch_size,
+            optimizer=partial(torch.optim.AdamW, lr=lr, weight_decay=weight_decay),
+            params=params,
+            matchmaking_time=config.matchmaking_time_s,
+            averaging_timeout=config.averaging_timeout_s,
+            average_state_every=config.average_state_every,
+            # Average parameters inside the step, not in the background after it: the
+            # version a step makes is then the averaged one. With exact rounds the
+            # trainers' gradients, and so their steps, are already bit-identical; the
+            # parameter round re-synchronizes one that missed a step. Adam's moments
+            # are not averaged: fed the same averaged gradients they stay identical,
+            # and averaging them would triple the bytes.
+            delay_state_averaging=False,
+            grad_compression=compression,
+            averager_opts={"request_timeout": config.request_timeout_s},
+            # How long a round waits for a peer's next part of the tensors (hivemind's
+            # default, one matchmaking time, failed half the rounds on a busy box: "50%
+            # of the average gradient never came", a peer's averager not scheduled
+            # for a second).
+            next_chunk_timeout=config.averaging_timeout_s / ROUND_PARTS,
+            # A whole state download: two of its chunks' timeouts (`WholeStateAverager`).
+            # hivemind's default, 600 s, held a joiner whose download stalled for ten
+            # minutes; given up, it asks again (`load_state_from_peers`).
+            load_state_timeout=4 * (config.matchmaking_time_s + config.averaging_timeout_s),
+            # A dead trainer stops counting as a peer within record_ttl_s (hivemind's
+            # default, 60 s, would fail every round with it for a minute).
+            tracker_opts={"metadata_expiration": config.record_ttl_s},
+            grad_averager_factory=partial(
+                ExactGradientAverager,
+                request_timeout=config.request_timeout_s,
+                gate=gate,
+                attach_at_start=attach_at_start,
+            ),
+            # hivemind offloads the optimizer by default, and then averages parameters in
+            # place: the averager's process writes each averaged part straight into the
+            # optimizer's parameters as it arrives, even after a step stopped waiting for
+            # the round, so nothing could keep a broken round's parts out of a version
+            # (`WholeStateAverager` copies only a whole average). Not offloaded, a round
+            # averages copies. The optimizer then steps where the model is.
+            offload_optimizer=False,
+            verbose=False,
+        )
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 class SwarmOptimizer:
@@ -91,68 +158,28 @@ class SwarmOptimizer:
         self.directory = directory or Directory(self.dht, config)
         # Versions re-taken from a peer after this trainer's parameter round failed.
         self.repairs = 0
-        # How long a step waits for the other trainers' batches (node/rounds.py), and what
-        # this trainer says when its rounds keep failing.
-        self.pace = RoundPace(floor_s=config.averaging_timeout_s)
+        # What this trainer says when its rounds keep failing (node/rounds.py).
         self.trouble = RoundTrouble()
-        self.waits_for_peers = 0  # steps whose peers' batches did not come within the wait
-        compression = Float16Compression() if config.grad_compression == "fp16" else NoCompression()
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # see start_dht
         try:
-            self.optimizer = HivemindOptimizer(
+            self.optimizer = _hivemind_optimizer(
+                config,
+                params,
+                lr=lr,
+                weight_decay=weight_decay,
+                target_batch_size=target_batch_size,
+                dht=self.dht,
                 other_trainers=other_trainers,
                 gate=gate,
                 attach_at_start=attach_at_start,
-                dht=self.dht,
-                run_id=config.run_id,
-                target_batch_size=target_batch_size,
-                optimizer=partial(torch.optim.AdamW, lr=lr, weight_decay=weight_decay),
-                params=params,
-                matchmaking_time=config.matchmaking_time_s,
-                averaging_timeout=config.averaging_timeout_s,
-                average_state_every=config.average_state_every,
-                # Average parameters inside the step, not in the background after it: the
-                # version a step makes is then the averaged one. With exact rounds the
-                # trainers' gradients, and so their steps, are already bit-identical; the
-                # parameter round re-synchronizes one that missed a step. Adam's moments
-                # are not averaged: fed the same averaged gradients they stay identical,
-                # and averaging them would triple the bytes.
-                delay_state_averaging=False,
-                grad_compression=compression,
-                averager_opts={"request_timeout": config.request_timeout_s},
-                # How long a round waits for a peer's next part of the tensors (hivemind's
-                # default, one matchmaking time, failed half the rounds on a busy box: "50%
-                # of the average gradient never came", a peer's averager not scheduled
-                # for a second).
-                next_chunk_timeout=config.averaging_timeout_s / ROUND_PARTS,
-                # A whole state download: two of its chunks' timeouts (`WholeStateAverager`).
-                # hivemind's default, 600 s, held a joiner whose download stalled for ten
-                # minutes; given up, it asks again (`load_state_from_peers`).
-                load_state_timeout=4 * (config.matchmaking_time_s + config.averaging_timeout_s),
-                # A dead trainer stops counting as a peer within record_ttl_s (hivemind's
-                # default, 60 s, would fail every round with it for a minute).
-                tracker_opts={"metadata_expiration": config.record_ttl_s},
-                grad_averager_factory=partial(
-                    ExactGradientAverager,
-                    request_timeout=config.request_timeout_s,
-                    gate=gate,
-                    attach_at_start=attach_at_start,
-                ),
-                # hivemind offloads the optimizer by default, and then averages parameters in
-                # place: the averager's process writes each averaged part straight into the
-                # optimizer's parameters as it arrives, even after a step stopped waiting for
-                # the round, so nothing could keep a broken round's parts out of a version
-                # (`WholeStateAverager` copies only a whole average). Not offloaded, a round
-                # averages copies. The optimizer then steps where the model is.
-                offload_optimizer=False,
-                verbose=False,
             )
         except BaseException:
             if self.owns_dht:
                 self.dht.shutdown()
             raise
-        finally:
-            signal.signal(signal.SIGINT, previous)
+        # The wait for the other trainers' batches before each round (node/rendezvous.py).
+        self.rendezvous = Rendezvous(
+            self.optimizer, self.dht, other_trainers, floor_s=config.averaging_timeout_s
+        )
 
     @property
     def epoch(self) -> int:
@@ -217,76 +244,12 @@ class SwarmOptimizer:
         """Why this trainer's gradient rounds keep failing ("" while they work)."""
         return self.trouble.problem
 
-    def _announce_batch(self, batch_size: int) -> None:
-        """Tell the swarm (hivemind's progress records) that this trainer holds a batch
-        for its epoch, before it waits for the others' (`_await_peer_batches`)."""
-        optimizer = self.optimizer
-        with optimizer.step_lock:
-            held = optimizer.grad_averager.local_samples_accumulated + batch_size
-            optimizer.tracker.report_local_progress(optimizer.local_epoch, held)
-            optimizer._publish_progress()
-
-    def _peer_batches_ready(self) -> int:
-        """How many other trainers' progress records say they hold a batch for this
-        trainer's epoch (records from the DHT: checked, a bad one skipped)."""
-        tracker = self.optimizer.tracker
-        found = self.dht.get(tracker.training_progress_key, latest=True)
-        entries = found.value if found is not None else None
-        if not isinstance(entries, dict):
-            return 0
-        ready = 0
-        for subkey, entry in entries.items():
-            progress = getattr(entry, "value", None)
-            if subkey == tracker._local_public_key or not isinstance(progress, dict):
-                continue
-            samples = progress.get("samples_accumulated")
-            ready += (
-                progress.get("epoch") == self.epoch
-                and isinstance(samples, int)
-                and samples > 0
-                and progress.get("client_mode") is False
-            )
-        return ready
-
-    def _give_up_batch(self) -> StepOutcome:
-        """The batch's gradients thrown away before any round: its groups are not trained."""
-        with self.optimizer.step_lock:
-            self.optimizer.zero_grad()
-            self.optimizer.discards += 1
-        return StepOutcome(self.epoch, applied=False, discarded=True, withheld=self.withheld)
-
-    def _await_peer_batches(self) -> bool:
-        """Wait, outside the step lock (state downloads go on), until every other live
-        trainer holds a batch for this epoch too, up to `pace.wait_s`; False if the
-        trainer stops meanwhile. Without it the first trainer with a batch stepped at once,
-        found nobody and threw its batch away, and so did the next (issue 47)."""
-        wait_s = self.pace.wait_s
-        deadline = time.monotonic() + wait_s
-        while (others := self.other_trainers()) > 0:
-            if self.optimizer.stopping.is_set():
-                return False
-            ready = self._peer_batches_ready()
-            if ready >= others:
-                break
-            if time.monotonic() >= deadline:
-                self.waits_for_peers += 1
-                log.info(
-                    "%d of %d other trainers hold a batch after %.0f s; trying the round",
-                    ready,
-                    others,
-                    wait_s,
-                )
-                break
-            time.sleep(PEER_POLL_S)
-        return True
-
     def step_outcome(self, batch_size: int) -> StepOutcome:
         """Like `step`, and say whether the gradients were applied, kept or thrown away."""
-        self.pace.step_began()
-        if self.attached and self.other_trainers() > 0:
-            self._announce_batch(batch_size)
-            if not self._await_peer_batches():  # stopping: the batch is given up
-                return self._give_up_batch()
+        self.rendezvous.pace.step_began()
+        if self.attached and self.other_trainers() > 0 and not self.rendezvous.meet(batch_size):
+            # stopping: the batch was given up
+            return StepOutcome(self.epoch, applied=False, discarded=True, withheld=self.withheld)
         with self.optimizer.step_lock:
             if not self.attached and self._peer_in_view():
                 self.optimizer.attach()
@@ -379,7 +342,7 @@ class SwarmOptimizer:
             "late_intents": optimizer.late_intents,
             "state_downloads": optimizer.reloads,
             "repairs": self.repairs,
-            "waits_for_peers": self.waits_for_peers,
+            "waits_for_peers": self.rendezvous.waits,
             **(self.gate.counts() if self.gate is not None else {}),
         }
 

@@ -60,7 +60,7 @@ def _serve(conn: Connection, config: SwarmConfig, test_pid: int) -> None:
                 outcome = swarm.step_outcome(batch_size=1)
                 conn.send((outcome.applied, outcome.epoch))
             elif command == "announce":
-                swarm._announce_batch(batch_size=1)
+                swarm.rendezvous.announce(batch_size=1)
                 conn.send(True)
             elif command == "weights":
                 conn.send([p.detach().clone() for p in model.parameters()])

@@ -10,7 +10,8 @@ stop/length semantics, seeds, and new policy versions loaded into the running en
 Both are asynchronous end to end: `await generate(...)` and `await load_state_dict(...)`
 run on the caller's event loop, one at a time per engine (a weight load never overlaps a
 decode), and each takes its blocking compute across the one bridge to a thread
-(agentjet/bridge.py). Requests are checked before they cross it.
+(agentjet/bridge.py): the lock and the crossing they share are node/engine_base.py's
+`BridgedEngine`. Requests are checked before they cross it.
 """
 
 from __future__ import annotations

@@ -193,31 +193,9 @@ class Learner:
             groups = [g for g in groups if g.group_id not in over]
             replays = [g for g in replays if g.group_id not in over]
         rejected = (over - replay_ids) | teacher_over
-        num_samples = sum(len(g.samples) for g in groups)
-        replay_samples = sum(len(g.samples) for g in replays)
-        grad_norm = 0.0
-        if rows:
-            params = [p for p in self.model.parameters() if p.grad is not None]
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm))
-        # Counted in samples with gradient (informative_samples_per_step) or in all samples.
-        counted = (
-            len(rows) if self.config.informative_samples_per_step else num_samples + replay_samples
-        )
-        if counted:
-            counted = max(counted, count_at_least)
-        # Named even when they add no gradient: they are trained with the batch they join.
-        # (Replays are not: their groups were trained, and named, once.)
-        self.optimizer.name_groups(g.group_id for g in groups)
-        if counted == 0:
-            # No sample with gradient, or every group rejected: the batch adds nothing.
-            outcome = StepOutcome(self.optimizer.epoch, applied=False, discarded=False)
-        else:
-            outcome = self.optimizer.step_outcome(batch_size=counted)
-        rewards = [s.reward for g in groups for s in g.samples]
-        taught = [r for r in rows if r.teacher_logprobs is not None]
+        grad_norm = self._clip_gradients(rows)
+        outcome = self._step_optimizer(groups, replays, len(rows), count_at_least)
         passed = {g: gap for g, gap in gap_of.items() if g not in over}
-        fresh_gaps = [gap for g, gap in passed.items() if g not in replay_ids]
-        replay_gaps = [gap for g, gap in passed.items() if g in replay_ids]
         return StepResult(
             outcome=outcome,
             rejected=rejected,
@@ -225,42 +203,37 @@ class Learner:
             logprob_gaps=gap_of,
             teacher_gaps=teacher_gaps,
             metrics={
-                "losses/policy": done.loss,
-                "losses/grad_norm": grad_norm,
-                **{f"losses/{k}": v for k, v in done.stats.items()},
-                # Of fresh groups (replays' gaps are larger: the policy moved since).
-                "charts/logprob_gap_max": max(fresh_gaps, default=0.0),
-                "charts/replay_logprob_gap_max": max(replay_gaps, default=0.0),
-                "charts/reward_mean": sum(rewards) / max(len(rewards), 1),
-                "charts/samples": num_samples,
-                "charts/trained_samples": len(rows),
-                "charts/trained_tokens": done.num_tokens,
-                **({"charts/teacher_topk_kl": done.topk_kl} if done.topk_kl is not None else {}),
-                **(
-                    {
-                        "charts/teacher_samples": len(taught),
-                        "charts/teacher_kl": _teacher_kl(taught),
-                    }
-                    if taught
-                    else {}
-                ),
-                **(
-                    {
-                        "charts/teacher_checked_groups": len(teacher_gaps),
-                        "charts/teacher_check_gap_max": max(
-                            (gap for gap in teacher_gaps.values() if math.isfinite(gap)),
-                            default=0.0,
-                        ),
-                    }
-                    if teacher_gaps
-                    else {}
-                ),
-                "charts/zero_variance_groups": sum(
-                    1 for g in groups if rl.zero_variance([s.reward for s in g.samples])
-                ),
+                **_step_metrics(done, grad_norm, groups, rows, passed, replay_ids, teacher_gaps),
                 "perf/step_s": time.perf_counter() - start,
             },
         )
+
+    def _clip_gradients(self, rows: list[_Row]) -> float:
+        """Clip the accumulated gradients to `max_grad_norm`; their norm before (0: none)."""
+        if not rows:
+            return 0.0
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        return float(torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm))
+
+    def _step_optimizer(
+        self,
+        groups: list[TrajectoryGroup],
+        replays: list[TrajectoryGroup],
+        trained_samples: int,
+        count_at_least: int,
+    ) -> StepOutcome:
+        """Name the batch's groups and step the optimizer on the samples the batch counts
+        for; a batch that counts for none adds nothing."""
+        all_samples = sum(len(g.samples) for g in groups) + sum(len(g.samples) for g in replays)
+        informative_only = bool(self.config.informative_samples_per_step)
+        counted = _samples_counted(trained_samples, all_samples, informative_only, count_at_least)
+        # Named even when they add no gradient: they are trained with the batch they join.
+        # (Replays are not: their groups were trained, and named, once.)
+        self.optimizer.name_groups(g.group_id for g in groups)
+        if counted == 0:
+            # No sample with gradient, or every group rejected: the batch adds nothing.
+            return StepOutcome(self.optimizer.epoch, applied=False, discarded=False)
+        return self.optimizer.step_outcome(batch_size=counted)
 
     def _accumulate_or_explain(self, rows: list[_Row]) -> _Pass:
         """`_accumulate`, with CUDA running out of memory said in one line with its sizes."""
@@ -380,6 +353,28 @@ class Learner:
         same numbers as a full forward of every row. Logits are computed only where a
         trained token is predicted, which skips most of the vocabulary matmul and memory.
         """
+        hidden, c_ids = self._hidden_states(rows)
+        device = self.device
+        width = c_ids.shape[1]
+        mask = torch.stack([_right(r.mask, width) for r in rows]).to(device)
+        # The vocabulary projection only where a token is trained (the model's own tokens):
+        # in multi-turn sequences most completion positions are tool output and prompts.
+        trained = mask.bool()
+        logits = self.model.get_output_embeddings()(hidden[trained]).float() / self.temperature
+        all_logprobs = torch.log_softmax(logits, dim=-1)
+        picked = all_logprobs.gather(1, c_ids[trained].unsqueeze(-1))
+        logprobs = torch.zeros(mask.shape, dtype=picked.dtype, device=device).masked_scatter(
+            trained, picked
+        )
+        old_logprobs = torch.stack([_right(r.sampler_logprobs, width) for r in rows]).to(device)
+        advantages = torch.tensor([r.advantage for r in rows], device=device)
+        out = _Forward(logprobs, old_logprobs, mask, advantages)
+        _add_teacher_terms(out, rows, all_logprobs, trained, device)
+        return out
+
+    def _hidden_states(self, rows: list[_Row]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The hidden state that predicts each completion token ([B, T, d]) and the
+        completion ids ([B, T], right-padded), each distinct prompt prefilled once."""
         prompts: dict[tuple[int, ...], int] = {}
         row_prompt = [prompts.setdefault(tuple(r.prompt.tolist()), len(prompts)) for r in rows]
         device = self.device
@@ -416,42 +411,105 @@ class Learner:
             ],
             dim=1,
         )
-        width = c_ids.shape[1]
-        mask = torch.stack([_right(r.mask, width) for r in rows]).to(device)
-        # The vocabulary projection only where a token is trained (the model's own tokens):
-        # in multi-turn sequences most completion positions are tool output and prompts.
-        trained = mask.bool()
-        logits = self.model.get_output_embeddings()(hidden[trained]).float() / self.temperature
-        all_logprobs = torch.log_softmax(logits, dim=-1)
-        picked = all_logprobs.gather(1, c_ids[trained].unsqueeze(-1))
-        logprobs = torch.zeros(mask.shape, dtype=picked.dtype, device=device).masked_scatter(
-            trained, picked
+        return hidden, c_ids
+
+
+def _add_teacher_terms(
+    out: _Forward,
+    rows: list[_Row],
+    all_logprobs: torch.Tensor,
+    trained: torch.Tensor,
+    device: torch.device,
+) -> None:
+    """A micro-batch's distillation terms, into `out`: a row with a teacher's top k learns
+    from it (`rl.topk_distill_loss` over the `trained` positions, whose full logprobs are
+    `all_logprobs`); one with only the sampled tokens' teacher logprobs, from the advantage
+    term (`rl.distill_advantages`)."""
+    mask, width = out.mask, out.mask.shape[1]
+    topped = [r.teacher_top_ids is not None for r in rows]
+    if any(r.teacher_logprobs is not None and not t for r, t in zip(rows, topped, strict=True)):
+        teacher = torch.stack([_right(_teacher_or_zeros(r), width) for r in rows]).to(device)
+        coef = torch.tensor(
+            [0.0 if t else r.teacher_coef for r, t in zip(rows, topped, strict=True)],
+            device=device,
         )
-        old_logprobs = torch.stack([_right(r.sampler_logprobs, width) for r in rows]).to(device)
-        advantages = torch.tensor([r.advantage for r in rows], device=device)
-        out = _Forward(logprobs, old_logprobs, mask, advantages)
-        # A row with a teacher's top k learns from it; one with only the sampled tokens'
-        # teacher logprobs, from the advantage term.
-        topped = [r.teacher_top_ids is not None for r in rows]
-        if any(r.teacher_logprobs is not None and not t for r, t in zip(rows, topped, strict=True)):
-            teacher = torch.stack([_right(_teacher_or_zeros(r), width) for r in rows]).to(device)
-            coef = torch.tensor(
-                [0.0 if t else r.teacher_coef for r, t in zip(rows, topped, strict=True)],
-                device=device,
-            )
-            out.advantages = rl.distill_advantages(advantages, old_logprobs, teacher, mask, coef)
-        if any(topped):
-            top_ids, top_logprobs = _tops(rows, width)
-            at_top = all_logprobs.gather(1, top_ids.to(device)[trained])
-            teacher_top = top_logprobs.to(device)[trained]
-            coef = torch.tensor(
-                [r.teacher_coef if t else 0.0 for r, t in zip(rows, topped, strict=True)]
-            )
-            per_position = coef.to(device)[:, None].expand(mask.shape)[trained]
-            out.topk_loss = rl.topk_distill_loss(at_top, teacher_top, per_position)
-            taught = per_position > 0
-            out.topk_kl = rl.topk_kl(at_top[taught].detach(), teacher_top[taught])
-        return out
+        out.advantages = rl.distill_advantages(
+            out.advantages, out.old_logprobs, teacher, mask, coef
+        )
+    if any(topped):
+        top_ids, top_logprobs = _tops(rows, width)
+        at_top = all_logprobs.gather(1, top_ids.to(device)[trained])
+        teacher_top = top_logprobs.to(device)[trained]
+        coef = torch.tensor(
+            [r.teacher_coef if t else 0.0 for r, t in zip(rows, topped, strict=True)]
+        )
+        per_position = coef.to(device)[:, None].expand(mask.shape)[trained]
+        out.topk_loss = rl.topk_distill_loss(at_top, teacher_top, per_position)
+        taught = per_position > 0
+        out.topk_kl = rl.topk_kl(at_top[taught].detach(), teacher_top[taught])
+
+
+def _samples_counted(
+    trained_samples: int, all_samples: int, informative_only: bool, at_least: int
+) -> int:
+    """The samples a batch counts for toward the optimizer's target: those with gradient
+    (`informative_only`: trainer.informative_samples_per_step is set) or all of them, and at least
+    `at_least` (a short step under dynamic sampling counts as full) unless there are none."""
+    counted = trained_samples if informative_only else all_samples
+    return max(counted, at_least) if counted else 0
+
+
+def _step_metrics(
+    done: _Pass,
+    grad_norm: float,
+    groups: list[TrajectoryGroup],
+    rows: list[_Row],
+    passed: dict[str, float],
+    replay_ids: set[str],
+    teacher_gaps: dict[str, float],
+) -> dict[str, float]:
+    """A step's losses/ and charts/ metrics: `passed` are the logprob gaps of the groups
+    trained (fresh and replayed), `teacher_gaps` those of the groups whose teacher
+    logprobs were checked."""
+    rewards = [s.reward for g in groups for s in g.samples]
+    taught = [r for r in rows if r.teacher_logprobs is not None]
+    fresh_gaps = [gap for g, gap in passed.items() if g not in replay_ids]
+    replay_gaps = [gap for g, gap in passed.items() if g in replay_ids]
+    return {
+        "losses/policy": done.loss,
+        "losses/grad_norm": grad_norm,
+        **{f"losses/{k}": v for k, v in done.stats.items()},
+        # Of fresh groups (replays' gaps are larger: the policy moved since).
+        "charts/logprob_gap_max": max(fresh_gaps, default=0.0),
+        "charts/replay_logprob_gap_max": max(replay_gaps, default=0.0),
+        "charts/reward_mean": sum(rewards) / max(len(rewards), 1),
+        "charts/samples": sum(len(g.samples) for g in groups),
+        "charts/trained_samples": len(rows),
+        "charts/trained_tokens": done.num_tokens,
+        **({"charts/teacher_topk_kl": done.topk_kl} if done.topk_kl is not None else {}),
+        **(
+            {
+                "charts/teacher_samples": len(taught),
+                "charts/teacher_kl": _teacher_kl(taught),
+            }
+            if taught
+            else {}
+        ),
+        **(
+            {
+                "charts/teacher_checked_groups": len(teacher_gaps),
+                "charts/teacher_check_gap_max": max(
+                    (gap for gap in teacher_gaps.values() if math.isfinite(gap)),
+                    default=0.0,
+                ),
+            }
+            if teacher_gaps
+            else {}
+        ),
+        "charts/zero_variance_groups": sum(
+            1 for g in groups if rl.zero_variance([s.reward for s in g.samples])
+        ),
+    }
 
 
 def _pad(

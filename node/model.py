@@ -297,22 +297,14 @@ def _from_hub(model_id: str) -> Path:
     from huggingface_hub.errors import (
         GatedRepoError,
         HfHubHTTPError,
-        HFValidationError,
         LocalEntryNotFoundError,
         RepositoryNotFoundError,
     )
 
+    cached = _from_hub_cache(model_id)
+    if cached is not None:
+        return cached
     patterns = list(HUB_ALLOW_PATTERNS)
-    try:
-        return Path(snapshot_download(model_id, local_files_only=True, allow_patterns=patterns))
-    except HFValidationError as e:
-        raise ModelError(
-            f"model {model_id!r} is neither a local folder nor a valid Hugging Face model id "
-            f"(org/model-id): {_one_line(e)}"
-        ) from None
-    except LocalEntryNotFoundError:
-        pass  # not cached (or cached incompletely): download below
-
     cache = constants.HF_HUB_CACHE
     if constants.is_offline_mode():
         raise ModelError(_not_reachable(model_id, cache, "offline mode is on (HF_HUB_OFFLINE)"))
@@ -365,6 +357,24 @@ def _from_hub(model_id: str) -> Path:
         flush=True,
     )
     return folder
+
+
+def _from_hub_cache(model_id: str) -> Path | None:
+    """A Hugging Face model id's files in the local HF cache, without touching the network;
+    None when they are not there (or not all). ModelError for an id that is not one."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    patterns = list(HUB_ALLOW_PATTERNS)
+    try:
+        return Path(snapshot_download(model_id, local_files_only=True, allow_patterns=patterns))
+    except HFValidationError as e:
+        raise ModelError(
+            f"model {model_id!r} is neither a local folder nor a valid Hugging Face model id "
+            f"(org/model-id): {_one_line(e)}"
+        ) from None
+    except LocalEntryNotFoundError:
+        return None
 
 
 class _HubProgress:

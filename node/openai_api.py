@@ -22,19 +22,13 @@ that re-format history. Anything else (edited history, summaries, another agent'
 is rendered afresh with the chat template and becomes a sequence of its own.
 
 **Tools.** How tools reach the model depends on its chat template (node/tool_templates.py,
-detected when the server starts; `rollout.tool_format` overrides). A template that renders
-tools (Qwen, Llama 3) gets the request's `tools`, earlier assistant `tool_calls` (arguments
-as JSON objects) and `tool` messages as structured data and renders them itself, and the
-model's calls are parsed in that template's format: `<tool_call>` blocks ("hermes") or a
-whole-reply `{"name", "parameters"}` object ("llama3_json"). A template without tool support
-(SmolLM2) gets the "tags" convention: the tools are described in the system message, the
-model calls one by writing `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
-earlier calls are rendered back as such blocks, and `tool` messages go to the model as user
-turns ("Tool result: ..."). Either way calls come back as OpenAI `tool_calls`
-(finish_reason "tool_calls"); text that is not a valid call of an offered tool stays content.
-With a template's own format, a request extends a recorded call by any number of `tool` and
-user messages: the ids between the sampled reply and the next assistant header are the
-template's own rendering of them (`tool_templates.continuation`).
+detected when the server starts; `rollout.tool_format` overrides): the template renders
+them itself, or they are described in the system message ("tags"); node/openai_messages.py
+says how requests' messages and tools are put to the model and how its calls come back as
+OpenAI `tool_calls` (finish_reason "tool_calls"). With a template's own format, a request
+extends a recorded call by any number of `tool` and user messages: the ids between the
+sampled reply and the next assistant header are the template's own rendering of them
+(`tool_templates.continuation`).
 
 **Sampling.** Training episodes always use the node's sampler settings (the logprobs the
 trainer needs are those of that sampler); evaluation episodes honour the request's
@@ -50,7 +44,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 import secrets
 import time
 import uuid
@@ -66,12 +59,23 @@ from agentjet.protocol import Task
 from agentjet.roles import wait_for
 from agentjet.timeline import Call
 from node.engine import Engine
+from node.openai_messages import (
+    ApiError,
+    assistant_text,
+    client_params,
+    json_body,
+    normalize_messages,
+    parse_reply,
+    reply_text,
+    same_text,
+    template_messages,
+    template_tools,
+    tool_functions,
+)
 from node.policy_sync import adapters_for
 from node.tool_templates import (
-    TAGS,
     Setting,
     TemplateRefused,
-    ToolFormat,
     choose_tool_format,
     continuation,
     render_ids,
@@ -92,221 +96,8 @@ SHUTDOWN_GRACE_S = 1.0
 AGENTS_AWAY_S = 10.0
 # Largest request body (a long conversation is far below this).
 MAX_REQUEST_BYTES = 4 << 20
-# Most messages per request and characters per message.
-MAX_MESSAGES = 512
-MAX_MESSAGE_CHARS = 200_000
-TOOL_PROMPT = (
-    "You can call tools. To call one, reply with "
-    '<tool_call>{{"name": "<tool name>", "arguments": {{...}}}}</tool_call>. '
-    "Tools:\n{tools}"
-)
-# Special-token text in message content is defused so it cannot frame a fake turn.
-_SPECIAL = re.compile(r"<\|")
 
 EpisodeState = Literal["open", "claimed", "finished", "aborted", "expired"]
-
-
-class ApiError(Exception):
-    """An error the client caused or may see: becomes an OpenAI-style error response."""
-
-    def __init__(self, status: int, message: str, code: str, kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status = status
-        self.code = code
-        self.kind = kind
-
-    def response(self) -> web.Response:
-        body = {
-            "error": {"message": str(self), "type": self.kind, "param": None, "code": self.code}
-        }
-        return web.json_response(body, status=self.status)
-
-
-# ── chat messages ─────────────────────────────────────────────────────────────────────
-
-
-def normalize_messages(messages: Any, tools: list[dict[str, Any]] | None) -> list[dict[str, str]]:
-    """Request messages as a template without tool support takes them (the "tags"
-    format): role and text content; tool results become user turns, consecutive user turns
-    one; tools described in the system message. ApiError for anything malformed."""
-    out: list[dict[str, str]] = []
-    for i, message in enumerate(_message_list(messages)):
-        role, content = _role_and_text(message, i)
-        if role == "assistant":
-            content = assistant_text(message, i)
-        elif role == "tool":
-            role, content = "user", f"Tool result: {content}"
-        content = _SPECIAL.sub("<\u200b|", content) if role != "assistant" else content
-        if out and role == "user" and out[-1]["role"] == "user":
-            out[-1]["content"] += "\n\n" + content
-        else:
-            out.append({"role": role, "content": content})
-    _check_last(out)
-    if tools:
-        described = TOOL_PROMPT.format(tools="\n".join(json.dumps(t) for t in _functions(tools)))
-        if out[0]["role"] == "system":
-            out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + described}
-        else:
-            out.insert(0, {"role": "system", "content": described})
-    return out
-
-
-def template_messages(messages: Any) -> list[dict[str, Any]]:
-    """Request messages as a template that renders tools takes them: text content,
-    assistant `tool_calls` with their arguments as JSON objects, tool results as `tool`
-    messages. ApiError for anything malformed."""
-    out: list[dict[str, Any]] = []
-    for i, message in enumerate(_message_list(messages)):
-        role, content = _role_and_text(message, i)
-        if role != "assistant":
-            out.append({"role": role, "content": _SPECIAL.sub("<\u200b|", content)})
-            continue
-        assistant: dict[str, Any] = {"role": "assistant", "content": content}
-        if calls := [_parsed_call(c, i) for c in _tool_calls(message, i)]:
-            if not all(isinstance(arguments, dict) for _, arguments in calls):
-                raise ApiError(400, f"messages[{i}].tool_calls: arguments must be JSON objects",
-                               "invalid_tool_calls")  # fmt: skip
-            assistant["tool_calls"] = [
-                {"type": "function", "function": {"name": name, "arguments": arguments}}
-                for name, arguments in calls
-            ]
-        out.append(assistant)
-    _check_last(out)
-    return out
-
-
-def template_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The request's tools as a chat template takes them (JSON schemas), special-token
-    text defused: the template puts them in the prompt as they are."""
-    return [{"type": "function", "function": _defused(f)} for f in _functions(tools)]
-
-
-def parse_reply(
-    text: str, tool_names: set[str], tool_format: ToolFormat = TAGS
-) -> tuple[str | None, list[dict[str, Any]]]:
-    """A completion's text as an OpenAI assistant message: content and tool_calls in the
-    model's tool format. Text that is not a valid call of a known tool stays content; with
-    no tools offered the text is all content, as written."""
-    return tool_format.parse(text, tool_names) if tool_names else (text, [])
-
-
-def assistant_text(message: dict[str, Any], i: int) -> str:
-    """An assistant message as the model wrote it: content, then its tool calls."""
-    calls = _tool_calls(message, i)
-    return _text(message.get("content"), i) + "".join(
-        _call_block(*_parsed_call(c, i)) for c in calls
-    )
-
-
-def reply_text(message: dict[str, Any]) -> str:
-    """A normalized assistant message (either format) as `assistant_text` writes it: what a
-    request's copy of a reply is compared to the recorded reply by."""
-    calls = message.get("tool_calls", [])
-    return message["content"] + "".join(
-        _call_block(c["function"]["name"], c["function"]["arguments"]) for c in calls
-    )
-
-
-def same_text(a: str, b: str) -> bool:
-    """Equal up to whitespace: the fallback comparison for re-formatted history."""
-    return a.split() == b.split()
-
-
-def _message_list(messages: Any) -> list[Any]:
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "messages must be a non-empty list", "invalid_messages")
-    if len(messages) > MAX_MESSAGES:
-        raise ApiError(400, f"at most {MAX_MESSAGES} messages", "too_many_messages")
-    return messages
-
-
-def _role_and_text(message: Any, i: int) -> tuple[str, str]:
-    """A message's role (developer is system) and text content, checked."""
-    if not isinstance(message, dict):
-        raise ApiError(400, f"messages[{i}] must be an object", "invalid_messages")
-    role = message.get("role")
-    content = _text(message.get("content"), i)
-    if role == "developer":
-        role = "system"
-    if role not in ("system", "user", "assistant", "tool"):
-        raise ApiError(400, f"messages[{i}].role {role!r} is not supported", "invalid_role")
-    return role, content
-
-
-def _check_last(messages: list[dict[str, Any]]) -> None:
-    if messages[-1]["role"] == "assistant":
-        raise ApiError(400, "the last message must be from the user or a tool", "invalid_messages")
-
-
-def _text(content: Any, i: int) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        text = content
-    elif isinstance(content, list):
-        parts = []
-        for part in content:
-            if not (isinstance(part, dict) and part.get("type") == "text"):
-                raise ApiError(400, f"messages[{i}]: only text content parts", "invalid_content")
-            parts.append(str(part.get("text", "")))
-        text = "".join(parts)
-    else:
-        raise ApiError(400, f"messages[{i}].content must be text", "invalid_content")
-    if len(text) > MAX_MESSAGE_CHARS:
-        raise ApiError(
-            400, f"messages[{i}] is longer than {MAX_MESSAGE_CHARS} characters", "too_long"
-        )
-    return text
-
-
-def _tool_calls(message: dict[str, Any], i: int) -> list[Any]:
-    calls = message.get("tool_calls") or []
-    if not isinstance(calls, list):
-        raise ApiError(400, f"messages[{i}].tool_calls must be a list", "invalid_tool_calls")
-    return calls
-
-
-def _parsed_call(call: Any, i: int) -> tuple[str, Any]:
-    """A request's tool call as (name, arguments parsed from their JSON text)."""
-    try:
-        function = call["function"]
-        return str(function["name"]), json.loads(function.get("arguments") or "{}")
-    except (KeyError, TypeError, AttributeError, json.JSONDecodeError):
-        raise ApiError(
-            400, f"messages[{i}].tool_calls is malformed", "invalid_tool_calls"
-        ) from None
-
-
-def _call_block(name: str, arguments: Any) -> str:
-    """A tool call as the tags convention writes it (arguments as canonical JSON)."""
-    body = {"name": name, "arguments": arguments}
-    return f"<tool_call>{json.dumps(body, sort_keys=True)}</tool_call>"
-
-
-def _defused(value: Any) -> Any:
-    """A JSON value with special-token text defused in every string."""
-    if isinstance(value, str):
-        return _SPECIAL.sub("<\u200b|", value)
-    if isinstance(value, dict):
-        return {_defused(k): _defused(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_defused(v) for v in value]
-    return value
-
-
-def _functions(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    try:
-        return [
-            {
-                "name": str(t["function"]["name"]),
-                "description": str(t["function"].get("description", "")),
-                "parameters": t["function"].get("parameters", {}),
-            }
-            for t in tools
-            if t.get("type", "function") == "function"
-        ]
-    except (KeyError, TypeError, AttributeError):
-        raise ApiError(400, "tools must be a list of function tools", "invalid_tools") from None
 
 
 # ── episodes ──────────────────────────────────────────────────────────────────────────
@@ -682,7 +473,7 @@ class OpenAIServer:
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         episode = self.hub.authorize(request.headers.get("Authorization"))
-        body = await _json_body(request)
+        body = await json_body(request)
         policy = self._policy(episode, body.get("model"))
         tools = body.get("tools") or None
         if tools is not None and not isinstance(tools, list):
@@ -697,7 +488,7 @@ class OpenAIServer:
         else:
             messages = normalize_messages(body.get("messages"), tools)
         params = (
-            self.training_params if episode.training else _client_params(body, self.training_params)
+            self.training_params if episode.training else client_params(body, self.training_params)
         )
         try:
             prompt_ids = self._prompt(episode, messages, schemas)
@@ -713,7 +504,7 @@ class OpenAIServer:
             raise ApiError(409, f"episode {episode.id} is {episode.state}", "episode_closed")
         episode.last_active = time.monotonic()
         text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
-        names = {f["name"] for f in _functions(tools)} if tools else set()
+        names = {f["name"] for f in tool_functions(tools)} if tools else set()
         content, tool_calls = parse_reply(text, names, self.tool_format)
         reply: dict[str, Any] = {"role": "assistant", "content": content}
         if tool_calls:
@@ -839,7 +630,7 @@ class OpenAIServer:
         """The oldest unclaimed episode, waiting up to `wait_s` (body) for one; 204 if none,
         503 once the node is stopping."""
         self._check_agent(request)
-        body = await _json_body(request, required=False)
+        body = await json_body(request, required=False)
         wait_s = body.get("wait_s", 10.0)
         if not isinstance(wait_s, int | float) or not 0 <= wait_s <= 60:
             raise ApiError(400, "wait_s must be a number of seconds in [0, 60]", "invalid_wait")
@@ -862,7 +653,7 @@ class OpenAIServer:
 
     async def _finish(self, request: web.Request) -> web.Response:
         episode = self._own_episode(request)
-        body = await _json_body(request)
+        body = await json_body(request)
         try:  # (the environment checks a per-policy mapping's names against the calls)
             reward = as_reward(body.get("reward"))
         except ValueError as e:
@@ -875,7 +666,7 @@ class OpenAIServer:
 
     async def _abort(self, request: web.Request) -> web.Response:
         episode = self._own_episode(request)
-        body = await _json_body(request, required=False)
+        body = await json_body(request, required=False)
         episode.close("aborted", str(body.get("reason", "aborted by the agent"))[:200])
         return web.json_response({"episode_id": episode.id, "state": episode.state})
 
@@ -884,43 +675,6 @@ class OpenAIServer:
         if episode.id != request.match_info["id"]:
             raise ApiError(403, "this key belongs to another episode", "wrong_episode")
         return episode
-
-
-async def _json_body(request: web.Request, *, required: bool = True) -> dict[str, Any]:
-    raw = await request.read()
-    if not raw and not required:
-        return {}
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise ApiError(400, "the body is not valid JSON", "invalid_json") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "the body must be a JSON object", "invalid_json")
-    return body
-
-
-def _client_params(body: dict[str, Any], default: SamplingParams) -> SamplingParams:
-    """An evaluation request's own sampling settings (checked), else the node's."""
-    temperature = body.get("temperature", default.temperature)
-    top_p = body.get("top_p", default.top_p)
-    max_tokens = (
-        body.get("max_completion_tokens") or body.get("max_tokens") or default.max_new_tokens
-    )
-    for name, value, low, high in (
-        ("temperature", temperature, 0.0, 2.0),
-        ("top_p", top_p, 0.0, 1.0),
-        ("max_tokens", max_tokens, 1, 8192),
-    ):
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, int | float)
-            or not low <= value <= high
-        ):
-            raise ApiError(400, f"{name} must be a number in [{low}, {high}]", f"invalid_{name}")
-    if temperature == 0:
-        return SamplingParams(max_new_tokens=int(max_tokens), greedy=True)
-    return SamplingParams(temperature=float(temperature), top_p=float(top_p) or 1.0,
-                          max_new_tokens=int(max_tokens))  # fmt: skip
 
 
 def _pieces(text: str, size: int = 16) -> list[str]:

@@ -9,7 +9,7 @@ Three formats (`rollout.tool_format`; "auto" detects one from the template):
                    the tools in the system message, the model writes
                    <tool_call>{"name": ..., "arguments": {...}}</tool_call>, earlier calls are
                    rendered back as such blocks and tool results as user turns
-                   (node/openai_api.py `normalize_messages`)
+                   (node/openai_messages.py `normalize_messages`)
     "hermes"       the template renders `tools=`, assistant `tool_calls` and `tool` messages
                    itself, and a call is <tool_call>\\n{"name", "arguments"}\\n</tool_call>
                    (Qwen2.5, Qwen3, Hermes)

@@ -25,7 +25,8 @@ waits collapse throughput 10x. One thread is the safe default on small shared ma
 avoids `torch.multinomial` (see `sample_next`), which had cost a third of each decode step.
 
 `generate` and `load_state_dict` are coroutines: one batch or one weight load at a time,
-each run across the bridge (agentjet/bridge.py) so the caller's event loop keeps serving.
+each run across the bridge (agentjet/bridge.py) so the caller's event loop keeps serving
+(`BridgedEngine`, node/engine_base.py, which the vLLM engine shares).
 
 Several policies on one base (issue 26): `load_adapters` puts a policy's LoRA adapters in
 the engine's `AdapterBank` (node/adapter_bank.py), and `generate(..., policies=[...])`
@@ -43,15 +44,15 @@ from typing import Literal
 import torch
 from transformers import DynamicCache
 
-from agentjet.bridge import Exclusive, blocking
 from agentjet.config import ModelConfig
 from agentjet.devices import ALONE_SHARE, check_fits, engine_bytes, limit_memory, out_of_memory
 from agentjet.episode import Completion, SamplingParams
 from node.adapter_bank import AdapterBank
+from node.engine_base import BridgedEngine, check_request, check_state_dict
 from node.model import DTYPES, eos_token_ids, load_causal_lm
 
 
-class TorchEngine:
+class TorchEngine(BridgedEngine):
     """An `Engine` on a Hugging Face causal LM, with in-place weight reloads.
 
     `eos_token_ids` is public: callers may add ids that should end a turn (a tool-call
@@ -72,6 +73,7 @@ class TorchEngine:
     ) -> None:
         """`memory_share`: on a CUDA `device`, the share of its memory this engine may take
         (the weights must fit it, checked before they move there)."""
+        super().__init__()
         if threads is not None:
             torch.set_num_threads(threads)
         self.device = torch.device(device)
@@ -86,15 +88,12 @@ class TorchEngine:
         limit_memory(self.device, memory_share)
         torch.nn.Module.to(model, self.device)  # in place (transformers mistypes `to`)
         self.model = model
-        self.policy_version: int = 0
         self.vocab_size: int = self.model.config.vocab_size
         self.eos_token_ids: set[int] = eos_token_ids(model_path, self.tokenizer)
         self.max_positions: int = self.model.config.max_position_embeddings
         # Any id works: padded positions are masked out of attention.
         self._pad_id: int = self.tokenizer.pad_token_id or 0
         self._generator = torch.Generator(self.device).manual_seed(seed)
-        # One decode or weight load at a time: they share the weights and `_generator`.
-        self._busy = Exclusive()
         # Policies' LoRA adapters over these weights (made by the first `load_adapters`).
         self.adapters: AdapterBank | None = None
 
@@ -135,8 +134,7 @@ class TorchEngine:
                 f"prompt of {longest} tokens + max_new_tokens {params.max_new_tokens} exceeds "
                 f"the model's {self.max_positions} positions"
             )
-        async with self._busy.hold():
-            return await blocking(self._generate, prompts, n, params, policies)
+        return await self._exclusive(self._generate, prompts, n, params, policies)
 
     @torch.inference_mode()
     def _generate(
@@ -288,9 +286,7 @@ class TorchEngine:
         lm_head) appear once. It waits for a decode in progress and runs across the bridge.
         """
         check_state_dict(self.state_dict(), state)
-        async with self._busy.hold():
-            await blocking(self._take_weights, state)
-            self.policy_version = version  # on the loop, before any waiting decode starts
+        await self._load_version(version, self._take_weights, state)
 
     @property
     def policy_versions(self) -> dict[str, int]:
@@ -305,10 +301,11 @@ class TorchEngine:
         weights; other policies' adapters stay as they are. Checked before anything changes
         (ValueError); waits for a decode in progress and runs across the bridge."""
         scale = lora.lora_alpha / lora.lora_rank
-        async with self._busy.hold():
-            if self.adapters is None:
-                self.adapters = AdapterBank(self.model)
-            await blocking(self.adapters.put, policy, adapters, scale, version)
+        if self.adapters is None:
+            # Made now, on the loop: an empty bank hooks no layer, so a decode before this
+            # load's turn computes the same numbers with it.
+            self.adapters = AdapterBank(self.model)
+        await self._exclusive(self.adapters.put, policy, adapters, scale, version)
 
     def _take_weights(self, state: Mapping[str, torch.Tensor]) -> None:
         """`load_state_dict`'s blocking body (a bridge thread; a checked state dict)."""
@@ -375,35 +372,6 @@ def _top_p_filter(weights: torch.Tensor, top_p: float) -> torch.Tensor:
     mass_before = (mass - sorted_weights) / mass[:, -1:]
     sorted_weights = sorted_weights.masked_fill(mass_before >= top_p, 0.0)
     return torch.zeros_like(weights).scatter(-1, order, sorted_weights)
-
-
-def check_request(prompts: list[list[int]], n: int, params: SamplingParams) -> None:
-    """Refuse requests no engine can serve; shared by the engines so they fail alike."""
-    if n < 1:
-        raise ValueError(f"n must be >= 1, got {n}")
-    if params.max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {params.max_new_tokens}")
-    if not params.greedy and params.temperature <= 0:
-        raise ValueError(f"temperature must be > 0 (or greedy=True), got {params.temperature}")
-    if not 0 < params.top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {params.top_p}")
-    if any(not p for p in prompts):
-        raise ValueError("every prompt needs at least one token")
-
-
-def check_state_dict(own: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor]) -> None:
-    """Raise ValueError naming the first key where `state` does not fit the model's `own`."""
-    missing = sorted(own.keys() - state.keys())
-    if missing:
-        raise ValueError(f"state dict lacks {missing[0]!r} ({len(missing)} keys missing)")
-    unexpected = sorted(state.keys() - own.keys())
-    if unexpected:
-        raise ValueError(f"state dict has unexpected key {unexpected[0]!r}")
-    for key, tensor in state.items():
-        if tensor.shape != own[key].shape:
-            raise ValueError(
-                f"{key!r} has shape {tuple(tensor.shape)}, the model needs {tuple(own[key].shape)}"
-            )
 
 
 def _copy(completion: Completion) -> Completion:

@@ -55,13 +55,12 @@ from typing import Any
 import torch
 from transformers import AutoConfig
 
-from agentjet.bridge import Exclusive, blocking
 from agentjet.config import ModelConfig
 from agentjet.devices import check_fits
 from agentjet.episode import Completion, SamplingParams
+from node.engine_base import BridgedEngine, check_request, check_state_dict
 from node.lora import adapter_pairs, write_adapter
 from node.model import DTYPES, eos_token_ids, load_causal_lm, load_tokenizer
-from node.torch_engine import check_request, check_state_dict
 
 # The extension class vLLM mixes into its GPU worker, imported by name in the worker process.
 WORKER_EXTENSION = "node.vllm_engine.WeightLoaderExtension"
@@ -81,7 +80,7 @@ class WeightLoaderExtension:
         self.model_runner.model.load_weights(weights=weights)
 
 
-class VLLMEngine:
+class VLLMEngine(BridgedEngine):
     """An `Engine` on vLLM's in-process `LLM`, with weight reloads between policy versions.
 
     `state_dict()` is a CPU copy of the current weights under their HF names (what trainers
@@ -110,6 +109,7 @@ class VLLMEngine:
         will take (vLLM sizes its LoRA slots and ranks when it starts)."""
         from vllm import LLM
 
+        super().__init__()
         self.device = torch.device(device)
         if self.device.type != "cuda":
             raise ValueError(f"the vLLM engine runs on CUDA GPUs, not {self.device}")
@@ -120,7 +120,6 @@ class VLLMEngine:
         if dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} is not supported (allowed: {', '.join(DTYPES)})")
         self.tokenizer = load_tokenizer(model_path)
-        self.policy_version: int = 0
         self.vocab_size: int = AutoConfig.from_pretrained(str(model_path)).vocab_size
         self.eos_token_ids: set[int] = eos_token_ids(model_path, self.tokenizer)
         self._dtype = DTYPES[dtype]
@@ -149,8 +148,6 @@ class VLLMEngine:
                 # a version is added before the one it replaces is removed
                 "max_cpu_loras": len(loras) + 1,
             }
-        # One batch or weight load at a time (vLLM's offline `LLM` is not reentrant).
-        self._busy = Exclusive()
         self._llm = LLM(
             model=str(model_path),
             dtype=dtype,
@@ -195,8 +192,7 @@ class VLLMEngine:
             )
         if not prompts:
             return []
-        async with self._busy.hold():
-            return await blocking(self._generate, prompts, n, params, policies)
+        return await self._exclusive(self._generate, prompts, n, params, policies)
 
     def _generate(
         self,
@@ -246,13 +242,12 @@ class VLLMEngine:
             adapter_pairs(state, self._state)
         else:
             check_state_dict(self._state, state)
-        async with self._busy.hold():
-            if self.takes_adapters:
-                assert self._lora_config is not None
-                await blocking(self._swap_adapter, None, state, self._lora_config, version)
-            else:
-                self._state = await blocking(self._load_weights, state)
-            self.policy_version = version  # on the loop, before any waiting decode starts
+        if self.takes_adapters:
+            assert self._lora_config is not None
+            lora = self._lora_config
+            await self._load_version(version, self._swap_adapter, None, state, lora, version)
+        else:
+            self._state = await self._load_version(version, self._load_weights, state)
 
     async def load_adapters(
         self, policy: str, adapters: Mapping[str, torch.Tensor], lora: ModelConfig, version: int
@@ -262,9 +257,8 @@ class VLLMEngine:
         adapter_pairs(adapters, self._state)
         if policy not in self.policy_versions and len(self.policy_versions) >= self._policy_slots:
             raise ValueError(f"this engine was started for {self._policy_slots} policies")
-        async with self._busy.hold():
-            await blocking(self._swap_adapter, policy, adapters, lora, version)
-            self.policy_versions[policy] = version
+        await self._exclusive(self._swap_adapter, policy, adapters, lora, version)
+        self.policy_versions[policy] = version  # still in its turn (`_exclusive`)
 
     def _swap_adapter(
         self,

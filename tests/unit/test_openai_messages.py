@@ -7,7 +7,13 @@ import json
 import pytest
 
 from agentjet.protocol import check_group
-from node.openai_api import ApiError, assistant_text, normalize_messages, parse_reply, same_text
+from node.openai_messages import (
+    ApiError,
+    assistant_text,
+    normalize_messages,
+    parse_reply,
+    same_text,
+)
 from tests.factories import make_group, make_sample
 
 pytestmark = pytest.mark.unit

@@ -16,7 +16,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from agentjet.errors import ConfigError
-from node.openai_api import ApiError, parse_reply, template_messages, template_tools
+from node.openai_messages import ApiError, parse_reply, template_messages, template_tools
 from node.tool_templates import (
     TemplateRefused,
     ToolFormat,

@@ -72,7 +72,7 @@ TAIL_ROWS = 200
 MAX_ROW_CHARS = 1 << 20
 # What a node id may hold to be shown (protocol.MAX_NODE_ID_CHARS, printable).
 NODE_ID_PATTERN = re.compile(r"[!-~]{1,256}")
-# A trainer's policy ([[policies]]: agentjet/config.py checks its names the same way).
+# A trainer's policy ([[policies]]: agentjet/config_checks.py checks its names the same way).
 POLICY_PATTERN = re.compile(r"([A-Za-z0-9][\w-]{0,63})?")
 
 

@@ -31,7 +31,7 @@ from agentjet.identity import NodeKeys, RootKey, read_node_keys
 from agentjet.keys import new_keys
 from agentjet.protocol import Lineage
 from agentjet.transport import Client, NotAMember, PeerUnavailable
-from agentjet_app.cli import format_status
+from agentjet_app.cli_status import format_status
 from node.dht import start_dht, visible_maddrs
 from node.directory import Directory, Mark, read_directory
 from tests import procs

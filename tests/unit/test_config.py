@@ -114,13 +114,14 @@ def test_the_default_image_is_the_one_build_image_makes():
 
 
 def test_swarm_flags_become_config_overrides() -> None:
-    from agentjet_app.cli import _resolve, build_parser
+    from agentjet_app.cli import build_parser
+    from agentjet_app.cli_run import resolve_config
 
     args = build_parser().parse_args(
         ["node", "--role", "trainer", "--join", "/ip4/10.0.0.1/tcp/7001/p2p/Qm1",
          "--listen", "0.0.0.0:7000", "--announce", "10.0.0.2:7000", "--identity", "/k/id"]
     )  # fmt: skip
-    config = _resolve(args)
+    config = resolve_config(args)
     assert config.swarm.initial_peers == ["/ip4/10.0.0.1/tcp/7001/p2p/Qm1"]
     assert config.net.trainer_endpoint == "tcp://0.0.0.0:7000"
     assert config.swarm.host_maddrs == ["/ip4/0.0.0.0/tcp/7001"]
@@ -138,11 +139,12 @@ def test_swarm_flags_become_config_overrides() -> None:
     ],
 )
 def test_bad_swarm_flags_are_one_clear_error(argv: list[str], message: str) -> None:
-    from agentjet_app.cli import _resolve, build_parser
+    from agentjet_app.cli import build_parser
+    from agentjet_app.cli_run import resolve_config
 
     args = build_parser().parse_args(["coordinator", *argv])
     with pytest.raises(AgentjetError, match=message):
-        _resolve(args)
+        resolve_config(args)
 
 
 @pytest.mark.parametrize("source", [None, "configs/local.toml"])
@@ -166,3 +168,22 @@ def test_a_full_disk_is_one_clear_error(capsys: pytest.CaptureFixture[str]) -> N
     error = capsys.readouterr().err
     assert error.startswith("agentjet: error: the disk is full") and "Traceback" not in error
     assert "trainer.keep_checkpoints" in error
+
+
+def test_every_config_name_is_imported_from_agentjet_config() -> None:
+    """The keys are declared in config_schema.py and the rules in config_checks.py, but the
+    rest of the project imports all of them from agentjet.config."""
+    import agentjet.config as config
+    import agentjet.config_checks as checks
+    import agentjet.config_schema as schema
+
+    declared = {
+        name
+        for module in (schema, checks)
+        for name, value in vars(module).items()
+        if not name.startswith("_")
+        and (name.isupper() or getattr(value, "__module__", None) == module.__name__)
+    }
+    assert declared >= {"Config", "EnvConfig", "ENV_NAMES", "check_config", "is_endpoint"}
+    assert sorted(declared - set(config.__all__)) == []
+    assert all(hasattr(config, name) for name in config.__all__)

@@ -16,7 +16,7 @@ from agentjet.config import EnvConfig, ModelConfig, TrainerConfig
 from agentjet.episode import Episode, SamplingParams
 from agentjet.errors import ModelError
 from agentjet.rl import distill_advantages, policy_loss, teacher_kl
-from agentjet_app.cli import format_swarm
+from agentjet_app.cli_status import format_swarm
 from node.learner import Learner
 from node.model import build_tiny_model, load_causal_lm, load_tokenizer
 from node.rollout_produce import build_group

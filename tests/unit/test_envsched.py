@@ -26,7 +26,7 @@ from agentjet.config import (
 from agentjet.errors import ConfigError
 from agentjet.protocol import CoordinatorStatus, GroupReport, SchedulerRow, Task
 from agentjet.tasks import generate_tasks, write_task_file
-from agentjet_app.cli import format_status
+from agentjet_app.cli_status import format_status
 from bench import sched_sim
 from coordinator.envsched import (
     MIN_ENV_HEALTH,

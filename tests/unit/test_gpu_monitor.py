@@ -12,7 +12,7 @@ import torch
 
 from agentjet import protocol
 from agentjet.protocol import GpuStats, NodeRecord
-from agentjet_app.cli import format_swarm
+from agentjet_app.cli_status import format_swarm
 from node.gpu_monitor import GpuMonitor, cuda_indices, metrics, nvml_indices
 
 pytestmark = pytest.mark.unit

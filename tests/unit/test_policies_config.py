@@ -12,7 +12,7 @@ import pytest
 from agentjet.config import config_from_dict, load_config, policy_names, policy_view, to_toml
 from agentjet.errors import ConfigError
 from agentjet.protocol import NodeRecord
-from agentjet_app.cli import format_swarm
+from agentjet_app.cli_status import format_swarm
 
 pytestmark = pytest.mark.unit
 

@@ -24,7 +24,7 @@ from agentjet.bridge import DETACHED_PREFIX, abandoned, blocking
 from agentjet.config import EnvConfig, TrainerConfig
 from agentjet.episode import Episode, SamplingParams
 from agentjet.tasks import TaskSource, arithmetic_task_from_id, generate_tasks, write_task_file
-from agentjet_app.cli import format_swarm
+from agentjet_app.cli_status import format_swarm
 from node.learner import Learner
 from node.model import load_causal_lm
 from node.rollout_produce import build_group

@@ -7,6 +7,7 @@
         │   (logs/dashboard.log; prints its URL; a dashboard that fails stops no training)
         │
         └── every PROGRESS_POLL_S: tail metrics/<role>.jsonl ──▶ one progress line per version
+            (and one per held-out evaluation: rollout.eval_every)
             stop on Ctrl-C / SIGTERM, at --max-steps (the trainer exits), or when a role dies:
             SIGTERM each role's process group, wait, SIGKILL what is left, reap by PID.
 
@@ -135,6 +136,9 @@ class Progress:
                 file=self.out,
                 flush=True,
             )
+        elif row.get("event") == "eval":
+            for line in held_out_lines(row, name):
+                print(f"[{elapsed:6.0f}s] {line}", file=self.out, flush=True)
         elif row.get("event") == "quarantined":
             # Else the lines stop and nothing says why: the only rollout node's groups are
             # refused (seen: short answers, honest samples over trainer.max_logprob_gap).
@@ -152,6 +156,20 @@ class Progress:
                 file=self.out,
                 flush=True,
             )
+
+
+def held_out_lines(row: dict[str, Any], name: str = "") -> list[str]:
+    """One line per environment of an "eval" row (node/held_out.py): "held-out arithmetic
+    31.5% at v20 (54 tasks)"; `name` is the policy's, followed by a space, or ""."""
+    lines = []
+    for key, accuracy in row.items():
+        parts = key.split("/")  # eval/<env>/accuracy
+        if len(parts) == 3 and parts[0] == "eval" and parts[2] == "accuracy":
+            env = parts[1]
+            tasks = row.get(f"eval/{env}/tasks")
+            count = f" ({tasks} tasks)" if tasks is not None else ""
+            lines.append(f"held-out {env} {accuracy:.1%} at {name}v{row['policy_version']}{count}")
+    return lines
 
 
 def place_roles(config: Config) -> Config:

@@ -299,7 +299,8 @@ def two_teachers(args: argparse.Namespace, root: Path) -> int:
     print(json.dumps(result), flush=True)
     for env in TWO_ENVS:  # each teacher: RL from the base on its env
         run = root / f"rl-{env}"
-        only = [*settings, f"envs.0.name={json.dumps(env)}"]
+        # the config's held-out set (eval_file) is arithmetic
+        only = [*settings, f"envs.0.name={json.dumps(env)}", 'envs.0.eval_file=""']
         wall_s, _ = train(
             args.teacher_minutes, args.config, run, [a for s in only for a in ("--set", s)]
         )

@@ -120,6 +120,7 @@ def make_parity_task(run_dir: Path, held_out: int) -> tuple[Path, list[str]]:
         'envs.0.name="prompt"',
         f"envs.0.task_file={json.dumps(str(train_file))}",
         'envs.0.reward="bench.parity:first_class"',
+        'envs.0.eval_file=""',  # the config's held-out set is arithmetic
     ]
     return held_out_file, overrides
 

@@ -106,7 +106,8 @@ def main() -> int:
     learning["alone"] = {}
     for policy, env in POLICIES.items():
         run = root / f"alone-{policy}"
-        alone = [*common, f"envs.0.name={json.dumps(env)}"]
+        # the config's held-out set (eval_file) is arithmetic
+        alone = [*common, f"envs.0.name={json.dumps(env)}", 'envs.0.eval_file=""']
         alone += policy_settings(args.lr, args.rank, only=policy)
         wall_s, _ = train(
             args.minutes / 2, args.config, run, [a for s in alone for a in ("--set", s)]

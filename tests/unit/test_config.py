@@ -1,6 +1,8 @@
 """Config loading: defaults, overrides, and one clear line per mistake."""
 
+import json
 import tomllib
+from pathlib import Path
 
 import pytest
 
@@ -20,6 +22,30 @@ def test_defaults_and_shipped_config_are_valid():
         ("arithmetic", ["arithmetic"], 1e-3),
         ("code", ["python_code"], 1e-3),
     ]
+
+
+def test_the_shipped_held_out_set_is_what_its_documented_command_makes(tmp_path: Path):
+    """configs/local.toml's eval_file: remade byte for byte by the command in its comment,
+    every difficulty and op the config trains on, apart from bench/learn.py's seed."""
+    from agentjet_app.cli import main
+    from bench.learn import HELDOUT_SEED
+
+    text = Path("configs/local.toml").read_text()
+    [command] = [
+        line.split("#", 1)[1].split() for line in text.splitlines() if "agentjet tasks" in line
+    ]
+    assert command[:2] == ["agentjet", "tasks"]
+    assert command[command.index("--seed") + 1] != str(HELDOUT_SEED)
+    args = command[1:]
+    args[args.index("--out") + 1] = str(tmp_path / "made.jsonl")
+    assert main(args) == 0
+    shipped = load_config("configs/local.toml")
+    [env] = shipped.envs
+    assert shipped.rollout.eval_every > 0
+    assert Path(env.eval_file).read_bytes() == (tmp_path / "made.jsonl").read_bytes()
+    rows = [json.loads(line) for line in Path(env.eval_file).read_text().splitlines()]
+    cells = {(r["difficulty"], r["op"]) for r in rows}
+    assert cells == {(d, op) for d in env.difficulties for op in env.ops}
 
 
 def test_overrides_parse_toml_values_and_bare_strings():

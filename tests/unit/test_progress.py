@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from agentjet_app.local import Progress
+from agentjet_app.local import Progress, held_out_lines
 from node.verify import Quarantine
 
 pytestmark = pytest.mark.unit
@@ -64,3 +64,29 @@ def test_a_quarantined_rollout_node_is_shown_with_its_reason(tmp_path: Path) -> 
     assert "training stops (said again every 60 s)" in first
     assert [line.split("] ", 1)[1] for line in reminders] == [f"WARNING: trainer: {remind}"] * 2
     assert last.endswith(f"] trainer: {lifted}")
+
+
+def test_a_held_out_evaluation_is_one_line_per_environment(tmp_path: Path) -> None:
+    metrics = tmp_path / "metrics"
+    metrics.mkdir()
+    row = {
+        "event": "eval",
+        "policy_version": 20,
+        "eval/arithmetic/accuracy": 17 / 54,
+        "eval/arithmetic/mean_reward": 17 / 54,
+        "eval/arithmetic/tasks": 54,
+        "eval/prompt/accuracy": 0.5,
+        "eval/prompt/tasks": 4,
+        "eval/seconds": 3.2,
+    }
+    (metrics / "rollout.jsonl").write_text(json.dumps(row) + "\n")
+    out = io.StringIO()
+    Progress(out).poll(tmp_path)
+    lines = [line.split("] ", 1)[1] for line in out.getvalue().splitlines()]
+    assert lines == [
+        "held-out arithmetic 31.5% at v20 (54 tasks)",
+        "held-out prompt 50.0% at v20 (4 tasks)",
+    ]
+    assert held_out_lines({**row, "policy_version": 0}, "solver ")[0] == (
+        "held-out arithmetic 31.5% at solver v0 (54 tasks)"
+    )

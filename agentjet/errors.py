@@ -19,3 +19,7 @@ class ProtocolError(AgentjetError):
 
 class ModelError(AgentjetError):
     """A model cannot be found, converted or loaded."""
+
+
+class EngineError(AgentjetError):
+    """An inference engine's own processes failed (vLLM's engine core died)."""

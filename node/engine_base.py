@@ -33,6 +33,9 @@ class BridgedEngine:
         # One decode or weight load at a time: they share the weights.
         self._busy = Exclusive()
 
+    def close(self) -> None:
+        """Nothing to stop: an engine that starts processes overrides it."""
+
     async def _exclusive(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
         """`fn(*args, **kwargs)` in a bridge thread, once every call before it has ended.
 

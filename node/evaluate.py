@@ -78,6 +78,7 @@ def evaluate_checkpoint(
     n = samples or 1
     start = time.perf_counter()
     with contextlib.ExitStack() as cleanup:
+        cleanup.callback(engine.close)
         pool = None
         if env_config.sandboxed():
             pool = open_pool(config.sandbox, f"eval-{os.getpid()}")

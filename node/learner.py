@@ -38,6 +38,7 @@ from agentjet import rl
 from agentjet.config import EnvConfig, TrainerConfig
 from agentjet.devices import out_of_memory
 from agentjet.protocol import TrajectoryGroup, top_k_of, unpack_floats, unpack_ids, unpack_mask
+from node.model import with_cache
 from node.rounds import StepOutcome
 from node.teacher import TeacherCheck
 from node.verify import over_gap
@@ -390,8 +391,7 @@ class Learner:
             input_ids=p_ids,
             attention_mask=p_mask,
             position_ids=(p_mask.cumsum(-1) - 1).clamp(min=0),
-            cache=cache,
-            use_cache=True,
+            **with_cache(cache),
         )
         cache.batch_select_indices(index)
         prompt_lengths = p_mask.sum(-1)[index]
@@ -399,8 +399,7 @@ class Learner:
             input_ids=c_ids,
             attention_mask=torch.cat([p_mask[index], c_mask], dim=1),
             position_ids=prompt_lengths[:, None] + torch.arange(c_ids.shape[1], device=device),
-            cache=cache,
-            use_cache=True,
+            **with_cache(cache),
         )
         # Token t of a completion is predicted by the hidden state before it: the prompt's
         # last one (the last column, prompts are left-padded) for t = 0, then the completion's.

@@ -65,6 +65,20 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
 }
 
+# The keyword a forward takes its KV cache by: `cache` since transformers 5.24, which kept
+# `past_key_values` as a deprecated alias until 5.40; before it, `past_key_values` only (an
+# unknown `cache=` is swallowed by **kwargs and the forward silently runs without one).
+# vLLM's CPU build pins transformers < 5.20 (docs/engines.md), so the project runs on both.
+_TRANSFORMERS = tuple(
+    int(part) for part in importlib.metadata.version("transformers").split(".")[:2]
+)
+CACHE_KWARG = "cache" if _TRANSFORMERS >= (5, 24) else "past_key_values"
+
+
+def with_cache(cache: Any) -> dict[str, Any]:
+    """A forward's keyword arguments that read and extend the KV cache `cache`."""
+    return {CACHE_KWARG: cache, "use_cache": True}
+
 
 # Role logs should show our progress lines (agentjet/progress.py), not a bar per weight load
 # or downloaded file.

@@ -164,6 +164,7 @@ class Rollout:
         path = resolve_model(cfg.model.name, cfg.model.cache_dir)
         loras = [view.model for view in views.values()] if cfg.policies else []
         self.engine = open_engine(cfg.model, cfg.rollout, path, cfg.run.seed, loras)
+        cleanup.callback(self.engine.close)
         metrics = self.metrics
         for name, view in views.items():
             sync = PolicySync(name, self.engine, view.model, cfg.net, lambda: metrics)

@@ -23,6 +23,7 @@ from agentjet import protocol, rl
 from agentjet.config import Config
 from agentjet.devices import peak_memory
 from agentjet.episode import Episode, Generator, SamplingParams
+from agentjet.errors import EngineError
 from agentjet.metrics import MetricsWriter
 from agentjet.timeline import Sequence
 from node.agents import AgentEnv
@@ -293,7 +294,11 @@ class Producer:
             return
         generator = generator_for(self.engine, policy)
         start = time.perf_counter()
-        episodes = await env.run_group(generator, [g.task for g in grants], n, self.params)
+        try:
+            episodes = await env.run_group(generator, [g.task for g in grants], n, self.params)
+        except EngineError:  # the node stops with it (its cleanup keeps the groups held)
+            self.counts["engine_faults"] += 1
+            raise
         wall_s = time.perf_counter() - start
         lineages = {name: p.lineage.id for name, p in self.policies.items()}
         share_s = wall_s / len(grants)

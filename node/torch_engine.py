@@ -49,7 +49,7 @@ from agentjet.devices import ALONE_SHARE, check_fits, engine_bytes, limit_memory
 from agentjet.episode import Completion, SamplingParams
 from node.adapter_bank import AdapterBank
 from node.engine_base import BridgedEngine, check_request, check_state_dict
-from node.model import DTYPES, eos_token_ids, load_causal_lm
+from node.model import DTYPES, eos_token_ids, load_causal_lm, with_cache
 
 
 class TorchEngine(BridgedEngine):
@@ -198,8 +198,7 @@ class TorchEngine(BridgedEngine):
                 input_ids=input_ids,
                 attention_mask=attention_mask,
                 position_ids=position_ids,
-                cache=cache,
-                use_cache=True,
+                **with_cache(cache),
                 logits_to_keep=1,
             )
         # Share the prefill: each prompt's cache row, mask and logits repeated copies[i] times.
@@ -245,8 +244,7 @@ class TorchEngine(BridgedEngine):
                     input_ids=tokens[:, None],
                     attention_mask=attention_mask,
                     position_ids=next_position[:, None],
-                    cache=cache,
-                    use_cache=True,
+                    **with_cache(cache),
                 )
             logits = out.logits[:, -1]
             next_position = next_position + 1

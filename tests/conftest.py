@@ -29,7 +29,7 @@ import requests.exceptions
 import torch
 
 from agentjet.keys import DEFAULT_KEYS_FILE, write_keys
-from node.model import build_random_llama, build_tiny_model
+from node.model import build_tiny_model
 from tests import procs
 
 TIERS = ("unit", "integration", "docker", "netns", "vllm", "gpu")
@@ -131,19 +131,7 @@ def vllm_device() -> str:
 def vllm_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """`tiny_model_dir`'s kind with heads of 64 dimensions: vLLM's CPU attention kernels
     refuse the tiny model's 16 ("Unsupported CPU attention configuration: head_dim=16")."""
-    return build_random_llama(
-        tmp_path_factory.mktemp("vllm-model"),
-        seed=0,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=2048,
-        rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
-        tie_word_embeddings=True,
-        initializer_range=0.2,
-    )
+    return build_tiny_model(tmp_path_factory.mktemp("vllm-model"), seed=0, head_dim=64)
 
 
 @pytest.fixture

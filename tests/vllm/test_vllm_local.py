@@ -14,7 +14,7 @@ import pytest
 
 from agentjet.lifeline import descendants, marked, marked_processes, running
 from agentjet.metrics import read_metrics
-from tests.integration.test_local import gone, run_local, run_to_the_end
+from tests.integration.test_local import gone, group_fates, run_local, run_to_the_end
 from tests.procs import command_line
 
 pytestmark = pytest.mark.vllm
@@ -37,14 +37,11 @@ def test_a_local_run_on_vllm_trains_and_the_engine_follows_every_version(
     # later steps train samples of newer versions: the engine sampled with what it loaded
     newest = [max(r["trained_group_versions"]) for r in steps]
     assert newest == sorted(newest) and newest[-1] >= 1
-    created = [g for r in rollout if r.get("event") == "batch" for g in r["group_ids"]]
-    trained = [g for r in steps for g in r["trained_group_ids"]]
-    stale = [g for r in trainer for g in r.get("stale_group_ids", [])]
-    [trainer_end] = [r for r in trainer if r.get("event") == "stopped"]
-    [rollout_end] = [r for r in rollout if r.get("event") == "stopped"]
-    pending = trainer_end["queued_group_ids"] + rollout_end["unacked_group_ids"]
-    assert len(trained) == len(set(trained))
-    assert set(created) == set(trained) | set(stale) | set(pending)
+    fates = group_fates(trainer, rollout)
+    assert len(fates["trained"]) == len(set(fates["trained"]))
+    assert set(fates["created"]) == {
+        g for k in ("trained", "stale", "left_out", "pending") for g in fates[k]
+    }
     assert [pid for pid in spawned if running(pid)] == []  # vLLM's processes included
 
 

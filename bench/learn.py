@@ -145,9 +145,10 @@ def evaluate(
 
 def train(
     minutes: float, config: Path, run_dir: Path, extra: list[str]
-) -> tuple[float, dict[str, float]]:
+) -> tuple[float, dict[str, float], float]:
     """Run `agentjet local` for `minutes`, then stop it like a user would (SIGINT); the
-    wall time and the peak PSS (MB) of all roles together ("total") and of each role."""
+    wall time, the peak PSS (MB) of all roles together ("total") and of each role, and the
+    seconds from that SIGINT to its exit (0 when it ended by itself)."""
     proc = subprocess.Popen(
         [*AGENTJET, "local", "--config", str(config), "--run-dir", str(run_dir), *extra],
         cwd=ROOT, start_new_session=True,
@@ -159,10 +160,14 @@ def train(
         now["total"] = sum(now.values())
         peak = {key: max(peak[key], now[key]) for key in peak}
         time.sleep(2.0)
+    stop_s = 0.0
     if proc.poll() is None:
         proc.send_signal(signal.SIGINT)
+        interrupted = time.monotonic()
+        proc.wait(timeout=300)
+        stop_s = time.monotonic() - interrupted
     proc.wait(timeout=300)
-    return time.monotonic() - start, peak
+    return time.monotonic() - start, peak, stop_s
 
 
 def main() -> int:
@@ -195,7 +200,7 @@ def main() -> int:
     print("before:", json.dumps(before), flush=True)
 
     extra = [a for s in args.set for a in ("--set", s)]
-    wall_s, peak_pss = train(args.minutes, args.config, run_dir / "train", extra)
+    wall_s, peak_pss, stop_s = train(args.minutes, args.config, run_dir / "train", extra)
     checkpoint = str(final_checkpoint(run_dir / "train"))
     after = evaluate(checkpoint, tasks, args.config, env=env, overrides=args.set)
     print("after:", json.dumps(after), flush=True)
@@ -229,6 +234,7 @@ def main() -> int:
         # Peak memory as proportional set size (see memory_mb), sampled every 2 s: of all
         # roles together, and each role's own peak (memory_by_role).
         "peak_pss_mb": {key: round(mb, 1) for key, mb in peak_pss.items()},
+        "ctrl_c_exit_s": round(stop_s, 1),  # SIGINT to the launcher's exit
         "heldout_seed": HELDOUT_SEED,
         **run_facts(args),
     }
@@ -259,11 +265,12 @@ def speed(run_dir: Path, wall_s: float) -> dict[str, float]:
 
 def memory_only(args: argparse.Namespace, run_dir: Path) -> int:
     extra = [a for s in args.set for a in ("--set", s)]
-    wall_s, peak_pss = train(args.minutes, args.config, run_dir / "train", extra)
+    wall_s, peak_pss, stop_s = train(args.minutes, args.config, run_dir / "train", extra)
     result = {
         "minutes": round(wall_s / 60, 2),
         **speed(run_dir / "train", wall_s),
         "peak_pss_mb": {key: round(mb, 1) for key, mb in peak_pss.items()},
+        "ctrl_c_exit_s": round(stop_s, 1),  # SIGINT to the launcher's exit
         **run_facts(args),
     }
     write_result(args.out, result)

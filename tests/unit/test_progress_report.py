@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import io
 import re
+import types
 from pathlib import Path
 from typing import Any, BinaryIO, cast
 
@@ -248,7 +249,8 @@ def test_agentjet_eval_reports_its_tasks_on_stderr_and_only_json_on_stdout(
     tasks = tmp_path / "tasks.jsonl"
     write_task_file(generate_tasks(5, 0, [1], ["+"], "arithmetic"), tasks)
     monkeypatch.setattr(node.evaluate, "resolve_model", lambda name, cache: tmp_path)
-    monkeypatch.setattr(node.evaluate, "open_engine", lambda *args: object())
+    engine = types.SimpleNamespace(close=lambda: None)  # nothing to stop (Engine.close)
+    monkeypatch.setattr(node.evaluate, "open_engine", lambda *args: engine)
     monkeypatch.setattr(node.evaluate, "make_env", lambda config, pool: Answers())
     summary = node.evaluate.evaluate_checkpoint(Config(), "base", tasks, "arithmetic", 2)
     assert summary["overall"] == 1.0 and summary["n"] == 5

@@ -152,6 +152,11 @@ class VLLMEngine(BridgedEngine):
         memory: dict[str, Any] = {"gpu_memory_utilization": gpu_memory_utilization}
         if on_cpu and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
             memory = {"kv_cache_memory_bytes": CPU_KV_CACHE_BYTES}
+        if on_cpu:
+            # A seeded request whose prompt is prefilled in chunks rewinds its generator's
+            # offset, which CPU generators refuse ("CPU Generator does not use offset", 256
+            # prompts at once, bench/engines.py): prompts are prefilled whole here.
+            memory["enable_chunked_prefill"] = False
         self._seeds = random.Random(seed)
         self._lora_config = lora
         self.takes_adapters = lora is not None

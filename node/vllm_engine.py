@@ -149,14 +149,14 @@ class VLLMEngine(BridgedEngine):
         check_fits("the vLLM engine", weights, self.device, gpu_memory_utilization, share_key)
         # On the CPU build, gpu_memory_utilization would reserve that share of the host's
         # memory: the KV cache gets a fixed size instead (vLLM's own env var still wins).
-        memory: dict[str, Any] = {"gpu_memory_utilization": gpu_memory_utilization}
+        platform_args: dict[str, Any] = {"gpu_memory_utilization": gpu_memory_utilization}
         if on_cpu and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
-            memory = {"kv_cache_memory_bytes": CPU_KV_CACHE_BYTES}
+            platform_args = {"kv_cache_memory_bytes": CPU_KV_CACHE_BYTES}
         if on_cpu:
             # A seeded request whose prompt is prefilled in chunks rewinds its generator's
             # offset, which CPU generators refuse ("CPU Generator does not use offset", 256
             # prompts at once, bench/engines.py): prompts are prefilled whole here.
-            memory["enable_chunked_prefill"] = False
+            platform_args["enable_chunked_prefill"] = False
         self._seeds = random.Random(seed)
         self._lora_config = lora
         self.takes_adapters = lora is not None
@@ -175,7 +175,7 @@ class VLLMEngine(BridgedEngine):
             logprobs_mode="processed_logprobs",
             worker_extension_cls=WORKER_EXTENSION,
             enforce_eager=enforce_eager,
-            **memory,
+            **platform_args,
             # A GRPO group is n samples of one prompt, and agent turns extend the last one.
             enable_prefix_caching=True,
             **lora_args,

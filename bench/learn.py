@@ -166,7 +166,6 @@ def train(
         interrupted = time.monotonic()
         proc.wait(timeout=300)
         stop_s = time.monotonic() - interrupted
-    proc.wait(timeout=300)
     return time.monotonic() - start, peak, stop_s
 
 

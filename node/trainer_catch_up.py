@@ -3,8 +3,9 @@ is withheld, a peer's weights hold a batch it was in doubt about, or it was cut 
 
     CatchUp.run: the swarm's state from a peer (weights, optimizer state, version;
         SwarmOptimizer.load_state_from_peers) ──▶ the head moves to its version
-        ──another lineage──▶ this trainer's undurable groups go back to rollout nodes,
-                             its replay buffer is emptied, the lineage is recorded
+        ──▶ the groups its logged steps trained: those the weights hold are trained
+            (GroupBook.adopt), the rest of its undurable ones go back to rollout nodes
+        ──another lineage──▶ its replay buffer is emptied, the lineage is recorded
         ──▶ the version published (unless a peer's withheld one) ──▶ "caught_up" row
     CatchUp.sit_out_isolation: cut off (node/trainer_peers.py `connected`) ──▶ wait until
         back ──▶ drop the groups held meanwhile ──▶ run
@@ -19,7 +20,7 @@ from pathlib import Path
 
 from agentjet.bridge import blocking
 from agentjet.metrics import MetricsWriter
-from node.groups import GroupBook
+from node.groups import TRAINED_LOG, GroupBook, read_trained_log
 from node.publisher import Publisher
 from node.replay import Replay
 from node.swarm import SwarmOptimizer
@@ -61,10 +62,9 @@ class CatchUp:
             self.counts["catch_ups"] += 1
         head.version = self.swarm.epoch
         lineage = swarm_lineage(self.peers.others.values(), head.lineage)
+        steps = await blocking(read_trained_log, self.run_dir / TRAINED_LOG)
+        forgotten = self.book.adopt(steps, lineage, head.version)
         if lineage.id != head.lineage.id:
-            # This trainer's own steps since it forked are in no weights that go on: their
-            # groups become unknown, so rollout nodes offer them again.
-            forgotten = self.book.abandon_undurable()
             log.warning(
                 "took the swarm's weights (lineage %s); %d groups of this trainer's own "
                 "lineage %s go back to rollout nodes",

@@ -13,7 +13,7 @@ import pytest
 from agentjet import protocol
 from agentjet.protocol import Lineage, fork_id
 from node.directory import Mark, durable, read_mark, undecided_mark
-from node.groups import Filling, GroupBook
+from node.groups import Filling, GroupBook, read_trained_log
 
 pytestmark = pytest.mark.unit
 
@@ -281,13 +281,59 @@ def test_a_trainer_resumed_from_its_checkpoint_knows_the_groups_of_the_steps_it_
     resumed.close_log()
 
 
-def test_taking_another_lineage_forgets_the_steps_no_checkpoint_held():
+def test_taking_another_lineage_keeps_the_steps_it_holds_and_forgets_the_rest(
+    tmp_path: Path,
+) -> None:
+    """In lineage X, checkpointed at v2, stepped v3 and v5; the swarm's weights are v4 of a
+    fork of X at v3: the v3 step is in them (trained, durable once a checkpoint here holds
+    it), the v5 step is in no weights that go on (unknown: offered again)."""
+    log = tmp_path / "trained_groups.log"
+    own = Lineage().fork(0)
     book = GroupBook()
-    book.trained([group("kept")], 2)
+    book.open_log(log, resumed_version=-1, lineage=own)
+    book.trained([group("kept")], 2, own.id)
     book.checkpointed(2)
-    book.trained([group("lost")], 3)
-    assert book.abandon_undurable() == 1
-    assert book.status("kept") == "trained" and book.status("lost") == "unknown"
+    book.trained([group("held")], 3, own.id)
+    book.trained([group("lost")], 5, own.id)
+    assert book.adopt(read_trained_log(log), own.fork(3), 4) == 1
+    assert [book.status(g) for g in ("kept", "held", "lost")] == ["trained", "queued", "unknown"]
+    book.checkpointed(4)
+    assert book.status("held") == "trained" and not book.undurable
+    book.close_log()
+
+
+def test_a_trainer_that_takes_a_peers_weights_knows_the_groups_its_last_life_stepped_in_them(
+    tmp_path: Path,
+) -> None:
+    """The fault suite's "kill both trainers": trainer A checkpointed at v52 and stepped v53
+    and v54 with its peer; B checkpointed v54. Both killed, B resumes (a fork at v54) and A,
+    its checkpoint older, takes B's weights. A's v53-v54 groups are in them: A must not say
+    "unknown" (they were sent again and trained twice) but "queued" until its own
+    checkpoint holds them; its v55 step died with it."""
+    log = tmp_path / "trained_groups.log"
+    first = GroupBook()
+    first.open_log(log, resumed_version=-1)
+    for version in (52, 53, 54, 55):
+        first.trained([group(f"g{version}")], version, "")
+        if version == 52:
+            first.checkpointed(52)
+    first.close_log()  # the SIGKILL
+    taken = Lineage().fork(54)
+    again = GroupBook()
+    again.open_log(log, resumed_version=-1, lineage=taken)
+    assert again.adopt(read_trained_log(log), taken, 54) == 0
+    statuses = [again.status(f"g{v}") for v in (52, 53, 54, 55)]
+    assert statuses == ["queued", "queued", "queued", "unknown"]
+    again.checkpointed(56)
+    assert [again.status(f"g{v}") for v in (52, 53, 54)] == ["trained"] * 3
+    again.close_log()
+
+
+def test_a_trained_log_with_torn_or_foreign_lines_reads_its_steps(tmp_path: Path) -> None:
+    log = tmp_path / "trained_groups.log"
+    assert read_trained_log(log) == []
+    log.write_text("3\tg1\tL\n4\tg2\nnot-a-version\tg3\n5\t\n6\tg4\tL")  # torn last line
+    assert read_trained_log(log) == [(3, "g1", "L"), (4, "g2", ""), (6, "g4", "L")]
 
 
 def test_groups_sampled_by_a_lineage_these_weights_do_not_descend_from_are_dropped():

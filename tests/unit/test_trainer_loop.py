@@ -23,7 +23,7 @@ from agentjet.metrics import MetricsWriter
 from agentjet.transport import Server
 from node.directory import Directory, Mark
 from node.gpu_monitor import GpuMonitor
-from node.groups import DoubtfulBatch, GroupBook
+from node.groups import TRAINED_LOG, DoubtfulBatch, GroupBook
 from node.learner import Learner, StepResult
 from node.publisher import Publisher
 from node.replay import Replay
@@ -313,6 +313,7 @@ class Caught:
 def catch_up_of(tmp_path: Path, swarm: FakeSwarm, others: list[protocol.NodeRecord]) -> Caught:
     config = Config(trainer=TrainerConfig(replay=ReplayConfig(share=0.5)))
     head, book, replay = Head(version=swarm.epoch), GroupBook(), Replay(config.trainer)
+    book.open_log(tmp_path / TRAINED_LOG, resumed_version=-1)  # (closed with the test's files)
     model = torch.nn.Linear(2, 2)
     versions = Versions(
         config=config,
@@ -363,11 +364,13 @@ def test_catching_up_into_another_lineage_gives_back_the_groups_no_checkpoint_ho
 ) -> None:
     caught = catch_up_of(tmp_path, FakeSwarm(epoch=5, ahead=8), [record("b", 8)])
     own = make_group("g1", version=4)
+    caught.book.trained([make_group("g0", version=2)], 3, "")  # in FORKED's history
     caught.book.trained([own], 5, "")
     caught.replay.add([own])
     asyncio.run(caught.catch_up.run())
     assert caught.catch_up.head.lineage == FORKED
     assert caught.book.status("g1") == "unknown"  # offered again by its rollout node
+    assert caught.book.status("g0") == "queued"  # trained, durable at a checkpoint here
     assert len(caught.replay) == 0  # no importance ratio across lineages
     assert FORKED.id in used_lineages(tmp_path)
 

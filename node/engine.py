@@ -27,6 +27,7 @@ import torch
 from agentjet.config import ModelConfig, RolloutConfig
 from agentjet.devices import memory_share, resolve_device, resolve_dtype, resolve_engine
 from agentjet.episode import Completion, Generator, SamplingParams
+from agentjet.errors import EngineError
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,8 @@ class Engine(Generator, Protocol):
     # LoRA versions: True when the engine takes a version's adapter tensors itself (vLLM's
     # LoRA requests), False when it wants full weights (the rollout node merges them).
     takes_adapters: bool
+    # What ended the engine (vLLM's engine core died), else None; every call raises it.
+    failure: EngineError | None
 
     async def load_state_dict(self, state: Mapping[str, torch.Tensor], version: int) -> None:
         """Load a new policy version in place (full weights, or a LoRA version's adapter

@@ -6,6 +6,9 @@ a time across the bridge, and the checks that make them refuse the same requests
             agentjet/bridge.py `blocking` ──▶ the blocking body in a bridge thread
         ◀── its result, on the loop; the next call waiting for the lock starts after
 
+An EngineError (the engine is gone: vLLM's engine core died) is kept as `failure` and
+raised by every later call, before it crosses the bridge.
+
 A decode and a weight load share the weights (and the torch engine's random generator, the
 vLLM engine's offline `LLM`, which is not reentrant), so they never overlap.
 """
@@ -19,6 +22,7 @@ import torch
 
 from agentjet.bridge import Exclusive, blocking
 from agentjet.episode import SamplingParams
+from agentjet.errors import EngineError
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -32,6 +36,10 @@ class BridgedEngine:
         self.policy_version: int = 0
         # One decode or weight load at a time: they share the weights.
         self._busy = Exclusive()
+        # The EngineError that ended this engine (vLLM's engine core died), raised again by
+        # every later call: whoever met it first (an environment, or an agent's call
+        # through the OpenAI endpoint), the rollout node sees it after the batch.
+        self.failure: EngineError | None = None
 
     def close(self) -> None:
         """Nothing to stop: an engine that starts processes overrides it."""
@@ -43,7 +51,7 @@ class BridgedEngine:
         go without yielding to the loop), so what the caller does next on the loop, before
         its next await, is still done in its turn."""
         async with self._busy.hold():
-            return await blocking(fn, *args, **kwargs)
+            return await self._unless_failed(fn, *args, **kwargs)
 
     async def _load_version(
         self, version: int, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs
@@ -51,9 +59,27 @@ class BridgedEngine:
         """`_exclusive` for a new policy version: samples are tagged `version` once `fn`
         has run, before any call waiting behind it starts."""
         async with self._busy.hold():
-            result = await blocking(fn, *args, **kwargs)
+            result = await self._unless_failed(fn, *args, **kwargs)
             self.policy_version = version  # on the loop, before any waiting decode starts
             return result
+
+    async def _unless_failed(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
+        """`fn` across the bridge, unless the engine has failed: its EngineError, kept."""
+        if self.failure is not None:
+            raise self.failure
+        try:
+            return await blocking(fn, *args, **kwargs)
+        except Exception as e:
+            self.failure = self._engine_error(e)
+            if self.failure is None or self.failure is e:
+                raise
+            raise self.failure from None
+
+    def _engine_error(self, error: Exception) -> EngineError | None:
+        """`error` as the EngineError that ends this engine when it says the engine is gone,
+        else None (a bad request, say: the engine serves on). An engine whose inference runs
+        in processes of its own overrides it to name their death."""
+        return error if isinstance(error, EngineError) else None
 
 
 def check_request(prompts: list[list[int]], n: int, params: SamplingParams) -> None:

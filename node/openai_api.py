@@ -55,6 +55,7 @@ import msgspec
 from aiohttp import web
 
 from agentjet.episode import Completion, Generator, Reward, SamplingParams, as_reward
+from agentjet.errors import EngineError
 from agentjet.protocol import Task
 from agentjet.roles import wait_for
 from agentjet.timeline import Call
@@ -441,6 +442,8 @@ class OpenAIServer:
         except web.HTTPException as e:  # aiohttp's own: unknown route, body too large
             self.rejected += 1
             return ApiError(e.status, e.reason, "http_error").response()
+        except EngineError as e:  # the node stops with it after the batch (rollout_produce)
+            return ApiError(503, str(e), "engine_failed", "server_error").response()
 
     # ── /v1 ───────────────────────────────────────────────────────────────────────────
 

@@ -296,6 +296,8 @@ class Producer:
         start = time.perf_counter()
         try:
             episodes = await env.run_group(generator, [g.task for g in grants], n, self.params)
+            if self.engine.failure is not None:  # met by an agent, through the endpoint
+                raise self.engine.failure
         except EngineError:  # the node stops with it (its cleanup keeps the groups held)
             self.counts["engine_faults"] += 1
             raise

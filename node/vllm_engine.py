@@ -213,26 +213,19 @@ class VLLMEngine(BridgedEngine):
             )
         if not prompts:
             return []
-        return await self._exclusive(self._dead_engine_is_an_error, prompts, n, params, policies)
+        return await self._exclusive(self._generate, prompts, n, params, policies)
 
-    def _dead_engine_is_an_error(
-        self,
-        prompts: list[list[int]],
-        n: int,
-        params: SamplingParams,
-        policies: Sequence[str | None] | None,
-    ) -> list[list[Completion]]:
-        """`_generate`, with vLLM's dead engine core as one EngineError that says so."""
+    def _engine_error(self, error: Exception) -> EngineError | None:
+        """vLLM's dead engine core as one EngineError that says so (`BridgedEngine`)."""
         from vllm.v1.engine.exceptions import EngineDeadError
 
-        try:
-            return self._generate(prompts, n, params, policies)
-        except EngineDeadError as e:
-            raise EngineError(
-                "vLLM's engine core died (its log, above, says why; killed, or out of "
-                "memory?): this node cannot sample any more. The groups it held are in its "
-                f"spool and are delivered when it restarts ({type(e).__name__})"
-            ) from None
+        if not isinstance(error, EngineDeadError):
+            return super()._engine_error(error)
+        return EngineError(
+            "vLLM's engine core died (its log, above, says why; killed, or out of memory?): "
+            "this node cannot sample any more. The groups it held are in its spool and are "
+            "delivered when it restarts (EngineDeadError)"
+        )
 
     def _generate(
         self,
@@ -383,10 +376,10 @@ def _lora_args(loras: Sequence[ModelConfig]) -> dict[str, Any]:
 def _tell_waiters_when_the_core_dies(llm: Any) -> None:
     """vLLM 0.32's offline client waits for outputs forever once its engine-core process
     dies: its own monitor marks the engine dead and closes the output thread, but nothing
-    wakes a `get_output` already waiting (seen: SIGKILL of the core, a generate hung for
-    good). A thread (vLLM's client has one of the same kind) waits for the core's exit and
-    hands that waiter vLLM's own EngineDeadError. Clients without engine processes (vLLM
-    in-process) have nothing to watch."""
+    wakes a `get_output` or a utility call (a weight load) already waiting (seen: SIGKILL of
+    the core, a generate hung for good). A thread (vLLM's client has one of the same kind)
+    waits for the core's exit and hands those waiters vLLM's own EngineDeadError. Clients
+    without engine processes (vLLM in-process) have nothing to watch."""
     import multiprocessing.connection
     import threading
 
@@ -400,7 +393,11 @@ def _tell_waiters_when_the_core_dies(llm: Any) -> None:
 
     def watch() -> None:
         multiprocessing.connection.wait([process.sentinel for process in processes])
+        client.resources.engine_dead = True  # later calls raise at once (`ensure_alive`)
         client.outputs_queue.put_nowait(EngineDeadError())
+        for future in list(client.utility_results.values()):  # a weight load, waiting
+            if not future.done():
+                future.set_exception(EngineDeadError())
 
     threading.Thread(target=watch, name="vllm-engine-core-exit", daemon=True).start()
 

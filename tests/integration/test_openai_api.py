@@ -22,6 +22,7 @@ from transformers import AutoTokenizer
 from agentjet.agent_runner import run_agents
 from agentjet.bridge import blocking, is_bridge_thread
 from agentjet.episode import Completion, Episode, Generator, SamplingParams
+from agentjet.errors import EngineError
 from agentjet.protocol import Task
 from agentjet.timeline import merge_calls
 from node.agents import AgentEnv
@@ -443,3 +444,23 @@ def test_closing_an_agent_env_mid_call_stops_its_endpoint_at_once(tokenizer: Any
             await env.close()
 
     asyncio.run(main())
+
+
+def test_a_dead_engine_is_a_503_that_says_so(engine: TorchEngine) -> None:
+    """The engine is gone (vLLM's engine core died: node/engine_base.py keeps the error):
+    an agent's call gets a 503 that says why, not a 500 or a hang, and the endpoint stays
+    up; the rollout node stops after the batch (tests/unit/test_rollout_produce.py)."""
+
+    async def test(server: OpenAIServer, hub: EpisodeHub) -> None:
+        episode = hub.open(TASK, training=True)
+        client = client_for(server, episode.key)
+        ok = [{"role": "user", "content": "hi"}]
+        engine.failure = EngineError("vLLM's engine core died")
+        for _ in range(2):  # the batcher serves on after the first failure
+            with pytest.raises(openai.InternalServerError) as err:
+                await client.chat.completions.create(model="m", messages=ok, max_tokens=2)
+            assert err.value.status_code == 503 and err.value.code == "engine_failed"
+            assert "engine core died" in err.value.message
+        await client.close()
+
+    serve(engine, test)

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from agentjet.bridge import is_bridge_thread
+from agentjet.errors import EngineError
 from node.engine_base import BridgedEngine
 
 pytestmark = pytest.mark.unit
@@ -100,3 +101,26 @@ def test_a_failed_call_lets_the_next_one_run() -> None:
 
     assert asyncio.run(main()) == "next"
     assert engine.policy_version == 0
+
+
+def test_an_engine_that_failed_stays_failed_and_says_so_to_every_later_call() -> None:
+    """An EngineError (vLLM's engine core died) ends the engine: it is kept as `failure`
+    and every later call, a decode or a weight load, raises it without running."""
+    engine = CountingEngine()
+
+    def core_died() -> None:
+        raise EngineError("vLLM's engine core died")
+
+    async def main() -> None:
+        with pytest.raises(EngineError):
+            await engine._exclusive(core_died)
+        for later in (
+            engine._exclusive(engine.work, "a"),
+            engine._load_version(3, engine.work, "b"),
+        ):
+            with pytest.raises(EngineError, match="engine core died"):
+                await later
+
+    asyncio.run(main())
+    assert isinstance(engine.failure, EngineError)
+    assert engine.threads == [] and engine.policy_version == 0

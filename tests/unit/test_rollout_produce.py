@@ -17,6 +17,7 @@ import torch
 from agentjet import protocol
 from agentjet.config import Config
 from agentjet.episode import Episode, Generator, SamplingParams
+from agentjet.errors import EngineError
 from agentjet.metrics import MetricsWriter, read_metrics
 from agentjet.timeline import Sequence
 from node.delivery import Ledger
@@ -105,6 +106,7 @@ def test_grants_are_played_per_environment_and_policy_and_unfinished_ones_build_
 
 class FakeEngine:
     policy_version = 4
+    failure: Exception | None = None
     policy_versions: dict[str, int] = {}
     tokenizer = None
     device = torch.device("cpu")
@@ -206,3 +208,19 @@ def test_a_batch_for_an_environment_this_node_lacks_is_reported_failed(tmp_path:
     report: Any = work.reports.get_nowait()
     assert (report.failed, report.error) == (True, "no environment 'shell' here")
     assert env.played == [] and read_metrics(tmp_path / "metrics" / "rollout.jsonl") == []
+
+
+def test_an_engine_that_failed_under_an_agents_call_stops_the_node_after_the_batch(
+    tmp_path: Path,
+) -> None:
+    """An agent met the engine's death through the OpenAI endpoint (a 503): its episode
+    ended without a group, and the environment returned as usual. The batch then raises the
+    engine's EngineError, counted as an engine fault, and holds nothing it played."""
+    ledger = Ledger(rng=random.Random(0))
+    producer, work, metrics, env = producer_of(tmp_path, ledger)
+    producer.engine.failure = EngineError("vLLM's engine core died")
+    with pytest.raises(EngineError, match="engine core died"):
+        asyncio.run(producer.play("arithmetic", 2, "", [grant("g1")]))
+    metrics.close()
+    assert env.played == [["task-g1"]] and list(ledger.pending) == []
+    assert producer.counts["engine_faults"] == 1

@@ -134,7 +134,8 @@ def test_vllm_engine_samples_several_policies_in_one_batch(
 def test_a_dead_engine_core_is_one_clear_error(vllm_device: str, vllm_model_dir: Path) -> None:
     """SIGKILL vLLM's engine-core process (what the OOM killer does): the next generate
     raises one EngineError that says what happened, instead of waiting forever (vLLM 0.32's
-    offline client alone does: node/vllm_engine.py `_tell_waiters_when_the_core_dies`)."""
+    offline client alone does: node/vllm_engine.py `_tell_waiters_when_the_core_dies`), and
+    the engine keeps it for every later call (node/engine_base.py `failure`)."""
     import os
     import signal
 
@@ -148,5 +149,9 @@ def test_a_dead_engine_core_is_one_clear_error(vllm_device: str, vllm_model_dir:
         os.kill(core.pid, signal.SIGKILL)
         with pytest.raises(EngineError, match="vLLM's engine core died"):
             asyncio.run(asyncio.wait_for(vllm.generate([[1, 2, 3]], 1, greedy), 60))
+        # ... and so does every later call, a weight load too, at once (the engine is gone)
+        with pytest.raises(EngineError, match="vLLM's engine core died"):
+            asyncio.run(asyncio.wait_for(vllm.load_state_dict(vllm.state_dict(), 1), 5))
+        assert vllm.failure is not None and vllm.policy_version == 0
     finally:
         vllm.close()

@@ -6,6 +6,7 @@ when the rollout node is SIGKILLed (the lifeline)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from pathlib import Path
@@ -14,6 +15,7 @@ import pytest
 
 from agentjet.lifeline import descendants, marked, marked_processes, running
 from agentjet.metrics import read_metrics
+from node.model import build_tiny_model
 from tests.integration.test_local import gone, group_fates, run_local, run_to_the_end
 from tests.procs import command_line
 
@@ -82,4 +84,77 @@ def test_vllm_processes_end_when_the_rollout_node_is_sigkilled(
     assert len(below) >= 3, output
     assert gone(set(below)), {pid: below[pid] for pid in below if running(pid)}
     assert marked_processes(*marks[0]) == set()
+    assert [pid for pid in spawned if running(pid)] == []
+
+
+def test_an_agent_through_the_openai_endpoint_with_a_teacher_trains_on_vllm(
+    vllm_device: str, vllm_model_dir: Path, tmp_path: Path
+) -> None:
+    """The react agent (openai client → the rollout node's endpoint → vLLM) plays multi-turn
+    episodes, a teacher (another tiny model, beside the engine) scores every sample, and each
+    episode's calls are merged and trained with the teacher's signal: nothing lost."""
+    teacher = build_tiny_model(tmp_path / "teacher", seed=1, head_dim=64)
+    run_dir = tmp_path / "run"
+    settings = (
+        *VLLM,
+        'envs.0.name="react"',
+        "envs.0.max_turns=3",
+        "rollout.sampling.max_new_tokens=6",
+        f"envs.0.teacher={json.dumps(str(teacher))}",
+        "envs.0.teacher_coef=0.5",
+    )
+    trainer, rollout, spawned = run_to_the_end(vllm_model_dir, run_dir, 2, settings)
+    logs = "\n".join(p.read_text() for p in (run_dir / "logs").glob("*.log"))
+    assert "engine: vllm on" in logs and "OpenAI endpoint at http://127.0.0.1:" in logs
+    steps = [r for r in trainer if r.get("event") == "step"]
+    assert {r["policy_version"] for r in steps if r["optimizer_stepped"]} == {1, 2}
+    # the random model never answers: three calls per episode, merged into one sample
+    assert all(r["charts/samples"] == 4 * len(r["trained_group_ids"]) for r in steps)
+    assert all(r["charts/teacher_samples"] == r["charts/trained_samples"] > 0 for r in steps)
+    batches = [r for r in rollout if r.get("event") == "batch"]
+    assert batches and all(r["distill/kl_to_teacher"] > 0 for r in batches)
+    fates = group_fates(trainer, rollout)
+    assert len(fates["trained"]) == len(set(fates["trained"]))
+    assert set(fates["created"]) == {g for k in ("trained", "stale", "pending") for g in fates[k]}
+    assert [pid for pid in spawned if running(pid)] == []
+
+
+def test_an_engine_core_killed_under_an_agents_call_stops_the_node_and_loses_nothing(
+    vllm_device: str, vllm_model_dir: Path, tmp_path: Path
+) -> None:
+    """SIGKILL vLLM's engine core (what the OOM killer does) once the agents' episodes have
+    trained a version. The agents' calls get 503s that say so, the rollout node counts one
+    engine fault and exits with vLLM's error in one line, `agentjet local` stops every role,
+    and each group the node made is trained, stale, or in its spool for its next start."""
+    run_dir = tmp_path / "run"
+    metrics = run_dir / "metrics" / "trainer.jsonl"
+    killed: list[int] = []
+
+    def kill_the_engine_core() -> bool:
+        rows = read_metrics(metrics) if metrics.exists() else []
+        lock = run_dir / "rollout.lock"  # agentjet/rundir.py: "<pid> rollout ..."
+        if killed or not any(r.get("event") == "step" for r in rows) or not lock.exists():
+            return False
+        node = int(lock.read_text().split()[0])
+        cores = [p for p in descendants(node) if command_line(p).startswith("VLLM::EngineCore")]
+        assert len(cores) == 1, {p: command_line(p) for p in descendants(node)}
+        os.kill(cores[0], signal.SIGKILL)
+        killed.append(cores[0])
+        return False  # no Ctrl-C: the node stops by itself
+
+    settings = (*VLLM, 'envs.0.name="react"', "envs.0.max_turns=3")
+    code, output, spawned = run_local(
+        vllm_model_dir, run_dir, max_steps=0, settings=settings, interrupt_when=kill_the_engine_core
+    )
+    assert killed and code == 1, output
+    assert "rollout exited with code" in output and "vLLM's engine core died" in output, output
+    trainer = read_metrics(metrics)
+    rollout = read_metrics(run_dir / "metrics" / "rollout.jsonl")
+    [end] = [r for r in rollout if r.get("event") == "stopped"]
+    assert end["engine_faults"] == 1
+    fates = group_fates(trainer, rollout)
+    assert len(fates["trained"]) == len(set(fates["trained"]))
+    assert set(fates["created"]) == {g for k in ("trained", "stale", "pending") for g in fates[k]}
+    spooled = list(run_dir.rglob("*.group"))
+    assert len(spooled) == len(end["unacked_group_ids"])
     assert [pid for pid in spawned if running(pid)] == []

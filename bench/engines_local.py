@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -25,15 +24,17 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from learn import speed, train, write_result  # noqa: E402
+from learn import run_facts, speed, train, write_result  # noqa: E402
 
 from agentjet.metrics import read_metrics  # noqa: E402
 
 
-def one_engine(engine: str, minutes: float, config: Path, run_dir: Path) -> dict[str, object]:
+def one_engine(
+    engine: str, minutes: float, config: Path, run_dir: Path, extra: list[str]
+) -> dict[str, object]:
     started = time.time()
     wall_s, peak_pss, stop_s = train(
-        minutes, config, run_dir, ["--set", f'rollout.engine="{engine}"']
+        minutes, config, run_dir, [*extra, "--set", f'rollout.engine="{engine}"']
     )
     rollout = read_metrics(run_dir / "metrics" / "rollout.jsonl")
     batches = [r for r in rollout if r.get("event") == "batch"]
@@ -70,20 +71,20 @@ def main() -> int:
     parser.add_argument(
         "--out", type=Path, default=ROOT / "bench" / "results" / "engines_local.json"
     )
+    parser.add_argument("--set", action="append", default=[], help="override, every run")
     args = parser.parse_args()
+    extra = [a for s in args.set for a in ("--set", s)]
     base = ROOT / "runs" / f"bench-engines-local-{time.strftime('%Y%m%d-%H%M%S')}"
     results: dict[str, object] = {}
     for engine in args.engines.split(","):
-        results[engine] = one_engine(engine, args.minutes, args.config, base / engine)
+        results[engine] = one_engine(engine, args.minutes, args.config, base / engine, extra)
         print(engine, json.dumps(results[engine]), flush=True)
     write_result(
         args.out,
         {
             "engines": results,
             "minutes": args.minutes,
-            "config": str(args.config.relative_to(ROOT)),
-            "machine": f"{os.cpu_count()} CPU cores",
-            "date": time.strftime("%Y-%m-%d"),
+            **run_facts(args),
         },
     )
     return 0

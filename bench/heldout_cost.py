@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -25,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from learn import speed, train, write_result  # noqa: E402
+from learn import run_facts, speed, train, write_result  # noqa: E402
 
 from agentjet.metrics import read_metrics  # noqa: E402
 
@@ -56,12 +55,15 @@ def main() -> int:
     parser.add_argument(
         "--out", type=Path, default=ROOT / "bench" / "results" / "heldout_cost.json"
     )
+    parser.add_argument("--set", action="append", default=[], help="override, every run")
     args = parser.parse_args()
+    extra = [a for s in args.set for a in ("--set", s)]
     base = ROOT / "runs" / f"bench-heldout-cost-{time.strftime('%Y%m%d-%H%M%S')}"
     runs: dict[str, list[dict[str, float]]] = {arm: [] for arm in ARMS}
     for pair in range(args.pairs):
-        for arm, extra in ARMS.items():
-            result = one_run(args.minutes, args.config, base / f"{arm}-{pair}", extra)
+        for arm, arm_set in ARMS.items():
+            run_dir = base / f"{arm}-{pair}"
+            result = one_run(args.minutes, args.config, run_dir, extra + arm_set)
             print(arm, pair, json.dumps(result), flush=True)
             runs[arm].append(result)
     means = {
@@ -81,9 +83,7 @@ def main() -> int:
             "samples_per_s_drop": round(1 - on / off, 4) if off else None,
             "minutes": args.minutes,
             "pairs": args.pairs,
-            "config": str(args.config.relative_to(ROOT)),
-            "machine": f"{os.cpu_count()} CPU cores",
-            "date": time.strftime("%Y-%m-%d"),
+            **run_facts(args),
         },
     )
     return 0

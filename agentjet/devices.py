@@ -103,7 +103,7 @@ def resolve_engine(
 ) -> Engine:
     """rollout.engine on `device`; `build`: the vLLM installed (`vllm_build`; True: look).
     "auto" takes vLLM where its build runs on `device` and it is the faster engine there:
-    on CUDA GPUs; on CPUs the torch engine (bench/LOG.md, `just bench-engines`)."""
+    on CUDA GPUs; on CPUs the torch engine (docs/engines.md, `just bench-engines-local`)."""
     installed = vllm_build() if build is True else build
     if spec == "torch":
         return "torch"

@@ -27,7 +27,7 @@ import torch
 from agentjet.config import ModelConfig, RolloutConfig
 from agentjet.devices import memory_share, resolve_device, resolve_dtype, resolve_engine
 from agentjet.episode import Completion, Generator, SamplingParams
-from agentjet.errors import EngineError
+from agentjet.errors import ConfigError, EngineError
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +96,13 @@ def open_engine(
     engine: Engine
     if kind == "vllm":
         from node.vllm_engine import VLLMEngine
+
+        if rollout.sampling.top_p < 1:  # refused by every generate: say so before it starts
+            raise ConfigError(
+                f"rollout.sampling.top_p = {rollout.sampling.top_p} with the vLLM engine: vLLM "
+                "reports logprobs after top-p truncation and the trainer needs them before; "
+                'set rollout.sampling.top_p = 1, or rollout.engine = "torch"'
+            )
 
         lora = model if model.lora_rank else None
         engine = VLLMEngine(

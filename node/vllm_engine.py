@@ -61,7 +61,7 @@ from transformers import AutoConfig
 from agentjet.config import ModelConfig
 from agentjet.devices import check_fits
 from agentjet.episode import Completion, SamplingParams
-from agentjet.errors import EngineError
+from agentjet.errors import EngineError, ModelError
 from node.engine_base import BridgedEngine, check_request, check_state_dict
 from node.lora import adapter_pairs, write_adapter
 from node.model import DTYPES, eos_token_ids, load_causal_lm, load_tokenizer
@@ -138,7 +138,10 @@ class VLLMEngine(BridgedEngine):
         if dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} is not supported (allowed: {', '.join(DTYPES)})")
         self.tokenizer = load_tokenizer(model_path)
-        self.vocab_size: int = AutoConfig.from_pretrained(str(model_path)).vocab_size
+        hf_config = AutoConfig.from_pretrained(str(model_path))
+        if on_cpu:
+            _check_cpu_head_size(hf_config, model_path)
+        self.vocab_size: int = hf_config.vocab_size
         self.eos_token_ids: set[int] = eos_token_ids(model_path, self.tokenizer)
         self._dtype = DTYPES[dtype]
         # By HF name, tied ones once (named_parameters), as trainers publish them.
@@ -371,6 +374,22 @@ def _lora_args(loras: Sequence[ModelConfig]) -> dict[str, Any]:
         # a version is added before the one it replaces is removed
         "max_cpu_loras": len(loras) + 1,
     }
+
+
+def _check_cpu_head_size(hf_config: Any, model_path: str | Path) -> None:
+    """vLLM's CPU attention runs some head sizes only; another fails deep in its engine
+    core's start (a minute in, a long trace): one line here instead, before it starts."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    head = getattr(hf_config, "head_dim", None) or (
+        hf_config.hidden_size // hf_config.num_attention_heads
+    )
+    sizes = CPUAttentionBackend.get_supported_head_sizes()
+    if head not in sizes:
+        raise ModelError(
+            f"{model_path} has attention heads of {head} dimensions; vLLM's CPU build runs "
+            f'{", ".join(map(str, sizes))}: set rollout.engine = "torch"'
+        )
 
 
 def _tell_waiters_when_the_core_dies(llm: Any) -> None:

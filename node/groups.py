@@ -342,6 +342,8 @@ class GroupBook:
             if self.seen.get(group_id) != "trained" or group_id in self.undurable:
                 self._remember(group_id, "trained")
                 self.undurable[group_id] = step_version
+        # sent again meanwhile (it was "unknown" here) and queued: in the weights already
+        self.queue = deque(g for g in self.queue if g.group_id not in held)
         self.checkpointed_version = -1
         return len(forgotten)
 

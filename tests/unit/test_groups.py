@@ -333,20 +333,23 @@ def test_a_group_trained_in_two_lives_is_kept_if_the_weights_taken_hold_either_s
     tmp_path: Path,
 ) -> None:
     """Life 1 trained g at v10 of the root and died before a checkpoint; life 2 resumed
-    from v8 (lineage Y), g came again and was trained at Y's v12. The swarm's weights taken
-    now hold the root's v10 but not Y's v12: g is in them (queued until a checkpoint here),
-    whatever the log's order."""
+    from v8 (lineage Y), g came again and was trained at Y's v12, and h came again and
+    waits in the queue. The swarm's weights taken now hold the root's v10 but not Y's v12:
+    g and h are in them (queued until a checkpoint here, whatever the log's order), and h
+    leaves the queue rather than be trained twice."""
     log = tmp_path / "trained_groups.log"
     first = GroupBook()
     first.open_log(log, resumed_version=-1)
-    first.trained([group("g")], 10, "")
+    first.trained([group("g"), group("h")], 10, "")
     first.close_log()
     y = Lineage().fork(8)
     second = GroupBook()
     second.open_log(log, resumed_version=8, lineage=y)
     second.trained([group("g")], 12, y.id)
+    second.accept(group("h"))  # life 1 trained it too; sent again, queued here
     assert second.adopt(read_trained_log(log), Lineage().fork(10), 11) == 0
-    assert second.status("g") == "queued" and second.undurable == {"g": 10}
+    assert second.status("g") == "queued" and second.undurable == {"g": 10, "h": 10}
+    assert not second.queue  # h is in the weights taken: not trained again
     second.close_log()
 
 

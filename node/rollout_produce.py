@@ -4,7 +4,9 @@ In node/rollout.py's drawing this is the produce task, between the coordinator's
 WorkGrants (node/rollout_work.py) and the Ledger (node/delivery.py). Its stages, per batch:
 held-out evaluation when a version is due; per environment and policy, `env.run_group`;
 `build_groups`; teachers' scores (on-policy distillation); the groups spooled and held;
-the batch's metrics row.
+the batch's metrics row. An engine that failed (node/engine_base.py `failure`: vLLM's engine
+core died), met by a decode, a weight load, or an agent's call through the OpenAI endpoint,
+ends the loop after that batch: counted in `engine_faults`, and the node stops.
 """
 
 from __future__ import annotations
@@ -262,15 +264,19 @@ class Producer:
         self.gpus: list[protocol.GpuStats] = []  # the last sample
 
     async def run(self) -> None:
-        while True:
-            await self.backpressure.room.wait()
-            grants = await self.work.request()
-            for policy_sync in self.policies.values():
-                await policy_sync.load()
-            await self.evaluate_held_out()
-            for (env_name, n, policy), env_grants in batches_by_env(grants).items():
-                await self.play(env_name, n, policy, env_grants)
-            self.backpressure.close_if_full()
+        try:
+            while True:
+                await self.backpressure.room.wait()
+                grants = await self.work.request()
+                for policy_sync in self.policies.values():
+                    await policy_sync.load()
+                await self.evaluate_held_out()
+                for (env_name, n, policy), env_grants in batches_by_env(grants).items():
+                    await self.play(env_name, n, policy, env_grants)
+                self.backpressure.close_if_full()
+        except EngineError:  # the node stops with it; its cleanup keeps the groups held
+            self.counts["engine_faults"] += 1
+            raise
 
     async def evaluate_held_out(self) -> None:
         """Each policy's held-out sets, when the version it samples with is due."""
@@ -294,13 +300,9 @@ class Producer:
             return
         generator = generator_for(self.engine, policy)
         start = time.perf_counter()
-        try:
-            episodes = await env.run_group(generator, [g.task for g in grants], n, self.params)
-            if self.engine.failure is not None:  # met by an agent, through the endpoint
-                raise self.engine.failure
-        except EngineError:  # the node stops with it (its cleanup keeps the groups held)
-            self.counts["engine_faults"] += 1
-            raise
+        episodes = await env.run_group(generator, [g.task for g in grants], n, self.params)
+        if self.engine.failure is not None:  # met by an agent, through the endpoint (a 503)
+            raise self.engine.failure
         wall_s = time.perf_counter() - start
         lineages = {name: p.lineage.id for name, p in self.policies.items()}
         share_s = wall_s / len(grants)

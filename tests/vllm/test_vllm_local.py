@@ -123,7 +123,8 @@ def test_an_engine_core_killed_under_an_agents_call_stops_the_node_and_loses_not
     vllm_device: str, vllm_model_dir: Path, tmp_path: Path
 ) -> None:
     """SIGKILL vLLM's engine core (what the OOM killer does) once the agents' episodes have
-    trained a version. The agents' calls get 503s that say so, the rollout node counts one
+    trained a version. Whichever call meets the dead core first (an agent's, through the
+    OpenAI endpoint: a 503 that says so; or a weight load), the rollout node counts one
     engine fault and exits with vLLM's error in one line, `agentjet local` stops every role,
     and each group the node made is trained, stale, or in its spool for its next start."""
     run_dir = tmp_path / "run"

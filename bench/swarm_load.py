@@ -22,6 +22,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -237,7 +238,7 @@ def run_arm(trainers: int, minutes: float, extra: list[str], hog: bool = True) -
         failed = sum(
             int(rows[-1].get("counts/swarm_failed_rounds", 0)) for rows in steps.values() if rows
         )
-        return {
+        result = {
             "trainers": trainers,
             "hog": hog,
             "minutes": minutes,
@@ -253,10 +254,12 @@ def run_arm(trainers: int, minutes: float, extra: list[str], hog: bool = True) -
             "stop_s": {k: round(v, 1) for k, v in stop_s.items()},
             "version_times_s": [[round(t, 1), v] for t, v in versions],
             "status_halfway": status,
-            "run_dir": str(root),
         }
     finally:
         arm.reap()
+    # Kept only when the arm failed (its errors name it): a run's checkpoints are GBs.
+    shutil.rmtree(root)
+    return result
 
 
 def main() -> None:

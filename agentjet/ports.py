@@ -5,6 +5,10 @@ outgoing connection also draws from: between picking it and the child binding it
 connection on the box (a ZMQ peer, p2pd dialling out) can take it, and the child fails
 with "address already in use". Ports below that range are never given to outgoing
 connections, so one found free there stays free unless something binds it on purpose.
+A port handed out is not handed out again by this process: the launcher (or a test) that
+picks ports for several children picks them all before any child has bound its own, and
+two picks of one port (seen: two trainers given one port in the swarm tests) would both
+look free.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ DEFAULT_EPHEMERAL = (32768, 60999)
 LOWEST_PORT = 10000
 # Random candidates tried before giving up (a box with ~20 000 ports bound is not one to run on).
 ATTEMPTS = 1000
+# Every port free_port returned in this process.
+_handed_out: set[int] = set()
 
 
 def ephemeral_range() -> tuple[int, int]:
@@ -32,7 +38,7 @@ def ephemeral_range() -> tuple[int, int]:
 
 def free_port(host: str = "127.0.0.1", span: int = 1) -> int:
     """A port P such that P .. P+span-1 are all free on `host` now, outside the ephemeral
-    range. OSError if none is found."""
+    range, and none of them handed out by this process before. OSError if none is found."""
     low, high = ephemeral_range()
     candidates = [range(LOWEST_PORT, low - span + 1), range(high + 1, 65536 - span + 1)]
     candidates = [r for r in candidates if len(r) > 0]
@@ -42,6 +48,8 @@ def free_port(host: str = "127.0.0.1", span: int = 1) -> int:
     rng = random.SystemRandom()
     for _ in range(ATTEMPTS):
         port = rng.choice(rng.choice(candidates))
+        if _handed_out.intersection(range(port, port + span)):
+            continue
         sockets = [socket.socket(family) for _ in range(span)]
         try:
             for offset, sock in enumerate(sockets):
@@ -51,5 +59,6 @@ def free_port(host: str = "127.0.0.1", span: int = 1) -> int:
         finally:
             for sock in sockets:
                 sock.close()
+        _handed_out.update(range(port, port + span))
         return port
     raise OSError(f"no {span} free consecutive port(s) on {host} after {ATTEMPTS} tries")

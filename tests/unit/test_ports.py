@@ -23,8 +23,11 @@ def test_a_picked_port_and_the_next_are_free_and_below_the_ephemeral_range():
             b.bind(("127.0.0.1", port + 1))
 
 
-def test_a_port_someone_listens_on_is_never_picked(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
-    """With the choice narrowed to two ports and one of them taken, the other comes back."""
+def test_a_port_someone_listens_on_or_handed_out_before_is_never_picked(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+):
+    """With the choice narrowed to two ports and one of them taken, the other comes back,
+    once: it is not handed out again, though nobody has bound it yet."""
     with socket.socket() as taken:
         taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 0)
         for port in range(ports.LOWEST_PORT, ports.LOWEST_PORT + 1000):
@@ -38,7 +41,10 @@ def test_a_port_someone_listens_on_is_never_picked(monkeypatch: pytest.MonkeyPat
         range_file.write_text(f"{port + 2}\t65535\n")
         monkeypatch.setattr(ports, "EPHEMERAL_RANGE_FILE", range_file)
         monkeypatch.setattr(ports, "LOWEST_PORT", port)
-        assert {ports.free_port() for _ in range(20)} == {port + 1}
+        monkeypatch.setattr(ports, "_handed_out", set())
+        assert ports.free_port() == port + 1
+        with pytest.raises(OSError, match="no 1 free consecutive port"):
+            ports.free_port()
 
 
 def test_no_room_outside_the_ephemeral_range_is_one_clear_error(

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from learn import run_facts, speed, train, write_result  # noqa: E402
+from learn import gen_tokens_per_s, run_facts, speed, train, write_result  # noqa: E402
 
 from agentjet.metrics import read_metrics  # noqa: E402
 
@@ -52,11 +52,7 @@ def one_engine(
         **speed(run_dir, wall_s),
         "wall_s": round(wall_s, 1),
         "first_batch_s": round(batches[0]["time"] - started, 1) if batches else None,
-        "gen_tokens_per_s": round(
-            sum(r["perf/gen_tokens_per_s"] * r["perf/batch_s"] for r in batches)
-            / max(sum(r["perf/batch_s"] for r in batches), 1e-9),
-            2,
-        ),
+        "gen_tokens_per_s": gen_tokens_per_s(batches),
         "heldout_curve": curve,
         "peak_pss_mb": round(peak_pss["total"], 1),
         "ctrl_c_exit_s": round(stop_s, 1),

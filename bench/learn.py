@@ -214,8 +214,6 @@ def main() -> int:
         for r in read_metrics(run_dir / "train" / "metrics" / "rollout.jsonl")
         if r.get("event") == "batch"
     ]
-    gen_s = sum(r["perf/batch_s"] for r in batches)
-    gen_tokens = sum(r["perf/gen_tokens_per_s"] * r["perf/batch_s"] for r in batches)
     zero_var = sum(r["charts/zero_variance_groups"] for r in steps)
     groups = sum(len(r["trained_group_ids"]) for r in steps)
     kept = ("overall", "mean_reward", "by_difficulty", "by_op", "n")
@@ -225,7 +223,7 @@ def main() -> int:
         "after": {k: after[k] for k in kept},
         "minutes": round(wall_s / 60, 2),
         **speed(run_dir / "train", wall_s),
-        "gen_tokens_per_s": round(gen_tokens / gen_s, 2) if gen_s else 0.0,
+        "gen_tokens_per_s": gen_tokens_per_s(batches),
         "s_per_policy_version": round(
             wall_s / max(len({r["policy_version"] for r in steps}), 1), 2
         ),
@@ -239,6 +237,13 @@ def main() -> int:
     }
     write_result(args.out, result)
     return 0
+
+
+def gen_tokens_per_s(batches: list[dict]) -> float:
+    """Tokens generated per second inside the rollout node's batches (its "batch" rows)."""
+    gen_s = sum(r["perf/batch_s"] for r in batches)
+    gen_tokens = sum(r["perf/gen_tokens_per_s"] * r["perf/batch_s"] for r in batches)
+    return round(gen_tokens / gen_s, 2) if gen_s else 0.0
 
 
 def run_facts(args: argparse.Namespace) -> dict[str, object]:

@@ -528,6 +528,15 @@ class NetConfig(_Section):
     # chunk checked against the manifest) instead of fetching one of its own: the version
     # is in memory once for both (node/weights.py). False: fetch as from another host.
     map_local: bool = True
+    # A trainer whose versions are fetched over a network also serves each as a delta from
+    # the version before (node/delta.py): the bytes that changed, XORed and compressed; a
+    # rollout node holding that version fetches the delta instead (with model.dtype
+    # "bfloat16", about 3% of a SmolLM2-135M version; float32, about 55%: docs/links.md).
+    version_deltas: bool = True
+    # Every this many versions none is made (0: never), so every node fetches that version
+    # whole: it bounds how long a node runs on weights it rebuilt from deltas (each is
+    # checked against the version's own manifest all the same).
+    version_full_every: NonNegInt = 25
     # Give up on a request after this long and reconnect (lazy-pirate pattern).
     request_timeout_s: PositiveFloat = 30.0
     # The swarm's key file (`agentjet keys init`; `--keys FILE`): every ZMQ socket is

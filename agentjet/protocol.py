@@ -51,7 +51,9 @@ import numpy as np
 # 15: a teacher's top k (envs[].teacher_top_k): Sample.teacher_top_ids / teacher_top_logprobs,
 #    TeacherScoreRequest.top_k, TeacherScores.top_ids / top_logprobs.
 # 16: NodeRecord.rounds: why a trainer's gradient rounds keep failing (node/rounds.py).
-PROTOCOL_VERSION = 16
+# 17: delta versions: PolicyInfo.delta, WeightChunkRequest.base, WeightChunk.base
+#    (node/delta.py).
+PROTOCOL_VERSION = 17
 
 # Most teacher tokens a position may carry (envs[].teacher_top_k's bound).
 MAX_TOP_K = 64
@@ -440,6 +442,20 @@ class LocalCopy(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields
     fd: int
 
 
+class DeltaManifest(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """A version as the changes from the one before (node/delta.py): chunks of its own
+    (`chunk_hashes`, `sha256`, `nbytes`, cut like the version's), asked for with
+    `WeightChunkRequest.base`; only a node holding the version whose checksum is
+    `base_sha256` can use it, and what it makes is checked against the version's own
+    manifest."""
+
+    base: int  # the version it changes
+    base_sha256: str
+    nbytes: int
+    chunk_hashes: list[bytes]
+    sha256: str  # of its chunk hashes (node/weights.py `manifest_digest`)
+
+
 class PolicyInfo(_Msg, tag="policy_info"):
     """The newest complete policy version a trainer serves (version 0 = base weights), with
     its manifest: the blake3 hash of each chunk (node/weights.py). With the swarm's keys its
@@ -459,18 +475,21 @@ class PolicyInfo(_Msg, tag="policy_info"):
     ticket: bytes = b""
     sealed_endpoint: str = ""
     local: LocalCopy | None = None
+    delta: DeltaManifest | None = None  # this version from the one before, when made
 
 
 class WeightChunkRequest(_Msg, tag="weight_chunk_request"):
     version: int
     index: int
     ticket: bytes = b""  # PolicyInfo.ticket: asked on the sealed endpoint only
+    base: int = -1  # -1: a chunk of the version; else of its delta from version `base`
 
 
 class WeightChunk(_Msg, tag="weight_chunk"):
     version: int
     index: int
     data: memoryview  # decoded as a view of the received message, not a copy
+    base: int = -1  # as asked (WeightChunkRequest.base)
 
 
 TrainerRequest = (

@@ -2,7 +2,8 @@
 chunk by chunk, loaded into the engine between batches.
 
     trainers of the policy ──PolicyQuery──▶ newer? (Lineage.supersedes) ──manifest + chunks──▶
-    WeightAssembly (hash per chunk; from relays too) ──▶ `ready` ──load() between batches──▶
+    WeightAssembly (hash per chunk; from relays too; or the version's delta from the one
+    fetched last, node/delta.py, applied to it) ──▶ `ready` ──load() between batches──▶
     engine: full weights (`load_state_dict`), or adapters merged into them (`AdapterMerger`),
             or, with [[policies]], the policy's adapters beside the others (`load_adapters`)
 
@@ -37,6 +38,7 @@ from agentjet.logs import RepeatedLog
 from agentjet.metrics import MetricsWriter
 from agentjet.roles import wait_for
 from agentjet.transport import Client, PeerUnavailable
+from node import delta as deltas
 from node import memory
 from node.delivery import TrainerPeer
 from node.engine import Engine
@@ -76,6 +78,10 @@ class PolicySync:
         # A complete, verified version waiting to be loaded between batches.
         self.ready: ReadyWeights | None = None
         self.spare = SpareBuffer()  # the buffer of the version loaded last
+        # The checksum and bytes of the version fetched last (None: mapped, or none yet):
+        # what the next version's delta changes.
+        self.base: tuple[str, mmap.mmap] | None = None
+        self.deltas_refused = 0  # deltas that did not make their version (fetched whole)
         self.newer = asyncio.Event()  # a trainer of this policy reported a newer version
         # Trainers whose last fetch failed, each with the client it was asked on and its
         # heartbeat then (None: a trainer without records, of a config without --join).
@@ -224,15 +230,10 @@ class PolicySync:
             assembly = None
             if self.net.map_local:
                 assembly = await blocking(WeightAssembly.mapped, info)
+            fetched = FetchStats()
             if assembly is None:
                 assembly = WeightAssembly.of(info, self.spare)
-            if relay is not None:
-                relay.hold(assembly, info.ticket)
-            if assembly.local:
-                fetched = FetchStats()
-            else:
-                node_id = client.hello.node_id
-                fetched = await fetch_relayed(assembly, info, client, node_id, relays or [])
+                fetched = await self._fetch_bytes(assembly, info, client, relay, relays or [])
             self.fetching = None  # every chunk is in: the trainer's death no longer matters
             state = await blocking(assembly.finish)
             if self.merger is not None:  # LoRA: adapters arrive, this engine takes weights
@@ -247,6 +248,7 @@ class PolicySync:
             return False
         # (a mapping of the trainer's memory is no buffer for a later fetch to write into)
         buffer = None if assembly.local else assembly.blob
+        self.base = None if buffer is None else (info.sha256, buffer)
         self.ready = (info.lineage, info.version, info.sha256, state, buffer)
         self.metrics().write(
             {
@@ -258,11 +260,51 @@ class PolicySync:
                 "chunks_from_trainer": fetched.from_trainer,
                 "chunks_from_relays": fetched.from_relays,
                 "relays_given_up": len(fetched.relay_failures),
+                # bytes fetched (0: mapped), of the version or of its delta from `delta_from`
+                "fetched_bytes": fetched.nbytes,
+                "version_bytes": info.nbytes,
+                **({"delta_from": fetched.delta_base} if fetched.delta_base >= 0 else {}),
+                "deltas_refused": self.deltas_refused,
                 # what this node's relay did for the others, since it started
                 **({"relay/served": relay.served, "relay/refused": relay.refused} if relay else {}),
             }
         )
         return True
+
+    async def _fetch_bytes(
+        self,
+        assembly: WeightAssembly,
+        info: protocol.PolicyInfo,
+        client: Client,
+        relay: RelayServer | None,
+        relays: list[RelayPeer],
+    ) -> FetchStats:
+        """The version `info` announces into `assembly`: as its delta from the version
+        fetched last when the trainer serves one from it, else whole; what a delta did not
+        make right (a refused delta, counted) is fetched whole."""
+        node_id = client.hello.node_id
+        base = self.base
+        delta = info.delta
+        if delta is not None and base is not None and base[0] == delta.base_sha256:
+            changes = deltas.delta_assembly(info)
+            if relay is not None:
+                relay.hold(changes, info.ticket)
+            fetched = await fetch_relayed(changes, deltas.delta_info(info), client, node_id, relays)
+            try:
+                await blocking(deltas.apply, assembly, base[1], changes.blob, delta.base_sha256)
+                return fetched
+            except ValueError as e:
+                self.deltas_refused += 1
+                log.warning(
+                    "policy version %d: its delta from version %d did not make it (%s); "
+                    "fetching it whole",
+                    info.version,
+                    delta.base,
+                    e,
+                )
+        if relay is not None:
+            relay.hold(assembly, info.ticket)
+        return await fetch_relayed(assembly, info, client, node_id, relays)
 
     async def load(self) -> None:
         """Load the version fetched, if there is one (between batches, never mid-episode)."""

@@ -3,9 +3,11 @@
     trainer ──publish(snapshot), after each step──▶ Publisher: the newest and the one before
     PolicyQuery         ──▶ info(): the newest version with its manifest (node/weights.py;
                             with the swarm's keys also its key, its ticket and the sealed
-                            endpoint; where a node on this host maps it), or without
-                            (PolicyQuery.manifest false: a poll)
-    WeightChunkRequest  ──▶ chunk(): plain, or sealed with keys
+                            endpoint; where a node on this host maps it; its delta's
+                            manifest, node/delta.py), or without (PolicyQuery.manifest
+                            false: a poll)
+    WeightChunkRequest  ──▶ chunk(): plain, or sealed with keys; of the version's delta
+                            when it names the delta's base
     sealed endpoint     a ROUTER without CURVE (with keys only): Hello, and
                         WeightChunkRequest carrying its version's ticket; nothing else
 
@@ -36,6 +38,7 @@ from collections.abc import Callable
 
 from agentjet import protocol
 from agentjet.transport import Server
+from node import delta as deltas
 from node.weights import PolicySnapshot, this_host
 
 # The version before the newest goes before a step once no chunk of it was asked for this
@@ -69,6 +72,11 @@ class Publisher:
     ) -> None:
         self.published = first
         self.previous: PolicySnapshot | None = None
+        # Each served version's delta from the one before (node/delta.py), by version.
+        self.deltas: dict[int, PolicySnapshot] = {}
+        # Whether a chunk was ever asked for on a socket (a node that maps versions asks
+        # none): then versions are worth a delta (node/trainer_versions.py).
+        self.fetched_over_wire = False
         self.clock = clock
         self.previous_asked = 0.0  # when a chunk of `previous` was last asked for
         self.run_id = run_id
@@ -84,18 +92,24 @@ class Publisher:
     def retire(self) -> None:
         """Let the version before the newest go: call it before making the next."""
         self.previous = None
+        self.deltas = {v: d for v, d in self.deltas.items() if v == self.published.version}
 
     def retire_idle(self, idle_s: float = PREVIOUS_IDLE_S) -> bool:
         """Let the version before the newest go if no chunk of it was asked for in the
         last `idle_s` (counted from its successor's publication); True if it went."""
         if self.previous is None or self.clock() - self.previous_asked < idle_s:
             return False
-        self.previous = None
+        self.retire()
         return True
 
-    def publish(self, snap: PolicySnapshot) -> None:
-        self.previous, self.published = self.published, snap
+    def publish(self, snap: PolicySnapshot, delta: PolicySnapshot | None = None) -> None:
+        """Serve `snap` as the newest version, and `delta` (its delta from the version
+        served so far) beside it."""
+        previous = self.previous = self.published
+        self.published = snap
         self.previous_asked = self.clock()  # a fetch of it may be under way
+        kept = {v: d for v, d in self.deltas.items() if v == previous.version}
+        self.deltas = kept | ({snap.version: delta} if delta is not None else {})
 
     def info(self, lineage: protocol.Lineage, manifest: bool = True) -> protocol.PolicyInfo:
         """The newest version; without `manifest`, only what tells it from others (no chunk
@@ -115,24 +129,34 @@ class Publisher:
             info.sealed_endpoint = self.sealed_endpoint if snap.key else ""
             if snap.fd >= 0 and this_host():
                 info.local = protocol.LocalCopy(host=this_host(), pid=os.getpid(), fd=snap.fd)
+            delta = self.deltas.get(snap.version)
+            if delta is not None:
+                info.delta = deltas.manifest(delta)
         return info
 
     def chunk(
         self, request: protocol.WeightChunkRequest, sealed: bool = False
     ) -> protocol.WeightChunk | protocol.Error:
-        """The chunk `request` asks for; on the sealed endpoint (`sealed`) only a sealed one,
-        and only for its version's ticket."""
-        for snap in (self.published, self.previous):
-            if snap is None or snap.version != request.version:
+        """The chunk `request` asks for (of its version, or of the version's delta from
+        `request.base`); on the sealed endpoint (`sealed`) only a sealed one, and only for
+        its version's ticket."""
+        for served in (self.published, self.previous):
+            if served is None or served.version != request.version:
                 continue
+            snap = served if request.base < 0 else self.deltas.get(served.version)
+            if snap is None or snap.base != request.base:
+                break  # (no such delta: "gone", the node asks for the newest version again)
             if sealed and not (snap.key and hmac.compare_digest(request.ticket, snap.ticket)):
                 return protocol.Error(code="invalid", message="no such ticket")
             if not 0 <= request.index < snap.num_chunks:
                 return protocol.Error(code="invalid", message=f"no chunk {request.index}")
             data = snap.chunk(request.index)
-            if snap is self.previous:
+            self.fetched_over_wire = True
+            if served is self.previous:
                 self.previous_asked = self.clock()
-            return protocol.WeightChunk(version=snap.version, index=request.index, data=data)
+            return protocol.WeightChunk(
+                version=snap.version, index=request.index, data=data, base=request.base
+            )
         return protocol.Error(code="gone", message=f"policy version {request.version} is gone")
 
     async def serve_sealed(self) -> None:

@@ -21,7 +21,8 @@ a relay serves chunks sealed as the trainer sealed them (WeightAssembly.served: 
 again under the version's key, which gives the trainer's very bytes), on a socket without
 CURVE, to requests carrying the version's ticket, like the trainer's sealed endpoint
 (node/publisher.py). A node holds one version at a time for others: the one it fetches
-or fetched last, until its next fetch begins (which may reuse its buffer).
+or fetched last, until its next fetch begins (which may reuse its buffer), or that
+version's delta (node/delta.py) when it fetched the delta: it serves what it fetched.
 """
 
 from __future__ import annotations
@@ -89,6 +90,8 @@ class FetchStats:
     from_trainer: int = 0
     from_relays: int = 0
     relay_failures: dict[str, str] = field(default_factory=dict)  # relay -> why given up
+    nbytes: int = 0  # of what was fetched: the version, or its delta
+    delta_base: int = -1  # the version the delta fetched changes (-1: fetched whole)
 
 
 class RelayServer:
@@ -130,7 +133,7 @@ class RelayServer:
 
     async def answer(self, request: protocol.WeightChunkRequest) -> protocol.TrainerReply:
         held = self._held
-        if held is None or held[0].version != request.version:
+        if held is None or (held[0].version, held[0].base) != (request.version, request.base):
             self.absent += 1
             # (once per version number: anyone can send a request without a ticket, and a
             # stranger's version 10**9 costs one poll, not one per request)
@@ -155,7 +158,7 @@ class RelayServer:
             return protocol.Error(code="absent", message=f"no chunk {request.index} yet")
         self.served += 1
         return protocol.WeightChunk(
-            version=request.version, index=request.index, data=memoryview(data)
+            version=request.version, index=request.index, data=memoryview(data), base=request.base
         )
 
     async def _sealed(self, assembly: WeightAssembly, index: int) -> bytes | None:
@@ -284,6 +287,8 @@ async def fetch_relayed(
         await asyncio.gather(*tasks, return_exceptions=True)
         source.close()
     stats.from_trainer = source.received
+    stats.nbytes = assembly.nbytes
+    stats.delta_base = assembly.base
     return stats
 
 
@@ -312,13 +317,17 @@ async def _from_relay(
                 return
             # the next few: an owner takes its share from the trainer in order
             requests = [
-                protocol.WeightChunkRequest(version=info.version, index=i, ticket=info.ticket)
+                protocol.WeightChunkRequest(
+                    version=info.version, index=i, ticket=info.ticket, base=assembly.base
+                )
                 for i in wanted[:RELAY_ROUND]
             ]
             holds_version = gave = False
             async for reply in client.pipelined(requests, RELAY_WINDOW, RELAY_REPLY_TIMEOUT_S):
                 match reply:
-                    case protocol.WeightChunk(version=info.version, index=index) if index in wanted:
+                    case protocol.WeightChunk(version=info.version, index=index, base=base) if (
+                        index in wanted and base == assembly.base
+                    ):
                         holds_version = gave = True
                         if await blocking(assembly.add, index, reply.data):
                             stats.from_relays += 1

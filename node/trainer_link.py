@@ -136,7 +136,9 @@ class TrainerSource:
         info = self.info
         missing = set(assembly.missing())
         requests = [
-            protocol.WeightChunkRequest(version=info.version, index=i, ticket=info.ticket)
+            protocol.WeightChunkRequest(
+                version=info.version, index=i, ticket=info.ticket, base=assembly.base
+            )
             for i in indices
             if i in missing
         ]
@@ -146,8 +148,8 @@ class TrainerSource:
             match chunk:
                 case protocol.Error(code="gone"):
                     raise Superseded(f"policy version {info.version} is gone")
-                case protocol.WeightChunk(version=version, index=index) if (
-                    version == info.version and index in missing
+                case protocol.WeightChunk(version=version, index=index, base=base) if (
+                    version == info.version and index in missing and base == assembly.base
                 ):
                     self.received += await blocking(assembly.add, index, chunk.data)
                 case _:

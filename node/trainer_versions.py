@@ -2,7 +2,9 @@
 weights, sealed with the swarm's keys), and saved as checkpoints that make their steps'
 groups durable.
 
-    step ──▶ Versions.publish: snapshot (compute dtype, sealed) ──▶ Publisher (node/publisher.py)
+    step ──▶ Versions.publish: snapshot (compute dtype, sealed), and its delta from the
+         version before when nodes fetch over a network (node/delta.py) ──▶ Publisher
+         (node/publisher.py)
          ──every trainer.checkpoint_every versions──▶ Versions.checkpoint: HF folder +
            resume state (trainable parameters, AdamW's moments, lineage) ──▶ groups durable,
            the checkpoint's version recorded in the DHT (node/directory.py)
@@ -23,6 +25,7 @@ import torch
 from agentjet.bridge import blocking
 from agentjet.config import Config
 from node import memory
+from node.delta import delta_due, delta_snapshot
 from node.directory import Directory, Mark
 from node.groups import GroupBook
 from node.lora import merged_weights
@@ -76,10 +79,16 @@ class Versions:
         return made
 
     async def publish(self) -> None:
-        """Serve the current weights as the current version."""
-        assert self.publisher is not None
-        self.publisher.retire()  # (its memory is free for the next version)
-        self.publisher.publish(await blocking(self.snapshot, self.publisher.sealed is not None))
+        """Serve the current weights as the current version (and its delta from the one
+        served so far, when one is due: node/delta.py `delta_due`)."""
+        publisher = self.publisher
+        assert publisher is not None
+        publisher.retire()  # (its memory is free for the next version)
+        made = await blocking(self.snapshot, publisher.sealed is not None)
+        delta = None
+        if delta_due(self.config.net, made.version, publisher.fetched_over_wire):
+            delta = await blocking(delta_snapshot, publisher.published, made)
+        publisher.publish(made, delta)
 
     def checkpoint(self) -> None:
         """Save the policy (an HF folder) and what resuming needs, then mark its steps'

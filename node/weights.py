@@ -38,7 +38,7 @@ import struct
 import sys
 import threading
 import weakref
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, cast
@@ -93,6 +93,10 @@ class PolicySnapshot:
     key: bytes = b""  # b"": the chunks go out plain
     ticket: bytes = b""  # asked of every request for a sealed chunk on the open socket
     fd: int = -1
+    # A delta (node/delta.py): this version's changes from version `base`, whose checksum
+    # is `base_sha256` (-1: the version itself).
+    base: int = -1
+    base_sha256: str = ""
     _sealed: RecentChunks = field(
         default_factory=lambda: RecentChunks(SEALED_KEPT), compare=False, repr=False
     )
@@ -109,7 +113,7 @@ class PolicySnapshot:
             return plain
         sealed = self._sealed.get(index)
         if sealed is None:
-            sealed = seal_chunk(AESGCM(self.key), self.version, index, plain)
+            sealed = seal_chunk(AESGCM(self.key), self.version, index, plain, self.base >= 0)
             self._sealed.put(index, sealed)
         return memoryview(sealed)
 
@@ -232,14 +236,22 @@ def manifest_digest(hashes: Sequence[bytes]) -> str:
     return hashlib.sha256(b"".join(hashes)).hexdigest()
 
 
-def seal_chunk(aead: AESGCM, version: int, index: int, plain: Buffer) -> bytes:
-    """Chunk `index` of `version` sealed: the same bytes whoever seals it with the key."""
-    return aead.encrypt(seal_nonce(version, index), plain, None)
+def seal_chunk(aead: AESGCM, version: int, index: int, plain: Buffer, delta: bool = False) -> bytes:
+    """Chunk `index` of `version` (or of its `delta`) sealed: the same bytes whoever seals
+    it with the key."""
+    return aead.encrypt(seal_nonce(version, index, delta), plain, None)
 
 
-def seal_nonce(version: int, index: int) -> bytes:
-    """Unique per chunk under a version's key (each version has a key of its own)."""
-    return struct.pack(">QI", version, index)
+# A delta's chunks are sealed under their version's key with this bit set in the index.
+DELTA_NONCE_BIT = 1 << 31
+
+
+def seal_nonce(version: int, index: int, delta: bool = False) -> bytes:
+    """Unique per chunk under a version's key (each version has a key of its own), the
+    chunks of the version's delta (node/delta.py) apart from its own."""
+    if not 0 <= index < DELTA_NONCE_BIT:
+        raise ValueError(f"no chunk {index}")
+    return struct.pack(">QI", version, index | (DELTA_NONCE_BIT if delta else 0))
 
 
 def _layout(
@@ -365,8 +377,10 @@ class WeightAssembly:
         key: bytes,
         spare: SpareBuffer | None = None,
         blob: mmap.mmap | None = None,
+        base: int = -1,
     ) -> None:
         self.version = version
+        self.base = base  # a delta's base version (node/delta.py); -1: the version itself
         self.nbytes = nbytes
         self.chunk_bytes = chunk_bytes
         self.hashes = hashes
@@ -417,21 +431,14 @@ class WeightAssembly:
     @staticmethod
     def _manifest(info: protocol.PolicyInfo) -> tuple[bytes, ...]:
         """`info`'s chunk hashes; ValueError when its manifest does not hold together."""
-        hashes = tuple(info.chunk_hashes)
-        count = len(hashes)
-        if not hashes or any(len(h) != CHUNK_HASH_BYTES for h in hashes):
-            raise ValueError(f"policy version {info.version}: a malformed manifest")
-        if manifest_digest(hashes) != info.sha256:
-            raise ValueError(f"policy version {info.version}: the manifest is not its checksum's")
-        if info.chunk_bytes < 1 or not (
-            (count - 1) * info.chunk_bytes < info.nbytes <= count * info.chunk_bytes
-        ):
-            raise ValueError(
-                f"policy version {info.version}: {count} chunks cannot hold {info.nbytes} bytes"
-            )
-        if len(info.key) not in (0, SEAL_KEY_BYTES):
-            raise ValueError(f"policy version {info.version}: a key of {len(info.key)} bytes")
-        return hashes
+        return checked_manifest(
+            f"policy version {info.version}",
+            info.chunk_hashes,
+            info.sha256,
+            info.nbytes,
+            info.chunk_bytes,
+            info.key,
+        )
 
     @property
     def num_chunks(self) -> int:
@@ -459,19 +466,32 @@ class WeightAssembly:
         return True
 
     def _write(self, index: int, data: Buffer) -> None:
-        begin = index * self.chunk_bytes
-        size = min(self.chunk_bytes, self.nbytes - begin)
+        size = self._size(index)
         sealed_size = size + (SEAL_TAG_BYTES if self._aead else 0)
         if len(data) != sealed_size:
             raise ValueError(f"chunk {index}: {len(data)} bytes, not {sealed_size}")
-        with memoryview(self.blob)[begin : begin + size] as place:
+
+        def unseal(place: memoryview) -> None:
             if self._aead is None:
                 place[:] = data
-            else:
-                try:
-                    self._aead.decrypt_into(seal_nonce(self.version, index), data, None, place)
-                except InvalidTag:
-                    raise ValueError(f"chunk {index} does not unseal with its key") from None
+                return
+            nonce = seal_nonce(self.version, index, self.base >= 0)
+            try:
+                self._aead.decrypt_into(nonce, data, None, place)
+            except InvalidTag:
+                raise ValueError(f"chunk {index} does not unseal with its key") from None
+
+        self.fill(index, unseal)
+
+    def _size(self, index: int) -> int:
+        return min(self.chunk_bytes, self.nbytes - index * self.chunk_bytes)
+
+    def fill(self, index: int, write: Callable[[memoryview], None]) -> None:
+        """Chunk `index` written by `write` into its place in the buffer, then checked
+        against its hash: present if it matches, else ValueError (it stays missing)."""
+        begin = index * self.chunk_bytes
+        with memoryview(self.blob)[begin : begin + self._size(index)] as place:
+            write(place)
             if chunk_hash(place) != self.hashes[index]:
                 raise ValueError(f"chunk {index} does not match its hash in the manifest")
         with self._lock:
@@ -488,7 +508,7 @@ class WeightAssembly:
         with memoryview(self.blob)[begin : min(begin + self.chunk_bytes, self.nbytes)] as plain:
             if self._aead is None:
                 return bytes(plain)
-            return seal_chunk(self._aead, self.version, index, plain)
+            return seal_chunk(self._aead, self.version, index, plain, self.base >= 0)
 
     def finish(self) -> dict[str, torch.Tensor]:
         """The state dict (tensors are views of the one buffer), or ValueError when chunks
@@ -496,6 +516,25 @@ class WeightAssembly:
         if len(self.present) < self.num_chunks:
             raise ValueError(f"policy version {self.version}: {len(self.missing())} chunks missing")
         return from_safetensors(self.blob)
+
+
+def checked_manifest(
+    what: str, hashes: Sequence[bytes], sha256: str, nbytes: int, chunk_bytes: int, key: bytes
+) -> tuple[bytes, ...]:
+    """A manifest's chunk hashes, once they hold together: hashes of the right size, their
+    digest `sha256`, as many as `nbytes` in chunks of `chunk_bytes` takes, a key of the
+    right size (or none); else ValueError naming `what`."""
+    hashes = tuple(hashes)
+    count = len(hashes)
+    if not hashes or any(len(h) != CHUNK_HASH_BYTES for h in hashes):
+        raise ValueError(f"{what}: a malformed manifest")
+    if manifest_digest(hashes) != sha256:
+        raise ValueError(f"{what}: the manifest is not its checksum's")
+    if chunk_bytes < 1 or not ((count - 1) * chunk_bytes < nbytes <= count * chunk_bytes):
+        raise ValueError(f"{what}: {count} chunks cannot hold {nbytes} bytes")
+    if len(key) not in (0, SEAL_KEY_BYTES):
+        raise ValueError(f"{what}: a key of {len(key)} bytes")
+    return hashes
 
 
 def from_safetensors(blob: bytearray | mmap.mmap) -> dict[str, torch.Tensor]:

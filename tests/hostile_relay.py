@@ -14,5 +14,7 @@ class CorruptingRelay(RelayServer):
         if isinstance(reply, protocol.WeightChunk):
             data = bytearray(reply.data)
             data[len(data) // 2] ^= 1
-            reply = protocol.WeightChunk(version=reply.version, index=reply.index, data=data)
+            reply = protocol.WeightChunk(
+                version=reply.version, index=reply.index, data=data, base=reply.base
+            )
         return reply

@@ -1,6 +1,7 @@
 """A trainer's sockets as node/trainer.py serves policy versions, without CURVE and without
 a trainer: PolicyQuery and chunks on its own socket; with `seal`, sealed chunks for the
-version's ticket on a second one (node/publisher.py). For tests of the fetching side."""
+version's ticket on a second one (node/publisher.py); `publish` serves a next version,
+with its delta from the one before (node/delta.py). For tests of the fetching side."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 
 from agentjet import protocol
 from agentjet.transport import Client, Server
+from node.delta import delta_snapshot
 from node.publisher import Publisher
 from node.weights import chunked, to_safetensors
 
@@ -26,6 +28,8 @@ class VersionServer:
         seal: bool = False,
     ) -> None:
         self.max_message_bytes = max_message_bytes
+        self.chunk_bytes = chunk_bytes
+        self.seal = seal
         snap = chunked(to_safetensors(tensors, {}), version, chunk_bytes, seal)
         self.server = Server(HOST, protocol.trainer_request_decoder, max_message_bytes)
         sealed = Server(HOST, protocol.trainer_request_decoder, max_message_bytes) if seal else None
@@ -36,6 +40,13 @@ class VersionServer:
         self.tasks = [asyncio.create_task(self._serve())]
         if sealed is not None:
             self.tasks.append(asyncio.create_task(self.publisher.serve_sealed()))
+
+    def publish(self, tensors: dict[str, torch.Tensor], version: int, delta: bool = True) -> None:
+        """Serve `tensors` as `version`, with its delta from the version served so far
+        (`delta`: when there is one to make)."""
+        snap = chunked(to_safetensors(tensors, {}), version, self.chunk_bytes, self.seal)
+        changes = delta_snapshot(self.publisher.published, snap) if delta else None
+        self.publisher.publish(snap, changes)
 
     @property
     def chunks_sent(self) -> int:

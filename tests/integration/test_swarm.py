@@ -623,8 +623,9 @@ def test_two_rollout_nodes_pass_policy_versions_on_to_each_other(
 ):
     """A trainer and two rollout nodes: each takes its share of a version's chunks from the
     trainer and the rest from the other's relay (node/relay.py), and both load exactly the
-    versions the trainer published (with LoRA: the adapters, merged by each node). (On one
-    host they would map the trainer's memory instead: told to fetch as across hosts.)"""
+    versions the trainer published (with LoRA: the adapters, merged by each node). Once a
+    node holds a version, the next ones come as deltas (node/delta.py), relayed too. (On
+    one host they would map the trainer's memory instead: told to fetch as across hosts.)"""
     swarm = swarm_factory("net.map_local=false", *settings)
     join = start_swarm(swarm, ["trainer-a"])
     swarm.start("rollout-b", "node", "--role", "rollout", "--join", join)
@@ -638,12 +639,14 @@ def test_two_rollout_nodes_pass_policy_versions_on_to_each_other(
 
     def both_loaded_versions_with_chunks_from_the_other() -> bool:
         return all(
-            len(loaded(name)) >= 2 and sum(r["chunks_from_relays"] for r in fetched(name)) > 0
+            len(loaded(name)) >= 2
+            and sum(r["chunks_from_relays"] for r in fetched(name)) > 0
+            and any("delta_from" in r for r in fetched(name))
             for name in names
         )
 
     swarm.wait_for(
-        "each rollout node to load two versions, with chunks from the other",
+        "each rollout node to load versions whole and as deltas, with chunks from the other",
         both_loaded_versions_with_chunks_from_the_other,
     )
     codes = swarm.stop()

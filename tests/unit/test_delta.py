@@ -1,0 +1,314 @@
+"""node/delta.py: a policy version as its changes from the version before. The format
+(round trip, tampering, a missing or wrong base, a hostile delta), the chain that starts
+again from a whole version, a trainer's Publisher serving deltas, relays passing them on,
+and a rollout node's PolicySync fetching versions whole, then as deltas, then whole again
+when it missed one. Real ZeroMQ sockets on loopback; the torch engine on the tiny model."""
+
+from __future__ import annotations
+
+import asyncio
+import mmap
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+import zstandard
+
+from agentjet import protocol
+from agentjet.config import LogConfig, ModelConfig, NetConfig
+from agentjet.metrics import MetricsWriter, read_metrics
+from agentjet.transport import Server
+from node import delta
+from node.policy_sync import PolicySync
+from node.publisher import Publisher
+from node.relay import RelayPeer, RelayServer, fetch_relayed
+from node.torch_engine import TorchEngine
+from node.weights import PolicySnapshot, WeightAssembly, chunked, seal_nonce, to_safetensors
+from tests.hostile_relay import CorruptingRelay
+from tests.version_server import VersionServer
+
+pytestmark = pytest.mark.unit
+
+CHUNK_BYTES = 1 << 14
+MAX_MESSAGE_BYTES = 1 << 22
+HOST = "tcp://127.0.0.1:*"
+
+
+def weights(seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "w": torch.randn(60_000, generator=gen).bfloat16(),
+        "b": torch.randn(300, generator=gen).bfloat16(),
+    }
+
+
+def stepped(tensors: dict[str, torch.Tensor], every: int = 40) -> dict[str, torch.Tensor]:
+    """`tensors` as one step changes them: a few values in each (1 in `every`)."""
+    out = {name: t.clone() for name, t in tensors.items()}
+    for t in out.values():
+        t[::every] += 0.25
+    return out
+
+
+def version(tensors: dict[str, torch.Tensor], number: int, seal: bool = True) -> PolicySnapshot:
+    return chunked(to_safetensors(tensors, {}), number, CHUNK_BYTES, seal)
+
+
+def announced(snap: PolicySnapshot, changes: PolicySnapshot | None) -> protocol.PolicyInfo:
+    """What a trainer serving `snap` (and its delta `changes`) tells a node over CURVE."""
+    publisher = Publisher(snap, "run")
+    info = publisher.info(protocol.Lineage())
+    info.delta = delta.manifest(changes) if changes is not None else None
+    return info
+
+
+def fetched_delta(info: protocol.PolicyInfo, changes: PolicySnapshot) -> WeightAssembly:
+    """The delta's chunks as a node receives them (sealed as served), each checked."""
+    assembly = delta.delta_assembly(info)
+    for index in range(changes.num_chunks):
+        assert assembly.add(index, changes.chunk(index))
+    return assembly
+
+
+def test_a_delta_rebuilds_the_version_bit_for_bit_from_its_base_and_is_small() -> None:
+    old, new = version(weights(), 1), version(stepped(weights()), 2)
+    changes = delta.delta_snapshot(old, new)
+    assert changes is not None and (changes.base, changes.base_sha256) == (1, old.sha256)
+    assert changes.nbytes < 0.1 * new.nbytes  # 1 value in 40 changed
+    info = announced(new, changes)
+    target = WeightAssembly.of(info)
+    delta.apply(target, old.stored, fetched_delta(info, changes).blob, old.sha256)
+    assert bytes(target.blob) == bytes(new.stored)
+    rebuilt = target.finish()
+    assert all(torch.equal(rebuilt[n], t) for n, t in stepped(weights()).items())
+
+
+def test_a_chunk_of_a_delta_that_was_tampered_with_is_refused_and_taken_again() -> None:
+    old, new = version(weights(), 1), version(stepped(weights()), 2)
+    changes = delta.delta_snapshot(old, new)
+    assert changes is not None
+    assembly = delta.delta_assembly(announced(new, changes))
+    bad = bytearray(changes.chunk(0))
+    bad[7] ^= 1
+    with pytest.raises(ValueError, match="does not unseal"):
+        assembly.add(0, bad)
+    assert 0 in assembly.missing()
+    # a delta's chunk is sealed apart from the version's own chunk of that index
+    assert seal_nonce(2, 0, delta=True) != seal_nonce(2, 0)
+    assert assembly.add(0, changes.chunk(0)) and 0 not in assembly.missing()
+
+
+def test_a_delta_from_another_base_is_refused_before_a_byte_is_written() -> None:
+    old, new = version(weights(), 1), version(stepped(weights()), 2)
+    changes = delta.delta_snapshot(old, new)
+    assert changes is not None
+    info = announced(new, changes)
+    blob = fetched_delta(info, changes).blob
+    target = WeightAssembly.of(info)
+    other = version(weights(seed=1), 1)
+    with pytest.raises(ValueError, match="another base"):
+        delta.apply(target, other.stored, blob, other.sha256)
+    assert target.present == set()
+    # The base's checksum, but other bytes (a node's copy gone bad): its chunks come out
+    # wrong, and each is refused against the version's own manifest.
+    with pytest.raises(ValueError, match="does not match its hash"):
+        delta.apply(target, other.stored, blob, old.sha256)
+    assert len(target.present) < target.num_chunks
+
+
+def hostile(blob: bytes, lengths: list[int] | None = None, magic: bytes = delta.MAGIC) -> bytes:
+    """`blob` (a delta) with its magic or its frame lengths replaced."""
+    head = bytearray(blob[: delta.HEADER.size])
+    head[:8] = magic
+    _, count, *_ = delta.HEADER.unpack_from(blob)
+    table = blob[delta.HEADER.size : delta.HEADER.size + 4 * count]
+    if lengths is not None:
+        table = b"".join(struct.pack("<I", n) for n in lengths)
+    return bytes(head) + table + blob[delta.HEADER.size + 4 * count :]
+
+
+def test_a_hostile_delta_is_one_clear_error_and_never_writes_past_a_chunk() -> None:
+    old, new = version(weights(), 1, seal=False), version(stepped(weights()), 2, seal=False)
+    info = announced(new, None)
+    blob = delta.make_delta(old, new)
+    assert blob is not None
+    _, count, *_ = delta.HEADER.unpack_from(blob)
+    lengths = [struct.unpack_from("<I", blob, delta.HEADER.size + 4 * i)[0] for i in range(count)]
+    too_big = zstandard.ZstdCompressor().compress(bytes(2 * CHUNK_BYTES))
+    frames_start = delta.HEADER.size + 4 * count
+    bomb = bytearray(hostile(bytes(blob), [len(too_big)] + [0] * (count - 1)))
+    bomb[frames_start:] = too_big
+    cases = {
+        "not a delta": hostile(bytes(blob), magic=b"NOTDELTA"),
+        "whose frames say otherwise": hostile(bytes(blob), [n + 1 for n in lengths]),
+        "shorter than its header": bytes(blob[:10]),
+        "does not decompress|bytes, not": bytes(bomb),
+    }
+    for message, bad in cases.items():
+        target = WeightAssembly.of(info)
+        with pytest.raises(ValueError, match=message):
+            delta.apply(target, old.stored, bad, old.sha256)
+        assert target.present == set(), message
+
+
+def test_no_delta_between_versions_cut_otherwise_or_when_it_would_not_pay() -> None:
+    old = version(weights(), 1)
+    longer = version({**weights(), "extra": torch.ones(8, dtype=torch.bfloat16)}, 2)
+    assert delta.delta_snapshot(old, longer) is None
+    unrelated = version(weights(seed=5), 2)  # every value changed: about its own size
+    assert delta.delta_snapshot(old, unrelated) is None
+    same = delta.delta_snapshot(old, version(weights(), 2))  # nothing changed
+    assert same is not None and same.nbytes < 1000
+
+
+def test_the_chain_of_deltas_starts_again_from_a_whole_version_every_k() -> None:
+    net = NetConfig(version_full_every=5)
+    due = [v for v in range(1, 12) if delta.delta_due(net, v, fetched_over_wire=True)]
+    assert due == [1, 2, 3, 4, 6, 7, 8, 9, 11]
+    assert not delta.delta_due(net, 3, fetched_over_wire=False)  # nodes map versions
+    assert not delta.delta_due(NetConfig(version_deltas=False), 3, fetched_over_wire=True)
+    assert delta.delta_due(NetConfig(version_full_every=0), 25, fetched_over_wire=True)
+
+
+def test_a_trainer_serves_the_delta_beside_its_version_and_lets_both_go_together() -> None:
+    one, two, three = (version(stepped(weights(), 40 + v), v) for v in (1, 2, 3))
+    publisher = Publisher(one, "run")
+    request = protocol.WeightChunkRequest(version=2, index=0, base=1)
+    publisher.publish(two, delta.delta_snapshot(one, two))
+    info = publisher.info(protocol.Lineage())
+    assert info.delta is not None and info.delta.base == 1
+    assert publisher.info(protocol.Lineage(), manifest=False).delta is None  # a poll
+    assert not publisher.fetched_over_wire
+    served = publisher.chunk(request)
+    assert isinstance(served, protocol.WeightChunk) and served.base == 1
+    assert publisher.fetched_over_wire
+    wrong_base = publisher.chunk(protocol.WeightChunkRequest(version=2, index=0, base=0))
+    assert isinstance(wrong_base, protocol.Error) and wrong_base.code == "gone"
+    publisher.retire()
+    publisher.publish(three)  # no delta of 3: version 2's still served while 2 is
+    assert publisher.info(protocol.Lineage()).delta is None
+    assert isinstance(publisher.chunk(request), protocol.WeightChunk)
+    publisher.retire()
+    assert publisher.deltas == {}
+    assert isinstance(publisher.chunk(request), protocol.Error)
+
+
+class RelayNode:
+    """A rollout node's part in a delta fetch: its relay, the version it holds, its client."""
+
+    def __init__(self, name: str, trainer: VersionServer, relay: type[RelayServer]) -> None:
+        self.name = name
+        self.relay = relay(Server(HOST, protocol.trainer_request_decoder, MAX_MESSAGE_BYTES), "")
+        self.serving = asyncio.create_task(self.relay.serve())
+        self.client = trainer.client(name)
+        held = trainer.publisher.published
+        self.held: tuple[str, bytes] = (held.sha256, bytes(held.stored))
+
+    @property
+    def peer(self) -> RelayPeer:
+        return RelayPeer(self.name, self.relay.endpoint)
+
+    async def fetch_delta(self, relays: list[RelayPeer]) -> tuple[bytes, int]:
+        """The newest version, from its delta; its bytes and the delta chunks relays gave."""
+        info = await self.client.request(protocol.PolicyQuery())
+        assert isinstance(info, protocol.PolicyInfo) and info.delta is not None
+        changes = delta.delta_assembly(info)
+        self.relay.hold(changes, info.ticket)
+        stats = await fetch_relayed(changes, delta.delta_info(info), self.client, self.name, relays)
+        target = WeightAssembly.of(info)
+        delta.apply(target, self.held[1], changes.blob, self.held[0])
+        return bytes(target.blob), stats.from_relays
+
+    async def close(self) -> None:
+        self.serving.cancel()
+        await asyncio.gather(self.serving, return_exceptions=True)
+        self.relay.close()
+        self.client.close()
+
+
+@pytest.mark.parametrize("relay", [RelayServer, CorruptingRelay], ids=["honest", "corrupting"])
+def test_relays_pass_a_delta_on_and_a_bad_one_costs_a_chunk_from_the_trainer(relay) -> None:
+    big = {"w": torch.randn(400_000, generator=torch.Generator().manual_seed(3)).bfloat16()}
+
+    async def scenario() -> tuple[list[tuple[bytes, int]], bytes, int, int]:
+        trainer = VersionServer(big, 1, CHUNK_BYTES, MAX_MESSAGE_BYTES, seal=True)
+        nodes = [RelayNode("n1", trainer, RelayServer), RelayNode("n2", trainer, relay)]
+        trainer.publish(stepped(big, 8), 2)
+        changes = trainer.publisher.deltas[2]
+        try:
+            results = await asyncio.gather(*(n.fetch_delta([m.peer for m in nodes]) for n in nodes))
+            return (
+                results,
+                bytes(trainer.publisher.published.stored),
+                trainer.chunks_sent,
+                changes.num_chunks,
+            )
+        finally:
+            await asyncio.gather(*(node.close() for node in nodes))
+            await trainer.close()
+
+    results, expected, sent, num_chunks = asyncio.run(scenario())
+    assert num_chunks > 2
+    assert all(got == expected for got, _ in results)
+    if relay is RelayServer:  # each delta chunk left the trainer once
+        assert sent == num_chunks and sum(n for _, n in results) == num_chunks
+    else:  # n2's share reached n1 refused, and came from the trainer instead
+        assert sent > num_chunks and results[1][1] > 0
+
+
+def full_weights(engine: TorchEngine) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+
+
+def test_a_rollout_node_fetches_whole_then_as_deltas_then_whole_after_missing_one(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    asyncio.run(node_scenario(tiny_model_dir, tmp_path))
+    rows = read_metrics(tmp_path / "metrics" / "rollout.jsonl")
+    fetched = {r["policy_version"]: r for r in rows if r["event"] == "weights_fetched"}
+    assert sorted(fetched) == [1, 2, 3, 6]
+    whole = fetched[1]["version_bytes"]
+    assert fetched[1]["fetched_bytes"] == whole and "delta_from" not in fetched[1]
+    assert fetched[2]["delta_from"] == 1 and fetched[2]["fetched_bytes"] < whole / 10
+    # version 3's delta did not make it (the node's copy of 2 gone bad): refused, counted,
+    # fetched whole
+    assert "delta_from" not in fetched[3] and fetched[3]["deltas_refused"] == 1
+    # the node missed 4 and 5: 6's delta is from 5, so 6 comes whole
+    assert "delta_from" not in fetched[6] and fetched[6]["fetched_bytes"] == whole
+
+
+async def node_scenario(tiny_model_dir: Path, tmp_path: Path) -> None:
+    engine = TorchEngine(tiny_model_dir, dtype="float32", seed=0, device="cpu")
+    base = full_weights(engine)
+    steps = {v: stepped(base, 97 + v) for v in range(1, 7)}
+    trainer = VersionServer(steps[1], 1, CHUNK_BYTES, MAX_MESSAGE_BYTES, seal=True)
+    client = trainer.client("rollout-test")
+    metrics = MetricsWriter(tmp_path, "rollout", LogConfig())
+    sync = PolicySync("", engine, ModelConfig(), NetConfig(map_local=False), lambda: metrics)
+
+    async def fetch_and_load(number: int) -> None:
+        await sync.fetch("t", client, [protocol.Lineage()])
+        await sync.load()
+        assert sync.version == number
+        loaded = engine.state_dict()
+        assert all(torch.equal(loaded[n], t) for n, t in steps[number].items())
+
+    try:
+        await fetch_and_load(1)
+        trainer.publish(steps[2], 2)
+        await fetch_and_load(2)
+        assert sync.base is not None
+        spoiled = mmap.mmap(-1, len(sync.base[1]))
+        spoiled[:] = sync.base[1]
+        spoiled[-100:] = bytes(100)
+        sync.base = (sync.base[0], spoiled)
+        trainer.publish(steps[3], 3)
+        await fetch_and_load(3)
+        for number in (4, 5, 6):
+            trainer.publish(steps[number], number)
+        await fetch_and_load(6)
+    finally:
+        client.close()
+        await trainer.close()
+        metrics.close()

@@ -164,6 +164,10 @@ bench-swarm *ARGS: ensure
 bench-relay *ARGS: ensure
     {{bin}}/python bench/relay.py {{ARGS}}
 
+# Versions over links of loopback, 1 Gbit/s, 100 and 20 Mbit/s (netns, root): whole, delta and LoRA to 1 and 4 rollout nodes, delta density, and a 10-minute swarm run per link (writes bench/results/links.json)
+bench-links *ARGS: ensure
+    {{bin}}/python bench/links.py {{ARGS}}
+
 # Honest vs forged sampler logprobs: the learner's gap by policy lag (writes bench/results/logprob_gap.json)
 bench-logprob-gap *ARGS: ensure
     {{bin}}/python bench/logprob_gap.py {{ARGS}}

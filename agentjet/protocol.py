@@ -444,7 +444,7 @@ class LocalCopy(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields
 
 class DeltaManifest(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
     """A version as the changes from the one before (node/delta.py): chunks of its own
-    (`chunk_hashes`, `sha256`, `nbytes`, cut like the version's), asked for with
+    (`chunk_hashes`, `sha256`, `nbytes`, `chunk_bytes`), asked for with
     `WeightChunkRequest.base`; only a node holding the version whose checksum is
     `base_sha256` can use it, and what it makes is checked against the version's own
     manifest."""
@@ -452,6 +452,7 @@ class DeltaManifest(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fi
     base: int  # the version it changes
     base_sha256: str
     nbytes: int
+    chunk_bytes: int  # its chunks' size (smaller than a version's: relays pass them sooner)
     chunk_hashes: list[bytes]
     sha256: str  # of its chunk hashes (node/weights.py `manifest_digest`)
 

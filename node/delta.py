@@ -24,16 +24,23 @@ never decompresses past its chunk.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import mmap
 import struct
+from collections.abc import Awaitable
+from typing import TypeVar
 
 import numpy as np
 import zstandard
 
 from agentjet import protocol
+from agentjet.bridge import blocking
 from agentjet.config import NetConfig
 from node.weights import Buffer, PolicySnapshot, WeightAssembly, checked_manifest, chunked
+
+T = TypeVar("T")
 
 MAGIC = b"AJDELTA1"
 # magic, chunk count, the version's size, the base's and the version's checksums (sha256)
@@ -42,6 +49,11 @@ FRAME_LENGTH = struct.Struct("<I")
 # zstd's fastest level: a delta of SmolLM2-135M (bf16) takes ~0.4 s on one core, and
 # higher levels gained under 1% of its size (bench/LOG.md).
 ZSTD_LEVEL = 1
+# A delta's chunks: smaller than a version's, so that relays pass the first ones on while
+# the trainer sends the rest (a delta is a few chunks of a version's size).
+DELTA_CHUNK_BYTES = 256 << 10
+# While a delta arrives, what has arrived is written this often.
+REBUILD_POLL_S = 0.02
 # A delta bigger than this share of its version is not served: the version whole costs
 # about as much on a link, and nothing to make on a node.
 MAX_DELTA_SHARE = 0.8
@@ -92,7 +104,7 @@ def delta_snapshot(base: PolicySnapshot, new: PolicySnapshot) -> PolicySnapshot 
     blob = make_delta(base, new)
     if blob is None or len(blob) > MAX_DELTA_SHARE * new.nbytes:
         return None
-    made = chunked(blob, new.version, new.chunk_bytes, seal=False)
+    made = chunked(blob, new.version, min(DELTA_CHUNK_BYTES, new.chunk_bytes), seal=False)
     return PolicySnapshot(
         version=new.version,
         nbytes=made.nbytes,
@@ -113,6 +125,7 @@ def manifest(delta: PolicySnapshot) -> protocol.DeltaManifest:
         base=delta.base,
         base_sha256=delta.base_sha256,
         nbytes=delta.nbytes,
+        chunk_bytes=delta.chunk_bytes,
         chunk_hashes=list(delta.hashes),
         sha256=delta.sha256,
     )
@@ -130,7 +143,7 @@ def delta_info(info: protocol.PolicyInfo) -> protocol.PolicyInfo:
         sha256=delta.sha256,
         num_chunks=len(delta.chunk_hashes),
         lineage=info.lineage,
-        chunk_bytes=info.chunk_bytes,
+        chunk_bytes=delta.chunk_bytes,
         chunk_hashes=delta.chunk_hashes,
         key=info.key,
         ticket=info.ticket,
@@ -148,34 +161,119 @@ def delta_assembly(info: protocol.PolicyInfo) -> WeightAssembly:
         delta.chunk_hashes,
         delta.sha256,
         delta.nbytes,
-        info.chunk_bytes,
+        delta.chunk_bytes,
         info.key,
     )
     if not 0 <= delta.base < info.version:
         raise ValueError(f"policy version {info.version}: a delta from version {delta.base}")
     return WeightAssembly(
-        info.version, delta.nbytes, info.chunk_bytes, hashes, info.key, base=delta.base
+        info.version, delta.nbytes, delta.chunk_bytes, hashes, info.key, base=delta.base
     )
 
 
-def apply(
-    target: WeightAssembly, base: Buffer | mmap.mmap, delta: Buffer | mmap.mmap, base_sha256: str
-) -> None:
-    """Write the version `target` awaits from `base` (the bytes of the version whose
-    checksum is `base_sha256`) and `delta` (its whole bytes), every chunk checked against
-    `target`'s manifest as it is written. ValueError when the delta is not one of this
-    version from this base, or a chunk comes out wrong (then `target` is not complete)."""
-    frames = _frames(target, delta, base_sha256)
-    if len(base) != target.nbytes:
-        raise ValueError(f"a base of {len(base)} bytes for a version of {target.nbytes}")
-    decompressor = zstandard.ZstdDecompressor()
-    with memoryview(base) as old:
-        for index, frame in enumerate(frames):
-            begin = index * target.chunk_bytes
-            size = min(target.chunk_bytes, target.nbytes - begin)
+class Rebuild:
+    """The version `target` awaits, written from `base` (the bytes of the version whose
+    checksum is `base_sha256`) and the delta arriving in `changes`, chunk by chunk as the
+    delta's chunks holding its frame arrive (`step`), each checked against `target`'s
+    manifest as it is written: the rebuild runs while the delta is fetched, so little is
+    left once the last chunk is in. ValueError when the delta is not one of this version
+    from this base, or a chunk comes out wrong (then `target` is not complete)."""
+
+    def __init__(
+        self,
+        target: WeightAssembly,
+        base: Buffer | mmap.mmap,
+        changes: WeightAssembly,
+        base_sha256: str,
+    ) -> None:
+        if len(base) != target.nbytes:
+            raise ValueError(f"a base of {len(base)} bytes for a version of {target.nbytes}")
+        self.target = target
+        self.base = base
+        self.changes = changes
+        self.base_sha256 = base_sha256
+        self.frames: list[tuple[int, int]] | None = None  # (offset, length) in the delta
+        self.left: list[int] = []  # chunks of `target` not written yet, in order
+        self._decompressor = zstandard.ZstdDecompressor()
+
+    def step(self) -> bool:
+        """Write every chunk whose frame has arrived whole; True once all are written."""
+        if self.frames is None:
+            if self.changes.nbytes < HEADER.size:
+                raise ValueError("a delta shorter than its header")
+            if not self._holds(0, HEADER.size) or not self._holds(0, self._table_end()):
+                return False
+            self.frames = _frames(self.target, self.changes.blob, self.base_sha256)
+            self.left = list(range(len(self.frames)))
+        waiting = []
+        for index in self.left:
+            offset, length = self.frames[index]
+            if self._holds(offset, offset + length):
+                self._write(index, offset, length)
+            else:
+                waiting.append(index)
+        self.left = waiting
+        return not waiting
+
+    def finish(self) -> None:
+        """Write what is left: every chunk of the delta must be here."""
+        if not self.step():
+            raise ValueError(f"the delta of policy version {self.target.version} is incomplete")
+
+    def _table_end(self) -> int:
+        (count,) = struct.unpack_from("<I", self.changes.blob, 8)
+        return HEADER.size + min(count, self.target.num_chunks + 1) * FRAME_LENGTH.size
+
+    def _holds(self, begin: int, end: int) -> bool:
+        """Whether the delta's bytes begin..end have arrived (every chunk over them)."""
+        size = self.changes.chunk_bytes
+        last = min(max(end - 1, begin) // size, self.changes.num_chunks - 1)
+        return all(i in self.changes.present for i in range(begin // size, last + 1))
+
+    def _write(self, index: int, offset: int, length: int) -> None:
+        target = self.target
+        begin = index * target.chunk_bytes
+        size = min(target.chunk_bytes, target.nbytes - begin)
+        with memoryview(self.base) as old:
             before = np.frombuffer(old[begin : begin + size], np.uint8)
-            changed = _decompressed(decompressor, frame, size, index) if len(frame) else None
+            changed = None
+            if length:
+                with memoryview(self.changes.blob) as blob:
+                    frame = blob[offset : offset + length]
+                    changed = _decompressed(self._decompressor, frame, size, index)
             target.fill(index, functools.partial(_xor_into, before=before, changed=changed))
+
+
+async def rebuilt_while_fetched(rebuild: Rebuild, fetch: Awaitable[T]) -> T:
+    """`fetch` (of the delta's chunks into `rebuild.changes`) awaited while what has
+    arrived is written, every REBUILD_POLL_S; then the rest. Its result, once the version
+    is whole; ValueError (the fetch given up) when the delta does not make it."""
+    task = asyncio.ensure_future(fetch)
+    try:
+        seen = 0
+        while not task.done():
+            await asyncio.wait([task], timeout=REBUILD_POLL_S)
+            if len(rebuild.changes.present) != seen:
+                seen = len(rebuild.changes.present)
+                await blocking(rebuild.step)
+        result = task.result()
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    await blocking(rebuild.finish)
+    return result
+
+
+def apply(
+    target: WeightAssembly,
+    base: Buffer | mmap.mmap,
+    changes: WeightAssembly,
+    base_sha256: str,
+) -> None:
+    """The whole rebuild at once, every chunk of the delta in `changes` (`Rebuild`)."""
+    Rebuild(target, base, changes, base_sha256).finish()
 
 
 def _xor_into(place: memoryview, before: np.ndarray, changed: np.ndarray | None) -> None:
@@ -189,9 +287,10 @@ def _xor_into(place: memoryview, before: np.ndarray, changed: np.ndarray | None)
 
 def _frames(
     target: WeightAssembly, delta: Buffer | mmap.mmap, base_sha256: str
-) -> list[memoryview]:
-    """The delta's frames, one per chunk of `target`, once its header says it is this
-    version's from the base `base_sha256` and its lengths add up; else ValueError."""
+) -> list[tuple[int, int]]:
+    """Where each frame lies in the delta (offset, length), one per chunk of `target`,
+    once its header says it is this version's from the base `base_sha256` and its
+    lengths add up; else ValueError."""
     view = memoryview(delta)
     if len(view) < HEADER.size:
         raise ValueError("a delta shorter than its header")
@@ -215,7 +314,7 @@ def _frames(
         raise ValueError(f"a delta of {len(view)} bytes whose frames say otherwise")
     frames = []
     for length in lengths:
-        frames.append(view[offset : offset + length])
+        frames.append((offset, length))
         offset += length
     return frames
 

@@ -224,6 +224,7 @@ class PolicySync:
                     return True
                 if not info.lineage.supersedes(info.version, lineage, version, live):
                     return True
+            started = time.perf_counter()
             if relay is not None:
                 relay.drop()  # before its buffer is reused for this version
             # On the trainer's host its memory is mapped (checked as fetched chunks are).
@@ -257,6 +258,8 @@ class PolicySync:
                 "policy_version": info.version,
                 "lineage": info.lineage.id,
                 "mapped": assembly.local,
+                # from the manifest to the version checked (its merge with LoRA included)
+                "perf/fetch_s": round(time.perf_counter() - started, 3),
                 "chunks_from_trainer": fetched.from_trainer,
                 "chunks_from_relays": fetched.from_relays,
                 "relays_given_up": len(fetched.relay_failures),
@@ -279,32 +282,16 @@ class PolicySync:
         relay: RelayServer | None,
         relays: list[RelayPeer],
     ) -> FetchStats:
-        """The version `info` announces into `assembly`: as its delta from the version
-        fetched last when the trainer serves one from it, else whole; what a delta did not
-        make right (a refused delta, counted) is fetched whole."""
-        node_id = client.hello.node_id
-        base = self.base
-        delta = info.delta
-        if delta is not None and base is not None and base[0] == delta.base_sha256:
-            changes = deltas.delta_assembly(info)
-            if relay is not None:
-                relay.hold(changes, info.ticket)
-            fetched = await fetch_relayed(changes, deltas.delta_info(info), client, node_id, relays)
-            try:
-                await blocking(deltas.apply, assembly, base[1], changes.blob, delta.base_sha256)
-                return fetched
-            except ValueError as e:
-                self.deltas_refused += 1
-                log.warning(
-                    "policy version %d: its delta from version %d did not make it (%s); "
-                    "fetching it whole",
-                    info.version,
-                    delta.base,
-                    e,
-                )
-        if relay is not None:
-            relay.hold(assembly, info.ticket)
-        return await fetch_relayed(assembly, info, client, node_id, relays)
+        """`fetch_into`, its refused deltas counted and said."""
+        fetched, refused = await fetch_into(assembly, info, client, relay, relays, self.base)
+        if refused:
+            self.deltas_refused += 1
+            log.warning(
+                "policy version %d: its delta did not make it (%s); fetched it whole",
+                info.version,
+                refused,
+            )
+        return fetched
 
     async def load(self) -> None:
         """Load the version fetched, if there is one (between batches, never mid-episode)."""
@@ -345,6 +332,38 @@ class PolicySync:
             }
         )
         await blocking(memory.trim)  # what the batches freed
+
+
+async def fetch_into(
+    assembly: WeightAssembly,
+    info: protocol.PolicyInfo,
+    client: Client,
+    relay: RelayServer | None,
+    relays: list[RelayPeer],
+    base: tuple[str, mmap.mmap] | None,
+) -> tuple[FetchStats, str]:
+    """The version `info` announces into `assembly`, from its trainer (`client`) and the
+    `relays`, served meanwhile by this node's `relay`: as its delta from `base` (the
+    checksum and bytes of the version this node fetched last) when the trainer serves one
+    from it, rebuilt as it arrives; else whole. What a delta did not make right is fetched
+    whole (the chunks it made right are kept): then also why, second ("": no delta
+    refused). Raises what node/relay.py `fetch_relayed` raises."""
+    node_id = client.hello.node_id
+    delta = info.delta
+    refused = ""
+    if delta is not None and base is not None and base[0] == delta.base_sha256:
+        try:
+            changes = deltas.delta_assembly(info)
+            rebuild = deltas.Rebuild(assembly, base[1], changes, delta.base_sha256)
+            if relay is not None:
+                relay.hold(changes, info.ticket)
+            fetching = fetch_relayed(changes, deltas.delta_info(info), client, node_id, relays)
+            return await deltas.rebuilt_while_fetched(rebuild, fetching), refused
+        except ValueError as e:
+            refused = f"its delta from version {delta.base}: {e}"
+    if relay is not None:
+        relay.hold(assembly, info.ticket)
+    return await fetch_relayed(assembly, info, client, node_id, relays), refused
 
 
 class PolicyView:

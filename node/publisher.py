@@ -15,6 +15,12 @@ Two versions, so that a fetch one step overtook still finishes (one that two ste
 overtook is told "gone" and starts again on the newest). The older one is let go before
 the next is made (`retire`), not after, so a trainer holds two versions at most, not three
 (513 MB less for SmolLM2-135M at its peak); its fetches lose the ~1 s the next one takes.
+Unless a fetch of it is under way (chunks asked within PREVIOUS_IDLE_S): over a slow link
+a whole version takes longer than steps do, so the version being fetched stays, the next
+one is made beside it (three versions, then), and when it is published the older one
+that nobody fetches goes instead. A link so slow that one chunk takes longer than
+PREVIOUS_IDLE_S (under ~8 Mbit/s at 2 MiB chunks) looks idle: smaller
+net.weight_chunk_bytes there.
 It goes earlier too, before a step, when nobody asked for a chunk of it for `idle_s`
 (`retire_idle`): rollout nodes fetch a version as soon as it is announced, so through most
 steps the trainer holds one version, not two. A fetch that is going on asks for chunks
@@ -32,6 +38,7 @@ ticket gets nothing; with one (a member gave it away) they get ciphertext.
 from __future__ import annotations
 
 import hmac
+import math
 import os
 import time
 from collections.abc import Callable
@@ -78,7 +85,8 @@ class Publisher:
         # none): then versions are worth a delta (node/trainer_versions.py).
         self.fetched_over_wire = False
         self.clock = clock
-        self.previous_asked = 0.0  # when a chunk of `previous` was last asked for
+        self.asked: dict[int, float] = {}  # when a chunk of each version was last asked for
+        self.previous_since = 0.0  # when `previous` became the version before the newest
         self.run_id = run_id
         self.sealed = sealed  # with the swarm's keys
         self.sealed_endpoint = ""  # as announced (`announce`)
@@ -89,27 +97,51 @@ class Publisher:
         if self.sealed is not None:
             self.sealed_endpoint = announced(self.sealed.endpoint, trainer_announced)
 
+    def fetching(self, snap: PolicySnapshot | None, idle_s: float = PREVIOUS_IDLE_S) -> bool:
+        """Whether a chunk of `snap` (or of its delta) was asked for in the last `idle_s`:
+        a fetch of it is under way (it keeps several requests in flight)."""
+        if snap is None:
+            return False
+        return self.clock() - self.asked.get(snap.version, -math.inf) < idle_s
+
     def retire(self) -> None:
-        """Let the version before the newest go: call it before making the next."""
-        self.previous = None
-        self.deltas = {v: d for v, d in self.deltas.items() if v == self.published.version}
+        """Before making the next version: let the version before the newest go, unless a
+        fetch of it is under way. (A whole version over a slow link can take longer than
+        steps do, and a fetch two steps overtook would start again, and again; meanwhile
+        the trainer holds three versions, the next one made.)"""
+        if not self.fetching(self.previous):
+            self._keep(None)
 
     def retire_idle(self, idle_s: float = PREVIOUS_IDLE_S) -> bool:
         """Let the version before the newest go if no chunk of it was asked for in the
         last `idle_s` (counted from its successor's publication); True if it went."""
-        if self.previous is None or self.clock() - self.previous_asked < idle_s:
+        if self.previous is None or self.fetching(self.previous, idle_s):
             return False
-        self.retire()
+        if self.clock() - self.previous_since < idle_s:  # a fetch of it may be under way
+            return False
+        self._keep(None)
         return True
 
     def publish(self, snap: PolicySnapshot, delta: PolicySnapshot | None = None) -> None:
         """Serve `snap` as the newest version, and `delta` (its delta from the version
-        served so far) beside it."""
-        previous = self.previous = self.published
+        served so far) beside it. One older version stays: the one before it, or the one
+        before that while a fetch of that one is under way and none of this one."""
+        older = self.published
+        if self.previous is not None and self.fetching(self.previous) and not self.fetching(older):
+            older = self.previous
+        else:
+            self.previous_since = self.clock()
         self.published = snap
-        self.previous_asked = self.clock()  # a fetch of it may be under way
-        kept = {v: d for v, d in self.deltas.items() if v == previous.version}
-        self.deltas = kept | ({snap.version: delta} if delta is not None else {})
+        self._keep(older)
+        if delta is not None:
+            self.deltas[snap.version] = delta
+
+    def _keep(self, older: PolicySnapshot | None) -> None:
+        """Serve `older` beside the newest version (None: none), and nothing else."""
+        self.previous = older
+        served = {self.published.version} | ({older.version} if older is not None else set())
+        self.deltas = {v: d for v, d in self.deltas.items() if v in served}
+        self.asked = {v: t for v, t in self.asked.items() if v in served}
 
     def info(self, lineage: protocol.Lineage, manifest: bool = True) -> protocol.PolicyInfo:
         """The newest version; without `manifest`, only what tells it from others (no chunk
@@ -152,8 +184,7 @@ class Publisher:
                 return protocol.Error(code="invalid", message=f"no chunk {request.index}")
             data = snap.chunk(request.index)
             self.fetched_over_wire = True
-            if served is self.previous:
-                self.previous_asked = self.clock()
+            self.asked[served.version] = self.clock()
             return protocol.WeightChunk(
                 version=snap.version, index=request.index, data=data, base=request.base
             )

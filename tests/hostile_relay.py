@@ -15,6 +15,6 @@ class CorruptingRelay(RelayServer):
             data = bytearray(reply.data)
             data[len(data) // 2] ^= 1
             reply = protocol.WeightChunk(
-                version=reply.version, index=reply.index, data=data, base=reply.base
+                version=reply.version, index=reply.index, data=memoryview(data), base=reply.base
             )
         return reply

@@ -78,7 +78,7 @@ def test_a_delta_rebuilds_the_version_bit_for_bit_from_its_base_and_is_small() -
     assert changes.nbytes < 0.1 * new.nbytes  # 1 value in 40 changed
     info = announced(new, changes)
     target = WeightAssembly.of(info)
-    delta.apply(target, old.stored, fetched_delta(info, changes).blob, old.sha256)
+    delta.apply(target, old.stored, fetched_delta(info, changes), old.sha256)
     assert bytes(target.blob) == bytes(new.stored)
     rebuilt = target.finish()
     assert all(torch.equal(rebuilt[n], t) for n, t in stepped(weights()).items())
@@ -104,7 +104,7 @@ def test_a_delta_from_another_base_is_refused_before_a_byte_is_written() -> None
     changes = delta.delta_snapshot(old, new)
     assert changes is not None
     info = announced(new, changes)
-    blob = fetched_delta(info, changes).blob
+    blob = fetched_delta(info, changes)
     target = WeightAssembly.of(info)
     other = version(weights(seed=1), 1)
     with pytest.raises(ValueError, match="another base"):
@@ -115,6 +115,15 @@ def test_a_delta_from_another_base_is_refused_before_a_byte_is_written() -> None
     with pytest.raises(ValueError, match="does not match its hash"):
         delta.apply(target, other.stored, blob, old.sha256)
     assert len(target.present) < target.num_chunks
+
+
+def as_fetched(blob: bytes) -> WeightAssembly:
+    """`blob` (a delta, or what passes for one) as a node holds it once every chunk came."""
+    snap = chunked(bytearray(blob), 2, delta.DELTA_CHUNK_BYTES, seal=False)
+    assembly = WeightAssembly(2, snap.nbytes, snap.chunk_bytes, snap.hashes, b"", base=1)
+    for index in range(snap.num_chunks):
+        assembly.add(index, snap.chunk(index))
+    return assembly
 
 
 def hostile(blob: bytes, lengths: list[int] | None = None, magic: bytes = delta.MAGIC) -> bytes:
@@ -148,8 +157,29 @@ def test_a_hostile_delta_is_one_clear_error_and_never_writes_past_a_chunk() -> N
     for message, bad in cases.items():
         target = WeightAssembly.of(info)
         with pytest.raises(ValueError, match=message):
-            delta.apply(target, old.stored, bad, old.sha256)
+            delta.apply(target, old.stored, as_fetched(bad), old.sha256)
         assert target.present == set(), message
+
+
+def test_a_version_is_rebuilt_chunk_by_chunk_as_its_deltas_chunks_arrive() -> None:
+    big = {"w": torch.randn(300_000, generator=torch.Generator().manual_seed(2)).bfloat16()}
+    old, new = version(big, 1), version(stepped(big, 4), 2)
+    changes = delta.delta_snapshot(old, new)
+    assert changes is not None and changes.num_chunks >= 4
+    info = announced(new, changes)
+    assert info.delta is not None
+    assert info.delta.chunk_bytes == min(delta.DELTA_CHUNK_BYTES, CHUNK_BYTES)
+    arriving = delta.delta_assembly(info)
+    target = WeightAssembly.of(info)
+    rebuild = delta.Rebuild(target, old.stored, arriving, old.sha256)
+    assert not rebuild.step() and target.present == set()  # nothing has arrived
+    written = []
+    for index in range(changes.num_chunks):
+        arriving.add(index, changes.chunk(index))
+        rebuild.step()
+        written.append(len(target.present))
+    assert 0 < written[0] < written[-2] < target.num_chunks == written[-1]  # as they came
+    assert bytes(target.blob) == bytes(new.stored)
 
 
 def test_no_delta_between_versions_cut_otherwise_or_when_it_would_not_pay() -> None:
@@ -173,7 +203,8 @@ def test_the_chain_of_deltas_starts_again_from_a_whole_version_every_k() -> None
 
 def test_a_trainer_serves_the_delta_beside_its_version_and_lets_both_go_together() -> None:
     one, two, three = (version(stepped(weights(), 40 + v), v) for v in (1, 2, 3))
-    publisher = Publisher(one, "run")
+    now = [100.0]
+    publisher = Publisher(one, "run", clock=lambda: now[0])
     request = protocol.WeightChunkRequest(version=2, index=0, base=1)
     publisher.publish(two, delta.delta_snapshot(one, two))
     info = publisher.info(protocol.Lineage())
@@ -189,6 +220,7 @@ def test_a_trainer_serves_the_delta_beside_its_version_and_lets_both_go_together
     publisher.publish(three)  # no delta of 3: version 2's still served while 2 is
     assert publisher.info(protocol.Lineage()).delta is None
     assert isinstance(publisher.chunk(request), protocol.WeightChunk)
+    now[0] += 2.5  # (that fetch is over)
     publisher.retire()
     assert publisher.deltas == {}
     assert isinstance(publisher.chunk(request), protocol.Error)
@@ -217,7 +249,7 @@ class RelayNode:
         self.relay.hold(changes, info.ticket)
         stats = await fetch_relayed(changes, delta.delta_info(info), self.client, self.name, relays)
         target = WeightAssembly.of(info)
-        delta.apply(target, self.held[1], changes.blob, self.held[0])
+        delta.apply(target, self.held[1], changes, self.held[0])
         return bytes(target.blob), stats.from_relays
 
     async def close(self) -> None:

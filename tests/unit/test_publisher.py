@@ -49,10 +49,12 @@ def test_only_a_sealed_versions_chunks_with_its_ticket_leave_by_the_sealed_endpo
 
 
 def test_the_version_before_is_let_go_before_the_next_is_made():
-    publisher = Publisher(version(1, seal=False), "run")
+    now = [100.0]
+    publisher = Publisher(version(1, seal=False), "run", clock=lambda: now[0])
     publisher.publish(version(2, seal=False))
     one = protocol.WeightChunkRequest(version=1, index=0)
     assert isinstance(publisher.chunk(one), protocol.WeightChunk)
+    now[0] += 2.5  # (its fetch is over)
     publisher.retire()
     reply = publisher.chunk(one)
     assert isinstance(reply, protocol.Error) and reply.code == "gone"
@@ -101,3 +103,24 @@ def test_the_version_before_goes_before_a_step_once_nobody_fetches_it():
     assert isinstance(reply, protocol.Error) and reply.code == "gone"
     assert isinstance(publisher.chunk(two), protocol.WeightChunk)  # the newest stays
     assert not publisher.retire_idle(2.0)
+
+
+def test_a_version_being_fetched_over_a_slow_link_outlives_the_steps_that_overtake_it():
+    now = [100.0]
+    publisher = Publisher(version(1, seal=False), "run", clock=lambda: now[0])
+    publisher.publish(version(2, seal=False))
+    one = protocol.WeightChunkRequest(version=1, index=0)
+    two = protocol.WeightChunkRequest(version=2, index=0)
+    for _ in range(3):  # a slow fetch of v1: a chunk every second
+        now[0] += 1.0
+        assert isinstance(publisher.chunk(one), protocol.WeightChunk)
+    publisher.retire()  # before v3 is made: v1 is being fetched, it stays
+    assert not publisher.retire_idle(2.0)
+    publisher.publish(version(3, seal=False))  # nobody fetched v2: it goes, not v1
+    assert isinstance(publisher.chunk(one), protocol.WeightChunk)
+    reply = publisher.chunk(two)
+    assert isinstance(reply, protocol.Error) and reply.code == "gone"
+    assert publisher.previous is not None and publisher.previous.version == 1
+    now[0] += 2.5  # v1's fetch ended
+    publisher.retire()
+    assert publisher.previous is None and publisher.published.version == 3

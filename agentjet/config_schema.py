@@ -94,6 +94,11 @@ class RolloutConfig(_Section):
     # Where the engine (and LoRA merging) runs: "auto" (the first CUDA GPU when there is
     # one, else cpu), "cpu", "cuda" or "cuda:N".
     device: str = "auto"
+    # The engine's dtype, which policy versions travel in: "model" is model.dtype. With a
+    # float32 learner, "bfloat16" samples from the bf16 view of its weights: versions half
+    # the size, and their deltas over a network about 3% of one, not 55% (docs/links.md),
+    # for a logprob gap of ~0.06 nats/token between sampler and learner (bench/LOG.md).
+    dtype: Literal["model", "auto", "float32", "bfloat16", "float16"] = "model"
     # Share of its GPU's memory the engine may take (vLLM's gpu_memory_utilization; a cap
     # on the torch engine's allocator). 0 = auto: 0.9 with the GPU to itself, 0.45 when
     # `agentjet local` puts the trainer on the same GPU.

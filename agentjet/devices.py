@@ -79,6 +79,12 @@ def resolve_device(spec: str, key: str, cuda_devices: int | None = None) -> torc
     return torch.device("cuda", index)
 
 
+def sampling_dtype(model_dtype: str, rollout_dtype: str) -> str:
+    """The engine's dtype spec, which policy versions travel in: rollout.dtype, unless it
+    is "model" (then model.dtype)."""
+    return model_dtype if rollout_dtype == "model" else rollout_dtype
+
+
 def resolve_dtype(spec: str, device: torch.device) -> str:
     """model.dtype on `device`: "auto" is bfloat16 on CUDA and float32 elsewhere."""
     if spec != "auto":

@@ -25,7 +25,13 @@ from typing import Protocol
 import torch
 
 from agentjet.config import ModelConfig, RolloutConfig
-from agentjet.devices import memory_share, resolve_device, resolve_dtype, resolve_engine
+from agentjet.devices import (
+    memory_share,
+    resolve_device,
+    resolve_dtype,
+    resolve_engine,
+    sampling_dtype,
+)
 from agentjet.episode import Completion, Generator, SamplingParams
 from agentjet.errors import ConfigError, EngineError
 
@@ -91,7 +97,7 @@ def open_engine(
     `policy_loras`: the model configs of the policies ([[policies]]) whose adapters it holds."""
     device = resolve_device(rollout.device, "rollout.device")
     kind = resolve_engine(rollout.engine, device)
-    dtype = resolve_dtype(model.dtype, device)
+    dtype = resolve_dtype(sampling_dtype(model.dtype, rollout.dtype), device)
     share = memory_share(rollout.gpu_memory_share, shared=False)
     engine: Engine
     if kind == "vllm":

@@ -92,6 +92,7 @@ class Host(Protocol):
     keys: NodeKeys | None
     device: torch.device
     compute_dtype: torch.dtype
+    version_dtype: torch.dtype
     tokenizer: Any
     gpu: GpuMonitor
     dht: Any  # hivemind.DHT (node/dht.py `start_dht`)
@@ -198,6 +199,7 @@ class Trainer:
         run dir's checkpointed parameters loaded; returns that checkpoint's resume state."""
         self.device = host.device
         self.compute_dtype = host.compute_dtype
+        self.version_dtype = host.version_dtype
         self.model: Any = host.model_for(self.config.model)
         self.tokenizer = host.tokenizer
         self.vocab_size = int(self.model.config.vocab_size)
@@ -267,7 +269,7 @@ class Trainer:
             head=self.head,
             model=self.model,
             tokenizer=self.tokenizer,
-            compute_dtype=self.compute_dtype,
+            version_dtype=self.version_dtype,
             swarm=self.swarm,
             book=self.book,
             directory=self.directory,

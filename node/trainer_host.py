@@ -37,7 +37,7 @@ import torch
 
 from agentjet.bridge import blocking
 from agentjet.config import Config, ModelConfig, policy_view
-from agentjet.devices import resolve_device, resolve_dtype
+from agentjet.devices import resolve_device, resolve_dtype, sampling_dtype
 from agentjet.errors import ConfigError
 from agentjet.identity import node_keys
 from agentjet.roles import log_context, print_join_command, run_role
@@ -106,6 +106,9 @@ class TrainerHost:
         cfg = self.config
         self.device = resolve_device(cfg.trainer.device, "trainer.device")
         self.compute_dtype = DTYPES[resolve_dtype(cfg.model.dtype, self.device)]
+        # what policy versions travel in: the rollout engines' dtype (rollout.dtype)
+        sampler = sampling_dtype(cfg.model.dtype, cfg.rollout.dtype)
+        self.version_dtype = DTYPES[resolve_dtype(sampler, self.device)]
         path = resolve_model(cfg.model.name, cfg.model.cache_dir)
         # float32 weights and optimizer state on any device; compute in compute_dtype.
         model, self.tokenizer = load_causal_lm(path, "float32")

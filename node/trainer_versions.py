@@ -2,7 +2,7 @@
 weights, sealed with the swarm's keys), and saved as checkpoints that make their steps'
 groups durable.
 
-    step ──▶ Versions.publish: snapshot (compute dtype, sealed), and its delta from the
+    step ──▶ Versions.publish: snapshot (rollout.dtype, sealed), and its delta from the
          version before when nodes fetch over a network (node/delta.py) ──▶ Publisher
          (node/publisher.py)
          ──every trainer.checkpoint_every versions──▶ Versions.checkpoint: HF folder +
@@ -53,7 +53,7 @@ class Versions:
     head: Head
     model: Any
     tokenizer: Any
-    compute_dtype: torch.dtype
+    version_dtype: torch.dtype  # the rollout engines' (rollout.dtype)
     swarm: SwarmOptimizer
     book: GroupBook
     directory: Directory
@@ -69,12 +69,12 @@ class Versions:
         return self.publisher
 
     def snapshot(self, seal: bool) -> PolicySnapshot:
-        """The current version as rollout nodes load it: in the compute dtype (the engine's),
-        sealed with the swarm's keys, made after a step (which handed back the memory it
-        freed, else it and the new version would peak together) or a state download; what
-        making it freed is handed back after."""
+        """The current version as rollout nodes load it: in their engines' dtype
+        (rollout.dtype), sealed with the swarm's keys, made after a step (which handed back
+        the memory it freed, else it and the new version would peak together) or a state
+        download; what making it freed is handed back after."""
         chunk_bytes = self.config.net.weight_chunk_bytes
-        made = snapshot(self.model, self.head.version, chunk_bytes, self.compute_dtype, seal)
+        made = snapshot(self.model, self.head.version, chunk_bytes, self.version_dtype, seal)
         memory.trim()
         return made
 

@@ -617,7 +617,11 @@ def test_a_joining_trainer_catches_up_and_a_killed_one_loses_nothing(
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("settings", [(), ("model.lora_rank=4",)], ids=["full", "lora"])
+@pytest.mark.parametrize(
+    "settings",
+    [(), ("rollout.dtype=bfloat16",), ("model.lora_rank=4",)],
+    ids=["full", "bf16-sampler", "lora"],
+)
 def test_two_rollout_nodes_pass_policy_versions_on_to_each_other(
     swarm_factory: Callable[..., Swarm], settings: tuple[str, ...]
 ):

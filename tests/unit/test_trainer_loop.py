@@ -321,7 +321,7 @@ def catch_up_of(tmp_path: Path, swarm: FakeSwarm, others: list[protocol.NodeReco
         head=head,
         model=model,
         tokenizer=None,
-        compute_dtype=torch.float32,
+        version_dtype=torch.float32,
         swarm=cast(SwarmOptimizer, swarm),
         book=book,
         directory=cast(Directory, FakeDirectory()),

@@ -538,10 +538,11 @@ class NetConfig(_Section):
     # rollout node holding that version fetches the delta instead (with model.dtype
     # "bfloat16", about 3% of a SmolLM2-135M version; float32, about 55%: docs/links.md).
     version_deltas: bool = True
-    # Every this many versions none is made (0: never), so every node fetches that version
-    # whole: it bounds how long a node runs on weights it rebuilt from deltas (each is
-    # checked against the version's own manifest all the same).
-    version_full_every: NonNegInt = 25
+    # Every this many versions no delta is made, so every node fetches that version whole
+    # (0: never). Not needed for correctness: each version rebuilt from a delta is checked
+    # against its own manifest, so nothing drifts, and a node without the base fetches
+    # whole anyway; over 20 Mbit/s such a version costs ~2 minutes (docs/links.md).
+    version_full_every: NonNegInt = 0
     # Give up on a request after this long and reconnect (lazy-pirate pattern).
     request_timeout_s: PositiveFloat = 30.0
     # The swarm's key file (`agentjet keys init`; `--keys FILE`): every ZMQ socket is

@@ -660,6 +660,8 @@ def test_two_rollout_nodes_pass_policy_versions_on_to_each_other(
         assert all(published[r["policy_version"]] == r["policy_sha256"] for r in loaded(name))
         # ... and took its own share from the trainer
         assert sum(r["chunks_from_trainer"] for r in fetched(name)) > 0
+        # every delta rebuilt its version (the bytes the node held were the base's)
+        assert all(r["deltas_refused"] == 0 for r in fetched(name))
     check_every_group_accounted_for(swarm, ["trainer-a"], rollouts=names)
     assert leftovers(swarm) == {}
 

@@ -51,7 +51,7 @@ import numpy as np
 # 15: a teacher's top k (envs[].teacher_top_k): Sample.teacher_top_ids / teacher_top_logprobs,
 #    TeacherScoreRequest.top_k, TeacherScores.top_ids / top_logprobs.
 # 16: NodeRecord.rounds: why a trainer's gradient rounds keep failing (node/rounds.py).
-# 17: delta versions: PolicyInfo.delta, WeightChunkRequest.base, WeightChunk.base
+# 17: delta versions: PolicyInfo.deltas, WeightChunkRequest.base, WeightChunk.base
 #    (node/delta.py).
 PROTOCOL_VERSION = 17
 
@@ -443,18 +443,21 @@ class LocalCopy(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields
 
 
 class DeltaManifest(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
-    """A version as the changes from the one before (node/delta.py): chunks of its own
-    (`chunk_hashes`, `sha256`, `nbytes`, `chunk_bytes`), asked for with
-    `WeightChunkRequest.base`; only a node holding the version whose checksum is
-    `base_sha256` can use it, and what it makes is checked against the version's own
-    manifest."""
+    """Version `version` as the changes from version `base` (node/delta.py): chunks of its
+    own (`chunk_hashes`, `sha256`, `nbytes`, `chunk_bytes`), sealed under that version's
+    `key` and asked for with its `ticket` and `WeightChunkRequest.base`; only a node
+    holding the version whose checksum is `base_sha256` can use it. What a node makes of a
+    chain of them is checked against the newest version's own manifest."""
 
+    version: int  # the version it makes
     base: int  # the version it changes
     base_sha256: str
     nbytes: int
     chunk_bytes: int  # its chunks' size (smaller than a version's: relays pass them sooner)
     chunk_hashes: list[bytes]
     sha256: str  # of its chunk hashes (node/weights.py `manifest_digest`)
+    key: bytes = b""  # its version's (PolicyInfo.key of that version)
+    ticket: bytes = b""
 
 
 class PolicyInfo(_Msg, tag="policy_info"):
@@ -476,7 +479,9 @@ class PolicyInfo(_Msg, tag="policy_info"):
     ticket: bytes = b""
     sealed_endpoint: str = ""
     local: LocalCopy | None = None
-    delta: DeltaManifest | None = None  # this version from the one before, when made
+    # This version from versions before: a chain of deltas, oldest first, each from the
+    # version the one before it makes (the last makes this version).
+    deltas: list[DeltaManifest] = msgspec.field(default_factory=list)
 
 
 class WeightChunkRequest(_Msg, tag="weight_chunk_request"):

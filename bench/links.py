@@ -316,6 +316,7 @@ async def fetch(
         done_at=done_at,
         sha256=digest,
         delta=stats.delta_base >= 0,
+        deltas=stats.deltas,
         fetched_bytes=stats.nbytes,
         from_trainer=stats.from_trainer,
         from_relays=stats.from_relays,

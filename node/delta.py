@@ -120,64 +120,82 @@ def delta_snapshot(base: PolicySnapshot, new: PolicySnapshot) -> PolicySnapshot 
 
 
 def manifest(delta: PolicySnapshot) -> protocol.DeltaManifest:
-    """What a PolicyInfo says of `delta` (made by `delta_snapshot`)."""
+    """What a PolicyInfo says of `delta` (made by `delta_snapshot`), its version's key and
+    ticket included (a PolicyInfo with a manifest travels over CURVE only)."""
     return protocol.DeltaManifest(
+        version=delta.version,
         base=delta.base,
         base_sha256=delta.base_sha256,
         nbytes=delta.nbytes,
         chunk_bytes=delta.chunk_bytes,
         chunk_hashes=list(delta.hashes),
         sha256=delta.sha256,
+        key=delta.key,
+        ticket=delta.ticket,
     )
 
 
-def delta_info(info: protocol.PolicyInfo) -> protocol.PolicyInfo:
-    """The version `info` announces as its delta's chunks: what fetching them needs (its
-    manifest, the version's key, ticket and sealed endpoint), fetched like a version's
-    (node/relay.py `fetch_relayed`) into `delta_assembly(info)`."""
-    delta = info.delta
-    assert delta is not None
+def chain_from(info: protocol.PolicyInfo, base_sha256: str) -> list[protocol.DeltaManifest]:
+    """The deltas `info` announces that make its version from the version whose checksum
+    is `base_sha256`, oldest first ([]: none starts there); ValueError when they are no
+    chain (one not from the version the one before makes, or not ending at `info`'s)."""
+    starts = [i for i, d in enumerate(info.deltas) if d.base_sha256 == base_sha256]
+    if not starts:
+        return []
+    chain = info.deltas[starts[-1] :]
+    for before, after in zip(chain, chain[1:], strict=False):
+        if after.base != before.version:
+            raise ValueError(f"a delta to version {before.version}, then one from {after.base}")
+    if chain[-1].version != info.version:
+        raise ValueError(f"deltas to version {chain[-1].version}, announced as {info.version}")
+    return chain
+
+
+def delta_info(info: protocol.PolicyInfo, delta: protocol.DeltaManifest) -> protocol.PolicyInfo:
+    """`delta`'s chunks as a version's: what fetching them needs (its manifest, its
+    version's key and ticket, the sealed endpoint of `info`'s trainer), fetched like a
+    version's (node/relay.py `fetch_relayed`) into `delta_assembly(delta)`."""
     return protocol.PolicyInfo(
-        version=info.version,
+        version=delta.version,
         nbytes=delta.nbytes,
         sha256=delta.sha256,
         num_chunks=len(delta.chunk_hashes),
         lineage=info.lineage,
         chunk_bytes=delta.chunk_bytes,
         chunk_hashes=delta.chunk_hashes,
-        key=info.key,
-        ticket=info.ticket,
+        key=delta.key,
+        ticket=delta.ticket,
         sealed_endpoint=info.sealed_endpoint,
     )
 
 
-def delta_assembly(info: protocol.PolicyInfo) -> WeightAssembly:
-    """Where the chunks of the delta `info` announces arrive; ValueError when its manifest
-    does not hold together."""
-    delta = info.delta
-    assert delta is not None
+def delta_assembly(delta: protocol.DeltaManifest) -> WeightAssembly:
+    """Where `delta`'s chunks arrive; ValueError when its manifest does not hold together."""
     hashes = checked_manifest(
-        f"the delta of policy version {info.version}",
+        f"the delta of policy version {delta.version}",
         delta.chunk_hashes,
         delta.sha256,
         delta.nbytes,
         delta.chunk_bytes,
-        info.key,
+        delta.key,
     )
-    if not 0 <= delta.base < info.version:
-        raise ValueError(f"policy version {info.version}: a delta from version {delta.base}")
+    if not 0 <= delta.base < delta.version:
+        raise ValueError(f"policy version {delta.version}: a delta from version {delta.base}")
     return WeightAssembly(
-        info.version, delta.nbytes, delta.chunk_bytes, hashes, info.key, base=delta.base
+        delta.version, delta.nbytes, delta.chunk_bytes, hashes, delta.key, base=delta.base
     )
 
 
 class Rebuild:
     """The version `target` awaits, written from `base` (the bytes of the version whose
-    checksum is `base_sha256`) and the delta arriving in `changes`, chunk by chunk as the
-    delta's chunks holding its frame arrive (`step`), each checked against `target`'s
-    manifest as it is written: the rebuild runs while the delta is fetched, so little is
-    left once the last chunk is in. ValueError when the delta is not one of this version
-    from this base, or a chunk comes out wrong (then `target` is not complete)."""
+    checksum is `base_sha256`; `target.blob` itself: in place) and the delta arriving in
+    `changes`, chunk by chunk as the delta's chunks holding its frame arrive (`step`),
+    each checked against `target`'s manifest as it is written: the rebuild runs while the
+    delta is fetched, so little is left once the last chunk is in. Without `check`, for a
+    delta to a version before `target`'s in a chain, nothing is checked and nothing marked
+    present (the last delta's rebuild checks what the chain made). ValueError when the
+    delta is not one of this version from this base, or a chunk comes out wrong (then
+    `target` is not complete)."""
 
     def __init__(
         self,
@@ -185,6 +203,7 @@ class Rebuild:
         base: Buffer | mmap.mmap,
         changes: WeightAssembly,
         base_sha256: str,
+        check: bool = True,
     ) -> None:
         if len(base) != target.nbytes:
             raise ValueError(f"a base of {len(base)} bytes for a version of {target.nbytes}")
@@ -192,6 +211,7 @@ class Rebuild:
         self.base = base
         self.changes = changes
         self.base_sha256 = base_sha256
+        self.check = check
         self.frames: list[tuple[int, int]] | None = None  # (offset, length) in the delta
         self.left: list[int] = []  # chunks of `target` not written yet, in order
         self._decompressor = zstandard.ZstdDecompressor()
@@ -241,7 +261,12 @@ class Rebuild:
                 with memoryview(self.changes.blob) as blob:
                     frame = blob[offset : offset + length]
                     changed = _decompressed(self._decompressor, frame, size, index)
-            target.fill(index, functools.partial(_xor_into, before=before, changed=changed))
+            write = functools.partial(_xor_into, before=before, changed=changed)
+            if self.check:
+                target.fill(index, write)
+                return
+            with memoryview(target.blob)[begin : begin + size] as place:
+                write(place)
 
 
 async def rebuilt_while_fetched(rebuild: Rebuild, fetch: Awaitable[T]) -> T:

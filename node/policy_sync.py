@@ -263,10 +263,14 @@ class PolicySync:
                 "chunks_from_trainer": fetched.from_trainer,
                 "chunks_from_relays": fetched.from_relays,
                 "relays_given_up": len(fetched.relay_failures),
-                # bytes fetched (0: mapped), of the version or of its delta from `delta_from`
+                # bytes fetched (0: mapped): the version, or the `deltas` from `delta_from`
                 "fetched_bytes": fetched.nbytes,
                 "version_bytes": info.nbytes,
-                **({"delta_from": fetched.delta_base} if fetched.delta_base >= 0 else {}),
+                **(
+                    {"delta_from": fetched.delta_base, "deltas": fetched.deltas}
+                    if fetched.delta_base >= 0
+                    else {}
+                ),
                 "deltas_refused": self.deltas_refused,
                 # what this node's relay did for the others, since it started
                 **({"relay/served": relay.served, "relay/refused": relay.refused} if relay else {}),
@@ -343,27 +347,56 @@ async def fetch_into(
     base: tuple[str, mmap.mmap] | None,
 ) -> tuple[FetchStats, str]:
     """The version `info` announces into `assembly`, from its trainer (`client`) and the
-    `relays`, served meanwhile by this node's `relay`: as its delta from `base` (the
-    checksum and bytes of the version this node fetched last) when the trainer serves one
-    from it, rebuilt as it arrives; else whole. What a delta did not make right is fetched
-    whole (the chunks it made right are kept): then also why, second ("": no delta
-    refused). Raises what node/relay.py `fetch_relayed` raises."""
-    node_id = client.hello.node_id
-    delta = info.delta
+    `relays`, served meanwhile by this node's `relay`: as the deltas that make it from
+    `base` (the checksum and bytes of the version this node fetched last) when the
+    trainer serves them (`fetch_chain`); else whole. What deltas did not make right is
+    fetched whole (the chunks they made right are kept): then also why, second ("": no
+    delta refused). Raises what node/relay.py `fetch_relayed` raises."""
     refused = ""
-    if delta is not None and base is not None and base[0] == delta.base_sha256:
+    if info.deltas and base is not None:
         try:
-            changes = deltas.delta_assembly(info)
-            rebuild = deltas.Rebuild(assembly, base[1], changes, delta.base_sha256)
-            if relay is not None:
-                relay.hold(changes, info.ticket)
-            fetching = fetch_relayed(changes, deltas.delta_info(info), client, node_id, relays)
-            return await deltas.rebuilt_while_fetched(rebuild, fetching), refused
+            chain = deltas.chain_from(info, base[0])
+            if chain:
+                return await fetch_chain(assembly, info, chain, client, relay, relays, base), ""
         except ValueError as e:
-            refused = f"its delta from version {delta.base}: {e}"
+            refused = f"its deltas: {e}"
     if relay is not None:
         relay.hold(assembly, info.ticket)
-    return await fetch_relayed(assembly, info, client, node_id, relays), refused
+    return await fetch_relayed(assembly, info, client, client.hello.node_id, relays), refused
+
+
+async def fetch_chain(
+    assembly: WeightAssembly,
+    info: protocol.PolicyInfo,
+    chain: list[protocol.DeltaManifest],
+    client: Client,
+    relay: RelayServer | None,
+    relays: list[RelayPeer],
+    base: tuple[str, mmap.mmap],
+) -> FetchStats:
+    """`assembly`'s version made from `base` by the deltas of `chain` (node/delta.py
+    `chain_from`), fetched one after the other (each held by this node's relay while it
+    comes), the first written from `base`, the next ones over it in place, the last
+    rebuilt while it arrives and checked against the version's manifest. ValueError when
+    they do not make it."""
+    total = FetchStats(delta_base=chain[0].base, deltas=len(chain))
+    source: mmap.mmap = base[1]
+    for delta in chain:
+        changes = deltas.delta_assembly(delta)
+        last = delta is chain[-1]
+        rebuild = deltas.Rebuild(assembly, source, changes, delta.base_sha256, check=last)
+        if relay is not None:
+            relay.hold(changes, delta.ticket)
+        fetching = fetch_relayed(
+            changes, deltas.delta_info(info, delta), client, client.hello.node_id, relays
+        )
+        fetched = await deltas.rebuilt_while_fetched(rebuild, fetching)
+        total.from_trainer += fetched.from_trainer
+        total.from_relays += fetched.from_relays
+        total.relay_failures |= fetched.relay_failures
+        total.nbytes += fetched.nbytes
+        source = assembly.blob
+    return total
 
 
 class PolicyView:

@@ -51,6 +51,9 @@ from node.weights import PolicySnapshot, this_host
 # The version before the newest goes before a step once no chunk of it was asked for this
 # long: a fetch under way keeps several requests in flight (node/trainer_link.py).
 PREVIOUS_IDLE_S = 2.0
+# Deltas kept, the newest version's and those before it (node/delta.py): ~9 MB each for a
+# bfloat16 SmolLM2-135M, and never more than the version weighs (`_keep_chain`).
+DELTA_CHAIN = 8
 
 
 def sealed_bind_endpoint(trainer_endpoint: str, port: int = 0) -> str:
@@ -79,7 +82,8 @@ class Publisher:
     ) -> None:
         self.published = first
         self.previous: PolicySnapshot | None = None
-        # Each served version's delta from the one before (node/delta.py), by version.
+        # Deltas of the newest version and the versions before it (node/delta.py), by the
+        # version each makes: a chain (`chain`).
         self.deltas: dict[int, PolicySnapshot] = {}
         # Whether a chunk was ever asked for on a socket (a node that maps versions asks
         # none): then versions are worth a delta (node/trainer_versions.py).
@@ -135,13 +139,37 @@ class Publisher:
         self._keep(older)
         if delta is not None:
             self.deltas[snap.version] = delta
+        self._keep_chain()
 
     def _keep(self, older: PolicySnapshot | None) -> None:
         """Serve `older` beside the newest version (None: none), and nothing else."""
         self.previous = older
         served = {self.published.version} | ({older.version} if older is not None else set())
-        self.deltas = {v: d for v, d in self.deltas.items() if v in served}
         self.asked = {v: t for v, t in self.asked.items() if v in served}
+
+    def chain(self) -> list[PolicySnapshot]:
+        """The deltas that make the newest version, oldest first: its own delta, the
+        delta of the version it changes, and so on while one is held."""
+        chain: list[PolicySnapshot] = []
+        delta = self.deltas.get(self.published.version)
+        while delta is not None:
+            chain.append(delta)
+            delta = self.deltas.get(delta.base)
+        return chain[::-1]
+
+    def _keep_chain(self) -> None:
+        """Keep the newest DELTA_CHAIN deltas of the chain while they weigh less than the
+        version itself together (beyond that, fetching the version whole is cheaper): a
+        node that missed a few versions fetches their deltas in a row, not the version
+        whole (over 20 Mbit/s a whole bfloat16 SmolLM2-135M takes as long as ~5 steps)."""
+        kept: dict[int, PolicySnapshot] = {}
+        total = 0
+        for delta in reversed(self.chain()):
+            total += delta.nbytes
+            if total > self.published.nbytes or len(kept) == DELTA_CHAIN:
+                break
+            kept[delta.version] = delta
+        self.deltas = kept
 
     def info(self, lineage: protocol.Lineage, manifest: bool = True) -> protocol.PolicyInfo:
         """The newest version; without `manifest`, only what tells it from others (no chunk
@@ -161,9 +189,7 @@ class Publisher:
             info.sealed_endpoint = self.sealed_endpoint if snap.key else ""
             if snap.fd >= 0 and this_host():
                 info.local = protocol.LocalCopy(host=this_host(), pid=os.getpid(), fd=snap.fd)
-            delta = self.deltas.get(snap.version)
-            if delta is not None:
-                info.delta = deltas.manifest(delta)
+            info.deltas = [deltas.manifest(delta) for delta in self.chain()]
         return info
 
     def chunk(
@@ -172,19 +198,20 @@ class Publisher:
         """The chunk `request` asks for (of its version, or of the version's delta from
         `request.base`); on the sealed endpoint (`sealed`) only a sealed one, and only for
         its version's ticket."""
-        for served in (self.published, self.previous):
-            if served is None or served.version != request.version:
+        held = [s for s in (self.published, self.previous) if s is not None]
+        if request.base >= 0:
+            held = [d for d in (self.deltas.get(request.version),) if d is not None]
+        for snap in held:
+            if snap.version != request.version or snap.base != request.base:
                 continue
-            snap = served if request.base < 0 else self.deltas.get(served.version)
-            if snap is None or snap.base != request.base:
-                break  # (no such delta: "gone", the node asks for the newest version again)
             if sealed and not (snap.key and hmac.compare_digest(request.ticket, snap.ticket)):
                 return protocol.Error(code="invalid", message="no such ticket")
             if not 0 <= request.index < snap.num_chunks:
                 return protocol.Error(code="invalid", message=f"no chunk {request.index}")
             data = snap.chunk(request.index)
             self.fetched_over_wire = True
-            self.asked[served.version] = self.clock()
+            if request.base < 0:  # (a delta's chunks do not need its version held)
+                self.asked[snap.version] = self.clock()
             return protocol.WeightChunk(
                 version=snap.version, index=request.index, data=data, base=request.base
             )

@@ -91,7 +91,8 @@ class FetchStats:
     from_relays: int = 0
     relay_failures: dict[str, str] = field(default_factory=dict)  # relay -> why given up
     nbytes: int = 0  # of what was fetched: the version, or its delta
-    delta_base: int = -1  # the version the delta fetched changes (-1: fetched whole)
+    delta_base: int = -1  # the version the deltas fetched change (-1: fetched whole)
+    deltas: int = 0  # how many deltas were fetched, one after the other (node/delta.py)
 
 
 class RelayServer:

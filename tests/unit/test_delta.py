@@ -21,7 +21,7 @@ from agentjet.metrics import MetricsWriter, read_metrics
 from agentjet.transport import Server
 from node import delta
 from node.policy_sync import PolicySync
-from node.publisher import Publisher
+from node.publisher import DELTA_CHAIN, Publisher
 from node.relay import RelayPeer, RelayServer, fetch_relayed
 from node.torch_engine import TorchEngine
 from node.weights import PolicySnapshot, WeightAssembly, chunked, seal_nonce, to_safetensors
@@ -59,13 +59,13 @@ def announced(snap: PolicySnapshot, changes: PolicySnapshot | None) -> protocol.
     """What a trainer serving `snap` (and its delta `changes`) tells a node over CURVE."""
     publisher = Publisher(snap, "run")
     info = publisher.info(protocol.Lineage())
-    info.delta = delta.manifest(changes) if changes is not None else None
+    info.deltas = [delta.manifest(changes)] if changes is not None else []
     return info
 
 
 def fetched_delta(info: protocol.PolicyInfo, changes: PolicySnapshot) -> WeightAssembly:
     """The delta's chunks as a node receives them (sealed as served), each checked."""
-    assembly = delta.delta_assembly(info)
+    assembly = delta.delta_assembly(info.deltas[0])
     for index in range(changes.num_chunks):
         assert assembly.add(index, changes.chunk(index))
     return assembly
@@ -88,7 +88,7 @@ def test_a_chunk_of_a_delta_that_was_tampered_with_is_refused_and_taken_again() 
     old, new = version(weights(), 1), version(stepped(weights()), 2)
     changes = delta.delta_snapshot(old, new)
     assert changes is not None
-    assembly = delta.delta_assembly(announced(new, changes))
+    assembly = delta.delta_assembly(announced(new, changes).deltas[0])
     bad = bytearray(changes.chunk(0))
     bad[7] ^= 1
     with pytest.raises(ValueError, match="does not unseal"):
@@ -167,9 +167,8 @@ def test_a_version_is_rebuilt_chunk_by_chunk_as_its_deltas_chunks_arrive() -> No
     changes = delta.delta_snapshot(old, new)
     assert changes is not None and changes.num_chunks >= 4
     info = announced(new, changes)
-    assert info.delta is not None
-    assert info.delta.chunk_bytes == min(delta.DELTA_CHUNK_BYTES, CHUNK_BYTES)
-    arriving = delta.delta_assembly(info)
+    assert info.deltas[0].chunk_bytes == min(delta.DELTA_CHUNK_BYTES, CHUNK_BYTES)
+    arriving = delta.delta_assembly(info.deltas[0])
     target = WeightAssembly.of(info)
     rebuild = delta.Rebuild(target, old.stored, arriving, old.sha256)
     assert not rebuild.step() and target.present == set()  # nothing has arrived
@@ -201,29 +200,63 @@ def test_the_chain_of_deltas_starts_again_from_a_whole_version_every_k() -> None
     assert delta.delta_due(NetConfig(version_full_every=0), 25, fetched_over_wire=True)
 
 
-def test_a_trainer_serves_the_delta_beside_its_version_and_lets_both_go_together() -> None:
-    one, two, three = (version(stepped(weights(), 40 + v), v) for v in (1, 2, 3))
-    now = [100.0]
-    publisher = Publisher(one, "run", clock=lambda: now[0])
-    request = protocol.WeightChunkRequest(version=2, index=0, base=1)
-    publisher.publish(two, delta.delta_snapshot(one, two))
+def test_a_trainer_serves_a_chain_of_deltas_to_its_newest_version() -> None:
+    snaps = [version(stepped(weights(), 40 + v), v) for v in range(12)]
+    publisher = Publisher(snaps[1], "run")
+    for number in (2, 3, 4):
+        publisher.publish(snaps[number], delta.delta_snapshot(snaps[number - 1], snaps[number]))
     info = publisher.info(protocol.Lineage())
-    assert info.delta is not None and info.delta.base == 1
-    assert publisher.info(protocol.Lineage(), manifest=False).delta is None  # a poll
+    assert [(d.base, d.version) for d in info.deltas] == [(1, 2), (2, 3), (3, 4)]
+    assert publisher.info(protocol.Lineage(), manifest=False).deltas == []  # a poll
     assert not publisher.fetched_over_wire
-    served = publisher.chunk(request)
+    # version 2 itself is gone; its delta is still served (with its own version's ticket)
+    two = protocol.WeightChunkRequest(version=2, index=0, base=1)
+    served = publisher.chunk(two)
     assert isinstance(served, protocol.WeightChunk) and served.base == 1
+    assert info.deltas[0].ticket == snaps[2].ticket and info.deltas[0].key == snaps[2].key
     assert publisher.fetched_over_wire
     wrong_base = publisher.chunk(protocol.WeightChunkRequest(version=2, index=0, base=0))
     assert isinstance(wrong_base, protocol.Error) and wrong_base.code == "gone"
-    publisher.retire()
-    publisher.publish(three)  # no delta of 3: version 2's still served while 2 is
-    assert publisher.info(protocol.Lineage()).delta is None
-    assert isinstance(publisher.chunk(request), protocol.WeightChunk)
-    now[0] += 2.5  # (that fetch is over)
-    publisher.retire()
-    assert publisher.deltas == {}
-    assert isinstance(publisher.chunk(request), protocol.Error)
+    # a node holding 2 gets the chain from 2; one holding 0 none
+    assert [d.version for d in delta.chain_from(info, snaps[2].sha256)] == [3, 4]
+    assert delta.chain_from(info, snaps[0].sha256) == []
+    # at most DELTA_CHAIN deltas are kept
+    for number in range(5, 12):
+        publisher.publish(snaps[number], delta.delta_snapshot(snaps[number - 1], snaps[number]))
+    assert len(publisher.info(protocol.Lineage()).deltas) == DELTA_CHAIN
+    # a version without a delta breaks the chain: nothing older is kept
+    publisher.publish(version(weights(), 12))
+    assert publisher.info(protocol.Lineage()).deltas == [] and publisher.deltas == {}
+    assert isinstance(publisher.chunk(two), protocol.Error)
+
+
+def test_a_chain_of_deltas_weighs_no_more_than_its_version() -> None:
+    heavy = [version(stepped(weights(), 2 + v % 2), v) for v in range(4)]  # half changes
+    publisher = Publisher(heavy[0], "run")
+    for number in (1, 2, 3):
+        publisher.publish(heavy[number], delta.delta_snapshot(heavy[number - 1], heavy[number]))
+    chain = publisher.info(protocol.Lineage()).deltas
+    assert 1 <= len(chain) < 3
+    assert sum(d.nbytes for d in chain) <= heavy[3].nbytes
+
+
+def test_a_chain_that_does_not_hold_together_is_refused() -> None:
+    snaps = [version(stepped(weights(), 40 + v), v) for v in range(4)]
+    made = [
+        delta.manifest(d)
+        for d in (
+            delta.delta_snapshot(snaps[0], snaps[1]),
+            delta.delta_snapshot(snaps[2], snaps[3]),
+        )
+        if d
+    ]
+    info = announced(snaps[3], None)
+    info.deltas = made  # 0 -> 1, then 2 -> 3: a gap
+    with pytest.raises(ValueError, match="then one from 2"):
+        delta.chain_from(info, snaps[0].sha256)
+    info.deltas = made[:1]  # ends at 1, announced as 3
+    with pytest.raises(ValueError, match="announced as 3"):
+        delta.chain_from(info, snaps[0].sha256)
 
 
 class RelayNode:
@@ -244,10 +277,12 @@ class RelayNode:
     async def fetch_delta(self, relays: list[RelayPeer]) -> tuple[bytes, int]:
         """The newest version, from its delta; its bytes and the delta chunks relays gave."""
         info = await self.client.request(protocol.PolicyQuery())
-        assert isinstance(info, protocol.PolicyInfo) and info.delta is not None
-        changes = delta.delta_assembly(info)
+        assert isinstance(info, protocol.PolicyInfo)
+        (step,) = delta.chain_from(info, self.held[0])
+        changes = delta.delta_assembly(step)
         self.relay.hold(changes, info.ticket)
-        stats = await fetch_relayed(changes, delta.delta_info(info), self.client, self.name, relays)
+        fetching = delta.delta_info(info, step)
+        stats = await fetch_relayed(changes, fetching, self.client, self.name, relays)
         target = WeightAssembly.of(info)
         delta.apply(target, self.held[1], changes, self.held[0])
         return bytes(target.blob), stats.from_relays
@@ -299,21 +334,25 @@ def test_a_rollout_node_fetches_whole_then_as_deltas_then_whole_after_missing_on
     asyncio.run(node_scenario(tiny_model_dir, tmp_path))
     rows = read_metrics(tmp_path / "metrics" / "rollout.jsonl")
     fetched = {r["policy_version"]: r for r in rows if r["event"] == "weights_fetched"}
-    assert sorted(fetched) == [1, 2, 3, 6]
+    assert sorted(fetched) == [1, 2, 3, 6, 8]
     whole = fetched[1]["version_bytes"]
     assert fetched[1]["fetched_bytes"] == whole and "delta_from" not in fetched[1]
     assert fetched[2]["delta_from"] == 1 and fetched[2]["fetched_bytes"] < whole / 10
     # version 3's delta did not make it (the node's copy of 2 gone bad): refused, counted,
     # fetched whole
     assert "delta_from" not in fetched[3] and fetched[3]["deltas_refused"] == 1
-    # the node missed 4 and 5: 6's delta is from 5, so 6 comes whole
-    assert "delta_from" not in fetched[6] and fetched[6]["fetched_bytes"] == whole
+    # the node missed 4 and 5: 6 comes as the chain of deltas 3 -> 4 -> 5 -> 6
+    assert (fetched[6]["delta_from"], fetched[6]["deltas"]) == (3, 3)
+    assert fetched[6]["fetched_bytes"] < whole / 3
+    # 7 was served without a delta (the chain starts again from it): a node holding 6
+    # has no chain to 8, and fetches it whole
+    assert "delta_from" not in fetched[8] and fetched[8]["fetched_bytes"] == whole
 
 
 async def node_scenario(tiny_model_dir: Path, tmp_path: Path) -> None:
     engine = TorchEngine(tiny_model_dir, dtype="float32", seed=0, device="cpu")
     base = full_weights(engine)
-    steps = {v: stepped(base, 97 + v) for v in range(1, 7)}
+    steps = {v: stepped(base, 97 + v) for v in range(1, 9)}
     trainer = VersionServer(steps[1], 1, CHUNK_BYTES, MAX_MESSAGE_BYTES, seal=True)
     client = trainer.client("rollout-test")
     metrics = MetricsWriter(tmp_path, "rollout", LogConfig())
@@ -340,6 +379,9 @@ async def node_scenario(tiny_model_dir: Path, tmp_path: Path) -> None:
         for number in (4, 5, 6):
             trainer.publish(steps[number], number)
         await fetch_and_load(6)
+        trainer.publish(steps[7], 7, delta=False)
+        trainer.publish(steps[8], 8)
+        await fetch_and_load(8)
     finally:
         client.close()
         await trainer.close()

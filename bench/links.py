@@ -52,14 +52,13 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import torch  # noqa: E402
 import uvloop  # noqa: E402
-from relay import lines  # noqa: E402
+from relay import lines, serving_versions  # noqa: E402
 from swarm import (  # noqa: E402
     STARTUP_TIMEOUT_S,
     BenchError,
     Child,
     Children,
     Commands,
-    answer_requests,
     emit,
     machine_notes,
     message_channel,
@@ -77,7 +76,6 @@ from node import delta  # noqa: E402
 from node.lora import add_adapters  # noqa: E402
 from node.model import load_causal_lm  # noqa: E402
 from node.policy_sync import fetch_into  # noqa: E402
-from node.publisher import Publisher  # noqa: E402
 from node.relay import RelayPeer, RelayServer  # noqa: E402
 from node.trainer_link import Superseded  # noqa: E402
 from node.weights import (  # noqa: E402
@@ -178,21 +176,10 @@ async def trainer_main(settings: dict[str, Any], out: TextIO) -> None:
     training = Training(settings)
     dtype = DTYPES[settings["dtype"]]
     chunk_bytes = settings["chunk_bytes"]
-    keys = read_node_keys(settings["keys"], "bench-trainer")
-    limit = settings["max_message_bytes"]
-    server = Server(f"tcp://{settings['ip']}:*", protocol.trainer_request_decoder, limit, keys)
-    sealed = Server(f"tcp://{settings['ip']}:*", protocol.trainer_request_decoder, limit)
-    publisher = Publisher(snapshot(training.model, 0, chunk_bytes, dtype, True), "bench", sealed)
-    publisher.announce(server.endpoint)
+    first = snapshot(training.model, 0, chunk_bytes, dtype, True)
     if settings["density"]:
         training.density()
-    serving = [
-        asyncio.create_task(answer_requests(server, publisher)),
-        asyncio.create_task(publisher.serve_sealed()),
-    ]
-    commands = await lines(Commands())
-    emit(out, "ready", endpoint=server.endpoint)
-    try:
+    async with serving_versions(settings, first, out) as (publisher, commands):
         while (command := await commands.get()) != "stop":
             if command != "publish":
                 continue
@@ -215,11 +202,6 @@ async def trainer_main(settings: dict[str, Any], out: TextIO) -> None:
                 sha256=hashlib.sha256(made.stored).hexdigest(),
                 **density,
             )
-    finally:
-        for task in serving:
-            task.cancel()
-        server.close()
-        sealed.close()
 
 
 class Holder:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
 import json
 import os
@@ -36,6 +37,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, TextIO
@@ -116,22 +118,39 @@ def make_version(
     return chunked(blob, version, chunk_bytes, seal=True), digest
 
 
-async def trainer_main(settings: dict[str, Any], out: TextIO) -> None:
-    tensors = weights(settings)
+@contextlib.asynccontextmanager
+async def serving_versions(
+    settings: dict[str, Any], first: PolicySnapshot, out: TextIO
+) -> AsyncIterator[tuple[Publisher, asyncio.Queue[str]]]:
+    """A trainer's sockets on settings["ip"] serving `first`, then what is published:
+    PolicyQuery and chunks over CURVE (the swarm's keys), sealed chunks on its sealed
+    endpoint. Says "ready" with its endpoint; gives its Publisher and the parent's
+    commands; closes both sockets after."""
     keys = read_node_keys(settings["keys"], "bench-trainer")
     limit = settings["max_message_bytes"]
     server = Server(f"tcp://{settings['ip']}:*", protocol.trainer_request_decoder, limit, keys)
     sealed = Server(f"tcp://{settings['ip']}:*", protocol.trainer_request_decoder, limit)
-    first, _ = make_version(tensors, 0, settings["chunk_bytes"])
     publisher = Publisher(first, "bench", sealed)
     publisher.announce(server.endpoint)
     serving = [
         asyncio.create_task(answer_requests(server, publisher)),
         asyncio.create_task(publisher.serve_sealed()),
     ]
-    commands = await lines(Commands())
-    emit(out, "ready", endpoint=server.endpoint)
     try:
+        commands = await lines(Commands())
+        emit(out, "ready", endpoint=server.endpoint)
+        yield publisher, commands
+    finally:
+        for task in serving:
+            task.cancel()
+        server.close()
+        sealed.close()
+
+
+async def trainer_main(settings: dict[str, Any], out: TextIO) -> None:
+    tensors = weights(settings)
+    first, _ = make_version(tensors, 0, settings["chunk_bytes"])
+    async with serving_versions(settings, first, out) as (publisher, commands):
         while (command := await commands.get()) != "stop":
             if command == "publish":
                 version = publisher.published.version + 1
@@ -147,11 +166,6 @@ async def trainer_main(settings: dict[str, Any], out: TextIO) -> None:
                     num_chunks=snap.num_chunks,
                     sha256=digest,
                 )
-    finally:
-        for task in serving:
-            task.cancel()
-        server.close()
-        sealed.close()
 
 
 async def rollout_main(settings: dict[str, Any], out: TextIO) -> None:

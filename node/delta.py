@@ -8,9 +8,13 @@ for rollout nodes behind slow links.
              v's key), served beside v (node/publisher.py)
     rollout  holds v-1 (its checksum is the delta's `base_sha256`) ──the delta's chunks,
              from the trainer or relays, each checked against the delta's manifest──▶
-             `apply`: chunk i of v = chunk i of v-1 XOR frame i, written in its place and
-             checked against v's own manifest (WeightAssembly.fill) ──▶ v, exactly the
-             bytes a full fetch gives
+             `Rebuild`, while they arrive: chunk i of v = chunk i of v-1 XOR frame i,
+             written in its place and checked against v's own manifest
+             (WeightAssembly.fill) ──▶ v, exactly the bytes a full fetch gives
+    chain    the trainer keeps the deltas of its last versions (node/publisher.py); a node
+             holding v-3 fetches v-2's, v-1's and v's deltas in a row (`chain_from`;
+             node/policy_sync.py `fetch_chain`), each written over the last, the last
+             checked against v's manifest
 
 Why XOR and zstd: between two steps most of the weights a sampler uses keep every bit
 (SmolLM2-135M in bf16 at lr 1e-5: about 3% of the values change per step), and XOR turns
@@ -70,8 +74,11 @@ def delta_due(net: NetConfig, version: int, fetched_over_wire: bool) -> bool:
 
 def make_delta(base: PolicySnapshot, new: PolicySnapshot) -> bytearray | None:
     """`new` as its changes from `base` (the format above); None when they are not cut
-    alike (another size, another chunk size), so no delta can say one from the other."""
+    alike (another size, another chunk size), so no delta can say one from the other, or
+    `new` is no later version (a trainer that took an older one from its peers)."""
     if base.nbytes != new.nbytes or base.chunk_bytes != new.chunk_bytes:
+        return None
+    if new.version <= base.version:
         return None
     compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
     frames: list[bytes] = []

@@ -152,7 +152,7 @@ class Publisher:
         delta of the version it changes, and so on while one is held."""
         chain: list[PolicySnapshot] = []
         delta = self.deltas.get(self.published.version)
-        while delta is not None:
+        while delta is not None and len(chain) < len(self.deltas):
             chain.append(delta)
             delta = self.deltas.get(delta.base)
         return chain[::-1]

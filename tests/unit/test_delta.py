@@ -189,6 +189,8 @@ def test_no_delta_between_versions_cut_otherwise_or_when_it_would_not_pay() -> N
     assert delta.delta_snapshot(old, unrelated) is None
     same = delta.delta_snapshot(old, version(weights(), 2))  # nothing changed
     assert same is not None and same.nbytes < 1000
+    # a trainer that took an earlier version from its peers: no delta back in time
+    assert delta.delta_snapshot(version(weights(), 5), version(stepped(weights()), 4)) is None
 
 
 def test_the_chain_of_deltas_starts_again_from_a_whole_version_every_k() -> None:

@@ -535,8 +535,9 @@ class NetConfig(_Section):
     map_local: bool = True
     # A trainer whose versions are fetched over a network also serves each as a delta from
     # the version before (node/delta.py): the bytes that changed, XORed and compressed; a
-    # rollout node holding that version fetches the delta instead (with model.dtype
-    # "bfloat16", about 3% of a SmolLM2-135M version; float32, about 55%: docs/links.md).
+    # rollout node holding that version (or one of the 8 before) fetches the deltas instead
+    # (rollout.dtype "bfloat16": about 3% of a SmolLM2-135M version; float32, about 55%:
+    # docs/links.md).
     version_deltas: bool = True
     # Every this many versions no delta is made, so every node fetches that version whole
     # (0: never). Not needed for correctness: each version rebuilt from a delta is checked

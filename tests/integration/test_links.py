@@ -33,14 +33,11 @@ def test_deltas_survive_a_corrupt_relay_a_cut_link_and_ten_missed_versions(tmp_p
     argv = [sys.executable, str(ROOT / "bench" / "links.py"), "--faults", "--out", str(out)]
     argv += ["--mbytes", "8", "--rate-mbit", "8", "--chunk-kb", "256", "--nodes", "2"]
     argv += ["--timeout-s", str(TIMEOUT_S)]
-    bench = procs.popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        output, _ = bench.communicate(timeout=300)
-    finally:
-        if bench.poll() is None:
-            bench.kill()
-            bench.wait()
-    assert bench.returncode == 0, output[-3000:]
+    # (killed and reaped by subprocess.run if it runs past the timeout)
+    bench = procs.run(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300
+    )
+    assert bench.returncode == 0, bench.stdout[-3000:]
     result = json.loads(out.read_text())
     trials = {name: t for name, t in result.items() if name != "settings"}
     # every fetch ended with the trainer's bytes (sha256 of the whole version)

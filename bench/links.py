@@ -237,31 +237,21 @@ async def rollout_main(settings: dict[str, Any], out: TextIO) -> None:
                 order = json.loads(command[len("fetch ") :])
                 relays = [RelayPeer(*peer) for peer in order["relays"]]
                 holder = holders[order["trainer"]]
-                await fetch_until_done(holder, relay, name, relays, order["whole"], out)
+                # again after each interruption (a cut link: no answer within the client's
+                # timeout), as node/policy_sync.py fetches again at its next poll
+                for _ in range(FETCH_ATTEMPTS):
+                    try:
+                        await fetch(holder, relay, name, relays, order["whole"], out)
+                        break
+                    except (PeerUnavailable, ProtocolError, Superseded) as e:
+                        emit(out, "interrupted", why=str(e)[:200])
+                else:
+                    raise BenchError(f"{name}: no fetch in {FETCH_ATTEMPTS} attempts")
     finally:
         serving.cancel()
         relay.close()
         for holder in holders.values():
             holder.client.close()
-
-
-async def fetch_until_done(
-    holder: Holder,
-    relay: RelayServer,
-    name: str,
-    relays: list[RelayPeer],
-    whole: bool,
-    out: TextIO,
-) -> None:
-    """`fetch`, again after each interruption (a cut link: no answer within the client's
-    timeout), as node/policy_sync.py fetches again at its next poll."""
-    for _ in range(FETCH_ATTEMPTS):
-        try:
-            await fetch(holder, relay, name, relays, whole, out)
-            return
-        except (PeerUnavailable, ProtocolError, Superseded) as e:
-            emit(out, "interrupted", why=str(e)[:200])
-    raise BenchError(f"{name}: no fetch in {FETCH_ATTEMPTS} attempts")
 
 
 async def fetch(

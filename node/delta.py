@@ -298,16 +298,6 @@ async def rebuilt_while_fetched(rebuild: Rebuild, fetch: Awaitable[T]) -> T:
     return result
 
 
-def apply(
-    target: WeightAssembly,
-    base: Buffer | mmap.mmap,
-    changes: WeightAssembly,
-    base_sha256: str,
-) -> None:
-    """The whole rebuild at once, every chunk of the delta in `changes` (`Rebuild`)."""
-    Rebuild(target, base, changes, base_sha256).finish()
-
-
 def _xor_into(place: memoryview, before: np.ndarray, changed: np.ndarray | None) -> None:
     """`place` = `before` XOR `changed` (a copy of `before` when nothing changed)."""
     out = np.frombuffer(place, np.uint8)

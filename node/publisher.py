@@ -102,8 +102,9 @@ class Publisher:
             self.sealed_endpoint = announced(self.sealed.endpoint, trainer_announced)
 
     def fetching(self, snap: PolicySnapshot | None, idle_s: float = PREVIOUS_IDLE_S) -> bool:
-        """Whether a chunk of `snap` (or of its delta) was asked for in the last `idle_s`:
-        a fetch of it is under way (it keeps several requests in flight)."""
+        """Whether a chunk of `snap` was asked for in the last `idle_s` (its delta's chunks
+        do not count: they do not need it held): a fetch of it is under way (it keeps
+        several requests in flight)."""
         if snap is None:
             return False
         return self.clock() - self.asked.get(snap.version, -math.inf) < idle_s

@@ -78,7 +78,7 @@ def test_a_delta_rebuilds_the_version_bit_for_bit_from_its_base_and_is_small() -
     assert changes.nbytes < 0.1 * new.nbytes  # 1 value in 40 changed
     info = announced(new, changes)
     target = WeightAssembly.of(info)
-    delta.apply(target, old.stored, fetched_delta(info, changes), old.sha256)
+    delta.Rebuild(target, old.stored, fetched_delta(info, changes), old.sha256).finish()
     assert bytes(target.blob) == bytes(new.stored)
     rebuilt = target.finish()
     assert all(torch.equal(rebuilt[n], t) for n, t in stepped(weights()).items())
@@ -108,12 +108,12 @@ def test_a_delta_from_another_base_is_refused_before_a_byte_is_written() -> None
     target = WeightAssembly.of(info)
     other = version(weights(seed=1), 1)
     with pytest.raises(ValueError, match="another base"):
-        delta.apply(target, other.stored, blob, other.sha256)
+        delta.Rebuild(target, other.stored, blob, other.sha256).finish()
     assert target.present == set()
     # The base's checksum, but other bytes (a node's copy gone bad): its chunks come out
     # wrong, and each is refused against the version's own manifest.
     with pytest.raises(ValueError, match="does not match its hash"):
-        delta.apply(target, other.stored, blob, old.sha256)
+        delta.Rebuild(target, other.stored, blob, old.sha256).finish()
     assert len(target.present) < target.num_chunks
 
 
@@ -157,7 +157,7 @@ def test_a_hostile_delta_is_one_clear_error_and_never_writes_past_a_chunk() -> N
     for message, bad in cases.items():
         target = WeightAssembly.of(info)
         with pytest.raises(ValueError, match=message):
-            delta.apply(target, old.stored, as_fetched(bad), old.sha256)
+            delta.Rebuild(target, old.stored, as_fetched(bad), old.sha256).finish()
         assert target.present == set(), message
 
 
@@ -286,7 +286,7 @@ class RelayNode:
         fetching = delta.delta_info(info, step)
         stats = await fetch_relayed(changes, fetching, self.client, self.name, relays)
         target = WeightAssembly.of(info)
-        delta.apply(target, self.held[1], changes, self.held[0])
+        delta.Rebuild(target, self.held[1], changes, self.held[0]).finish()
         return bytes(target.blob), stats.from_relays
 
     async def close(self) -> None:

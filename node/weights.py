@@ -38,7 +38,7 @@ import struct
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, cast
@@ -284,16 +284,49 @@ def _write(
 ) -> None:
     blob[:8] = struct.pack("<Q", len(head))
     blob[8 : 8 + len(head)] = head
-    start = 8 + len(head)
     with torch.no_grad():
-        for name, tensor in tensors.items():
-            begin, end = header[name]["data_offsets"]
-            if begin == end:
-                continue
+        for tensor, offset in _places(tensors, head, header):
             place = torch.frombuffer(
-                blob, dtype=dtype or tensor.dtype, count=tensor.numel(), offset=start + begin
+                blob, dtype=dtype or tensor.dtype, count=tensor.numel(), offset=offset
             )
             place.copy_(tensor.reshape(-1))
+
+
+def _places(
+    tensors: dict[str, torch.Tensor], head: bytes, header: dict[str, Any]
+) -> Iterator[tuple[torch.Tensor, int]]:
+    """Each tensor that has bytes, with its place in the file `_layout` laid out."""
+    start = 8 + len(head)
+    for name, tensor in tensors.items():
+        begin, end = header[name]["data_offsets"]
+        if begin != end:
+            yield tensor, start + begin
+
+
+def _write_file(
+    fd: int,
+    tensors: dict[str, torch.Tensor],
+    head: bytes,
+    header: dict[str, Any],
+    dtype: torch.dtype | None,
+) -> None:
+    """`_write` through the descriptor, one tensor at a time, with no mapping of the file:
+    a process forked while a writable shared mapping exists (hivemind's averagers start
+    whenever a trainer joins) keeps it, and the kernel then refuses the seal for good
+    (EBUSY; CI, 2026-12-06). A cast or a tensor off the CPU costs a temporary of that one
+    tensor, as in `_write`."""
+    _pwrite(fd, struct.pack("<Q", len(head)) + head, 0)
+    with torch.no_grad():
+        for tensor, offset in _places(tensors, head, header):
+            flat = tensor.detach().to("cpu", dtype or tensor.dtype).contiguous().reshape(-1)
+            _pwrite(fd, flat.view(torch.uint8).numpy().data, offset)
+
+
+def _pwrite(fd: int, data: Buffer, offset: int) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        written = os.pwrite(fd, view, offset)
+        view, offset = view[written:], offset + written
 
 
 def to_safetensors(
@@ -324,9 +357,7 @@ def frozen_safetensors(
         return to_safetensors(tensors, metadata, dtype), -1
     try:
         os.ftruncate(fd, nbytes)
-        writable = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
-        _write(writable, tensors, head, header, dtype)
-        writable.close()  # a writable shared mapping left would refuse the seal
+        _write_file(fd, tensors, head, header, dtype)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, FROZEN_SEALS | fcntl.F_SEAL_SEAL)
         blob = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         blob.madvise(mmap.MADV_DONTFORK)

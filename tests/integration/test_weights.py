@@ -3,6 +3,7 @@ and reads it without a copy of its own."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import torch
 
 from agentjet import protocol
 from node.publisher import Publisher
-from node.weights import from_safetensors
+from node.weights import from_safetensors, frozen_safetensors
 from tests import procs
 from tests.unit.test_weights import frozen_version
 
@@ -58,3 +59,45 @@ def test_a_mapped_version_is_in_memory_once_for_the_trainer_and_the_node() -> No
     )
     assert rss >= 64 * 1024  # all of it read
     assert pss <= rss * 0.55 and private == 0  # shared with this process, not copied
+
+
+class ForkingTensors(dict):
+    """Tensors whose every walk forks a child that lives until the test lets it go: a
+    trainer's hivemind averagers fork whenever a trainer joins, while a version may be
+    being written in a thread."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        super().__init__(tensors)
+        self.release_read, self.release_write = os.pipe()
+        self.children: list[int] = []
+
+    def items(self):  # type: ignore[override]
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.close(self.release_write)  # else no child would ever read the end
+                os.read(self.release_read, 1)
+            finally:
+                os._exit(0)
+        self.children.append(pid)
+        return super().items()
+
+    def release(self) -> None:
+        os.close(self.release_write)
+        os.close(self.release_read)
+        for pid in self.children:
+            assert os.waitpid(pid, 0)[1] == 0
+
+
+def test_a_process_forked_while_a_version_is_written_does_not_stop_it_being_frozen() -> None:
+    tensors = ForkingTensors({"a": torch.randn(40, 100), "b": torch.randn(3, 7)})
+    try:
+        blob, fd = frozen_safetensors(tensors, {"policy_version": "3"}, torch.bfloat16)
+    finally:
+        tensors.release()
+    assert len(tensors.children) == 2  # forked while laid out and while written
+    with pytest.raises(PermissionError):
+        os.pwrite(fd, b"x", 0)
+    os.close(fd)
+    state = from_safetensors(bytearray(blob))
+    assert all(torch.equal(state[k], t.to(torch.bfloat16)) for k, t in tensors.items())

@@ -431,8 +431,24 @@ class SwarmConfig(_Section):
     # the same number of groups however many trainers there are. Set, each trainer takes
     # trainer.groups_per_step groups and the swarm steps once their sum reaches it.
     target_batch_size: NonNegInt = 0
-    # Gradients on the wire: "none" (float32) or "fp16" (half the bytes).
-    grad_compression: Literal["none", "fp16"] = "none"
+    # Gradients (pseudo-gradients with local_steps > 1) on the wire: "none" (float32),
+    # "fp16" (half the bytes), "uint8" (hivemind's uniform 8-bit quantization: a quarter,
+    # values past 3 standard deviations of a part clipped to its end buckets) or
+    # "quantile8" (8-bit, buckets at the part's quantiles). Every trainer still applies the
+    # same average, bit for bit: each reducer rounds its reply once, and keeps that
+    # rounding for itself (node/allreduce.py). docs/links.md says which to pick per link.
+    grad_compression: Literal["none", "fp16", "uint8", "quantile8"] = "none"
+    # Inner steps per gradient round (DiLoCo's local steps, node/local_steps.py): 1 averages
+    # gradients every step. H > 1: each trainer takes H AdamW steps on its own groups, then
+    # the trainers average their pseudo-gradients (the weights' change since the last
+    # version) in one round and take an outer step (SGD, Nesterov momentum): only the outer
+    # step makes a policy version, and a group is trained once it is in one. A round's bytes
+    # are then spread over H batches.
+    local_steps: PositiveInt = 1
+    # The outer step of local_steps > 1: SGD on the averaged pseudo-gradient with this
+    # learning rate and Nesterov momentum (DiLoCo's 0.7 and 0.9).
+    outer_lr: PositiveFloat = 0.7
+    outer_momentum: Annotated[float, Meta(ge=0, lt=1)] = 0.9
     # Average parameters across trainers every N global steps, a second round after that
     # step's gradient round. Exact gradient rounds already keep trainers bit for bit in
     # step (bench/LOG.md: 160 of 160 versions identical in weights and Adam's state with

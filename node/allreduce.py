@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import struct
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -50,6 +51,7 @@ from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.partition import BannedException, TensorPartReducer
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.compression.quantization import Quantization
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import amap_in_executor, as_aiter, azip
@@ -78,6 +80,24 @@ class RoundResult(dict):  # type: ignore[type-arg]
 
     def __reduce__(self) -> tuple[Any, ...]:  # crosses from the averager's process
         return RoundResult, (dict(self), self.missing, self.contributors, self.partial)
+
+
+def _extract_quantized(self: Quantization, serialized: Any) -> torch.Tensor:
+    """hivemind 1.1.12's 8-bit formats (uniform, quantile), read back: an int64 codebook
+    size, the float32 codebook, a uint8 index per value. hivemind's own reader calls
+    `int()` on a one-element array, which NumPy 2 refuses ("only 0-dimensional arrays can
+    be converted"), so every round with swarm.grad_compression "uint8" or "quantile8"
+    failed. Installed over `Quantization.extract` when this module is imported, before any
+    averager process is forked."""
+    buffer = serialized.buffer
+    (size,) = struct.unpack_from("<q", buffer)
+    codebook = torch.frombuffer(bytearray(buffer[8 : 8 + 4 * size]), dtype=torch.float32)
+    indices = torch.frombuffer(bytearray(buffer[8 + 4 * size :]), dtype=torch.uint8)
+    values = codebook.to(getattr(torch, serialized.dtype))[indices.long()]
+    return values.reshape(tuple(serialized.size)).requires_grad_(serialized.requires_grad)
+
+
+Quantization.extract = _extract_quantized
 
 
 def incomplete(result: object) -> bool:

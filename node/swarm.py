@@ -24,7 +24,13 @@ from typing import Any
 
 import hivemind
 import torch
-from hivemind.compression import Float16Compression, NoCompression
+from hivemind.compression import (
+    CompressionBase,
+    Float16Compression,
+    NoCompression,
+    Quantile8BitQuantization,
+    Uniform8BitQuantization,
+)
 
 from agentjet.bridge import blocking
 from agentjet.config import SwarmConfig
@@ -43,6 +49,14 @@ from node.rendezvous import Rendezvous
 from node.rounds import RoundTrouble, StepOutcome
 
 log = logging.getLogger(__name__)
+
+# swarm.grad_compression's values: how a round's tensors travel (node/allreduce.py).
+COMPRESSIONS: dict[str, Callable[[], CompressionBase]] = {
+    "none": NoCompression,
+    "fp16": Float16Compression,
+    "uint8": Uniform8BitQuantization,
+    "quantile8": Quantile8BitQuantization,
+}
 
 # How long a step waits for hivemind's tracker to read the peers it saw (a DHT read; seconds
 # on a busy box).
@@ -75,7 +89,7 @@ def _hivemind_optimizer(
     attach_at_start: bool,
 ) -> HivemindOptimizer:
     """hivemind.Optimizer as a trainer runs it over `dht` (`SwarmOptimizer`'s arguments)."""
-    compression = Float16Compression() if config.grad_compression == "fp16" else NoCompression()
+    compression = COMPRESSIONS[config.grad_compression]()
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # see start_dht
     try:
         return HivemindOptimizer(

@@ -14,7 +14,14 @@ import hivemind
 import pytest
 import torch
 from hivemind.averaging import DecentralizedAverager
-from hivemind.compression import CompressionBase, Float16Compression, NoCompression
+from hivemind.compression import (
+    CompressionBase,
+    Float16Compression,
+    NoCompression,
+    Quantile8BitQuantization,
+    Uniform8BitQuantization,
+)
+from hivemind.compression.quantization import Quantization
 
 from node.allreduce import ExactAllReduceRunner, ExactAverager, incomplete
 
@@ -123,7 +130,9 @@ def average_once(
 
 
 @pytest.mark.parametrize(
-    "compression", [NoCompression(), Float16Compression()], ids=["float32", "fp16"]
+    "compression",
+    [NoCompression(), Float16Compression(), Uniform8BitQuantization(), Quantile8BitQuantization()],
+    ids=["float32", "fp16", "uint8", "quantile8"],
 )
 def test_both_peers_end_a_round_with_the_same_bits(compression: CompressionBase) -> None:
     (first, second), outcomes, peers = average_once(ExactAverager, compression)
@@ -135,6 +144,11 @@ def test_both_peers_end_a_round_with_the_same_bits(compression: CompressionBase)
     mean = (a + b) / 2
     if isinstance(compression, NoCompression):
         assert torch.allclose(first, mean, rtol=1e-6, atol=0)
+    elif isinstance(compression, Quantization):
+        # 8 bits a value, rounded twice (each sender's part, then the reducer's average),
+        # of values spread over orders of magnitude: far from the mean (tests/unit/
+        # test_compression.py measures gradient-like values), but one rounding for all.
+        assert not torch.equal(first, mean)
     else:
         # fp16 on the wire, where fp16 can hold the values: each input and the mean are
         # rounded once to 11 significant bits.

@@ -125,6 +125,11 @@ class StepOptimizer(Protocol):
         """The policy version of the current weights."""
         ...
 
+    @property
+    def state_loads(self) -> int:
+        """How often the weights were replaced by a state downloaded from a peer."""
+        ...
+
     def name_groups(self, group_ids: Iterable[str]) -> str:
         """Name the groups the next `step_outcome` trains; the id of the batch that holds
         them."""

@@ -20,10 +20,12 @@ hivemind's DHT and averager processes is not allowed (tests/conftest.py).
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from functools import partial
 
 import torch
 
 from node.learner import StepOptimizer
+from node.local_steps import MakeOptimizer
 from node.rounds import StepOutcome
 
 
@@ -35,11 +37,14 @@ class LocalOptimizer(StepOptimizer):
         lr: float,
         weight_decay: float,
         target_batch_size: int,
+        make: MakeOptimizer | None = None,
     ) -> None:
-        """AdamW over `params` (`lr`, `weight_decay`), stepping once `target_batch_size`
-        samples have been handed to `step_outcome` since the last step."""
+        """AdamW over `params` (`lr`, `weight_decay`; or `make(params)`, as the swarm's
+        `outer_optimizer`), stepping once `target_batch_size` samples have been handed to
+        `step_outcome` since the last step."""
         self.params = tuple(params)
-        self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay)
+        make = make or partial(torch.optim.AdamW, lr=lr, weight_decay=weight_decay)
+        self.optimizer = make(self.params)
         self.target_batch_size = target_batch_size
         self._epoch = 0
         self.batches = 0  # epochs' batches of gradients taken by a step
@@ -58,6 +63,11 @@ class LocalOptimizer(StepOptimizer):
     def epoch(self) -> int:
         """The policy version of the current weights: the steps taken."""
         return self._epoch
+
+    @property
+    def state_loads(self) -> int:
+        """None: there is no swarm to download a state from."""
+        return 0
 
     def name_groups(self, group_ids: Iterable[str]) -> str:
         """The id of the batch the next `step_outcome` adds to (there is no swarm to tell

@@ -43,6 +43,7 @@ from node.averagers import (
 )
 from node.dht import start_dht
 from node.directory import Directory
+from node.local_steps import outer_optimizer
 from node.members import MemberGate
 from node.optimizer import HivemindOptimizer, RoundFailed
 from node.rendezvous import Rendezvous
@@ -99,7 +100,7 @@ def _hivemind_optimizer(
             dht=dht,
             run_id=config.run_id,
             target_batch_size=target_batch_size,
-            optimizer=partial(torch.optim.AdamW, lr=lr, weight_decay=weight_decay),
+            optimizer=outer_optimizer(config, lr, weight_decay),
             params=params,
             matchmaking_time=config.matchmaking_time_s,
             averaging_timeout=config.averaging_timeout_s,
@@ -200,9 +201,10 @@ class SwarmOptimizer:
         """The swarm's optimizer epoch: the policy version of the current weights."""
         return int(self.optimizer.local_epoch)
 
-    def step(self, batch_size: int) -> int:
-        """Hand the accumulated `.grad`s of `batch_size` samples to the swarm; returns the epoch."""
-        return self.step_outcome(batch_size).epoch
+    @property
+    def state_loads(self) -> int:
+        """How often this trainer took (or tried to take) a peer's state."""
+        return int(self.optimizer.reloads)
 
     def name_groups(self, group_ids: Iterable[str]) -> str:
         """Name in the DHT (in the background) the groups whose gradients the next
@@ -259,7 +261,8 @@ class SwarmOptimizer:
         return self.trouble.problem
 
     def step_outcome(self, batch_size: int) -> StepOutcome:
-        """Like `step`, and say whether the gradients were applied, kept or thrown away."""
+        """Hand the accumulated `.grad`s of `batch_size` samples to the swarm; whether they
+        were applied, kept or thrown away, and the epoch after."""
         self.rendezvous.pace.step_began()
         if self.attached and self.other_trainers() > 0 and not self.rendezvous.meet(batch_size):
             # stopping: the batch was given up

@@ -66,6 +66,7 @@ from node.directory import Directory
 from node.gpu_monitor import GpuMonitor
 from node.groups import TRAINED_LOG, Filling, GroupBook, oldest_version, read_trained_log
 from node.learner import Learner, teacher_coefs
+from node.local_steps import with_local_steps
 from node.members import MemberGate
 from node.publisher import sealed_bind_endpoint
 from node.replay import Replay
@@ -164,7 +165,13 @@ class Trainer:
         cleanup.callback(self.book.close_log)
         self.learner = Learner(
             self.model,
-            self.swarm,
+            with_local_steps(
+                self.swarm,
+                [p for p in self.model.parameters() if p.requires_grad],
+                cfg.swarm,
+                cfg.trainer.lr,
+                cfg.trainer.weight_decay,
+            ),
             cfg.trainer,
             temperature=cfg.rollout.sampling.temperature,
             pad_token_id=int(self.tokenizer.pad_token_id or 0),

@@ -73,7 +73,7 @@ def test_a_lone_trainer_steps_as_adamw_does_and_writes_no_gradient_buffer_of_hiv
             backward(torch.randn(4, 256))
             plain.step()
             plain.zero_grad()
-            assert swarm.step(batch_size=4) == swarm.epoch
+            assert swarm.step_outcome(batch_size=4).epoch == swarm.epoch
         assert swarm.epoch == 3
         assert all(
             torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True)
@@ -89,14 +89,14 @@ def test_a_lone_trainer_steps_as_adamw_does_and_writes_no_gradient_buffer_of_hiv
         swarm.optimizer.tracker.target_batch_size = 8
         first, second = torch.randn(4, 256), torch.randn(4, 256)
         backward(first)
-        assert swarm.step(batch_size=4) == 3
+        assert swarm.step_outcome(batch_size=4).epoch == 3
         twin_grads = [p.grad.clone() for p in twin.parameters()]
         twin.zero_grad()
         backward(second)
         for p, g in zip(twin.parameters(), twin_grads, strict=True):
             p.grad = (g + p.grad) * 0.5
         plain.step()
-        assert swarm.step(batch_size=4) == 4
+        assert swarm.step_outcome(batch_size=4).epoch == 4
         assert all(
             torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True)
         )

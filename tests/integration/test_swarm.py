@@ -510,6 +510,39 @@ def test_two_trainers_hold_identical_weights_and_lose_nothing(swarm_factory: Cal
 
 
 @pytest.mark.integration
+def test_local_steps_with_8bit_rounds_keep_one_weight_set_per_version_and_lose_nothing(
+    swarm_factory: Callable[..., Swarm],
+):
+    # DiLoCo's mode (node/local_steps.py): a round every 2 batches, its pseudo-gradients
+    # 8-bit on the wire; the README's commands otherwise (each trainer takes its share).
+    swarm = swarm_factory("swarm.local_steps=2", "swarm.grad_compression=uint8")
+    start_swarm(swarm, ["trainer-a", "trainer-b"])
+
+    def both_stepped_together_three_times() -> bool:
+        common = set(checkpoints(swarm, "trainer-a")) & set(checkpoints(swarm, "trainer-b"))
+        return len(common - {0}) >= 3
+
+    swarm.wait_for("three versions made by both trainers", both_stepped_together_three_times)
+    codes = swarm.stop()
+    assert set(codes.values()) == {0}, swarm.logs()
+    check_every_group_accounted_for(swarm, ["trainer-a", "trainer-b"])
+    a, b = checkpoints(swarm, "trainer-a"), checkpoints(swarm, "trainer-b")
+    common = sorted(set(a) & set(b))
+    for version in common:
+        assert max_difference(a[version], b[version]) == 0.0, version
+    assert max_difference(a[common[0]], a[common[-1]]) > 1e-4
+    for name in ("trainer-a", "trainer-b"):
+        steps = [r for r in swarm.steps(name) if r["charts/samples"] > 0]
+        applied = [r for r in steps if r["optimizer_stepped"]]
+        inner = [r for r in steps if not r["optimizer_stepped"] and not r["optimizer_discarded"]]
+        # a version every second batch: each applied step's batch is the second of two
+        assert len(applied) >= 2 and len(inner) >= len(applied), (name, len(applied), len(inner))
+        # and its groups were trained with the step that made the version, not before
+        assert all(not r["trained_group_ids"] for r in inner)
+    assert leftovers(swarm) == {}
+
+
+@pytest.mark.integration
 def test_three_trainers_step_together_with_the_same_weights(swarm_factory: Callable[..., Swarm]):
     """Three trainers with a global batch of three local batches: rounds of three peers,
     where a trainer's parts go to two other reducers. Every version is one set of weights,

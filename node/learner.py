@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -130,6 +131,11 @@ class StepOptimizer(Protocol):
         """How often the weights were replaced by a state downloaded from a peer."""
         ...
 
+    def training(self) -> AbstractContextManager[object]:
+        """Held while the learner's forward and backward passes run: the model holds the
+        weights the gradients are for (the policy version's, but for `LocalSteps`)."""
+        ...
+
     def name_groups(self, group_ids: Iterable[str]) -> str:
         """Name the groups the next `step_outcome` trains; the id of the batch that holds
         them."""
@@ -187,17 +193,18 @@ class Learner:
         teacher_over = over_gap(teacher_gaps, self.config.max_logprob_gap)
         groups = [g for g in groups if g.group_id not in teacher_over]
         rows = self._rows(groups + replays)
-        done = self._accumulate_or_explain(rows)
-        gap_of = self._group_gaps(rows, done.differences)
-        over = over_gap(gap_of, self.config.max_logprob_gap)
-        if over:
-            # Their gradients are in `.grad` with the others': start again without them
-            # (same weights, so the rest passes again).
-            self.model.zero_grad(set_to_none=True)
-            rows = [r for r in rows if r.group_id not in over]
+        with self.optimizer.training():  # the weights to train are in the model
             done = self._accumulate_or_explain(rows)
-            groups = [g for g in groups if g.group_id not in over]
-            replays = [g for g in replays if g.group_id not in over]
+            gap_of = self._group_gaps(rows, done.differences)
+            over = over_gap(gap_of, self.config.max_logprob_gap)
+            if over:
+                # Their gradients are in `.grad` with the others': start again without them
+                # (same weights, so the rest passes again).
+                self.model.zero_grad(set_to_none=True)
+                rows = [r for r in rows if r.group_id not in over]
+                done = self._accumulate_or_explain(rows)
+                groups = [g for g in groups if g.group_id not in over]
+                replays = [g for g in replays if g.group_id not in over]
         rejected = (over - replay_ids) | teacher_over
         grad_norm = self._clip_gradients(rows)
         outcome = self._step_optimizer(groups, replays, len(rows), count_at_least)

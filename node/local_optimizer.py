@@ -19,6 +19,7 @@ hivemind's DHT and averager processes is not allowed (tests/conftest.py).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Iterator
 from functools import partial
 
@@ -63,6 +64,9 @@ class LocalOptimizer(StepOptimizer):
     def epoch(self) -> int:
         """The policy version of the current weights: the steps taken."""
         return self._epoch
+
+    # The learner trains the weights the model holds: the version's.
+    training = staticmethod(contextlib.nullcontext)
 
     @property
     def state_loads(self) -> int:

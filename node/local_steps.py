@@ -20,14 +20,23 @@ What holds as in exact mode:
   weights are the version's again, or the swarm's) and the groups go back to the queue,
   as a failed gradient round's do.
 
-What differs: rollout nodes get a version every H batches, so samples are older; the
-inner AdamW's moments live in this process only (a checkpoint holds the outer
+Between batches the model holds the version's weights, so whatever reads them then (a
+checkpoint, a version published, the state served to a joining trainer) gets a version's;
+the inner weights are copied in only while the learner's passes run (`training`, under
+the swarm's step lock, which serving a state takes too), and out again after.
+
+What differs: rollout nodes get a version every H batches, so samples are older; a
+trainer holds two more copies of the trainable weights (the version's and the inner
+ones), the inner AdamW's moments, and the outer optimizer's momentum instead of AdamW's
+two moments; the inner moments live in this process only (a checkpoint holds the outer
 optimizer's momentum, and a resumed trainer starts its inner moments afresh).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from functools import partial
 
 import torch
@@ -59,21 +68,30 @@ class LocalSteps(StepOptimizer):
         lr: float,
         weight_decay: float,
         steps: int,
+        lock: AbstractContextManager[object] | None = None,
     ) -> None:
         """`steps` inner AdamW(`lr`, `weight_decay`) steps over `params`, then one step of
-        `outer` on their pseudo-gradient (made with `outer_optimizer`)."""
+        `outer` on their pseudo-gradient (made with `outer_optimizer`). `lock`: held while
+        the inner weights are in `params` (the swarm's step lock, under which a trainer
+        serves its state: a peer downloading it gets the version's weights)."""
         if steps < 2:
             raise ValueError(f"local steps need at least 2 inner steps, not {steps}")
         self.outer = outer
         self.params = tuple(params)
-        self.inner = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay)
+        self.lock = lock or contextlib.nullcontext()
+        # Between batches `params` hold the version's weights (a checkpoint, a state served
+        # or published, is of them); the inner steps' weights are kept here, and swapped in
+        # only while the learner trains (`training`).
+        with torch.no_grad():
+            self.version = [p.detach().clone() for p in self.params]
+            self.weights = [torch.nn.Parameter(p.detach().clone()) for p in self.params]
+        self.inner = torch.optim.AdamW(self.weights, lr=lr, weight_decay=weight_decay)
         self.steps = steps
         self.taken = 0  # inner steps since the weights were last the version's
         self.samples = 0  # the samples of those steps
         self.rounds = 0  # outer steps asked for
         self.dropped = 0  # inner steps dropped: their weights were replaced (`_replaced`)
-        with torch.no_grad():
-            self.anchor = [p.detach().clone() for p in self.params]
+        self.replaced = False  # set by `training` for the `step_outcome` after it
         self.anchored = self._where()
 
     @property
@@ -81,58 +99,78 @@ class LocalSteps(StepOptimizer):
         """The policy version of the last outer step (the inner steps make none)."""
         return self.outer.epoch
 
+    @property
+    def state_loads(self) -> int:
+        return self.outer.state_loads
+
     def name_groups(self, group_ids: Iterable[str]) -> str:
         """The outer optimizer's batch: every inner step's groups are in the one round."""
         return self.outer.name_groups(group_ids)
+
+    @contextlib.contextmanager
+    def training(self) -> Iterator[None]:
+        """The inner steps' weights in `params` while the learner's passes run, under
+        `lock`; the version's again after."""
+        with self.lock:
+            if self._where() != self.anchored:
+                # The weights were replaced since the inner steps began (a trainer catching
+                # up with the swarm, node/trainer_catch_up.py): the inner steps are lost
+                # with them, so their groups go back to the queue with this batch's.
+                self.dropped += self.taken
+                self.replaced = True
+                self._anchor_here()
+            _copy(self.params, self.weights)
+            try:
+                yield
+            finally:
+                _copy(self.params, self.version)
 
     @torch.no_grad()
     def step_outcome(self, batch_size: int) -> StepOutcome:
         """An inner step on the `.grad`s of `batch_size` samples; after the `steps`-th,
         the outer step on the pseudo-gradient, and what became of the inner steps' groups
         (kept accumulated before it)."""
-        if self._where() != self.anchored:
-            # The weights were replaced since the inner steps began (a trainer catching up
-            # with the swarm, node/trainer_catch_up.py): the inner steps are lost with
-            # them, so their groups go back to the queue with this batch's.
-            self.dropped += self.taken
-            self.inner.zero_grad(set_to_none=True)
-            self._anchor_here()
+        grads = [p.grad for p in self.params]
+        for param in self.params:
+            param.grad = None
+        if self.replaced:
+            self.replaced = False
             return StepOutcome(self.epoch, applied=False, discarded=True)
+        for weights, grad in zip(self.weights, grads, strict=True):
+            weights.grad = grad
         self.inner.step()
+        self.inner.zero_grad(set_to_none=True)
         self.taken += 1
         self.samples += batch_size
         if self.taken < self.steps:
-            self.inner.zero_grad(set_to_none=True)
             return StepOutcome(self.epoch, applied=False, discarded=False)
-        for param, anchor in zip(self.params, self.anchor, strict=True):
-            if param.grad is None:
-                param.grad = torch.empty_like(param)
-            torch.sub(anchor, param, out=param.grad)
-            param.copy_(anchor)
-        samples = self.samples
+        # The pseudo-gradient, with the version's weights in `params` (as between batches).
+        for param, version, weights in zip(self.params, self.version, self.weights, strict=True):
+            param.grad = version - weights
         self.rounds += 1
-        outcome = self.outer.step_outcome(samples)
+        outcome = self.outer.step_outcome(self.samples)
         # Whatever came of it, the weights are now a version's: the new one (applied), the
         # one before (a failed round, or the swarm's target not reached yet), or the
         # swarm's (this trainer was out of sync).
         self._anchor_here()
         return outcome
 
-    @property
-    def state_loads(self) -> int:
-        return self.outer.state_loads
-
     def _where(self) -> tuple[int, int]:
         """The version the weights are at, and the state downloads that put them there."""
         return self.outer.epoch, self.outer.state_loads
 
     def _anchor_here(self) -> None:
-        """The weights as they are now are the version the next inner steps start from."""
-        with torch.no_grad():
-            for param, anchor in zip(self.params, self.anchor, strict=True):
-                anchor.copy_(param)
+        """The weights in `params` now are the version the next inner steps start from."""
+        _copy(self.version, self.params)
+        _copy(self.weights, self.params)
         self.anchored = self._where()
         self.taken = self.samples = 0
+
+
+@torch.no_grad()
+def _copy(into: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
+    for tensor, value in zip(into, values, strict=True):
+        tensor.copy_(value)
 
 
 def with_local_steps(
@@ -141,9 +179,12 @@ def with_local_steps(
     config: SwarmConfig,
     lr: float,
     weight_decay: float,
+    lock: AbstractContextManager[object] | None = None,
 ) -> StepOptimizer:
     """What a trainer's learner steps: `swarm` itself (local_steps = 1), or `LocalSteps` of
-    AdamW(`lr`, `weight_decay`) over `params` (those `swarm` averages) around it."""
+    AdamW(`lr`, `weight_decay`) over `params` (those `swarm` averages) around it, under
+    `lock` (the swarm's step lock) while it trains."""
     if config.local_steps == 1:
         return swarm
-    return LocalSteps(swarm, params, lr=lr, weight_decay=weight_decay, steps=config.local_steps)
+    steps = config.local_steps
+    return LocalSteps(swarm, params, lr=lr, weight_decay=weight_decay, steps=steps, lock=lock)

@@ -14,6 +14,7 @@ Local mode uses this exact path with a single peer, so the swarm code is always 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import logging
 import signal
@@ -191,6 +192,8 @@ class SwarmOptimizer:
             if self.owns_dht:
                 self.dht.shutdown()
             raise
+        # Held for each whole step, and while a state is served from the weights.
+        self.step_lock = self.optimizer.step_lock
         # The wait for the other trainers' batches before each round (node/rendezvous.py).
         self.rendezvous = Rendezvous(
             self.optimizer, self.dht, other_trainers, floor_s=config.averaging_timeout_s
@@ -200,6 +203,9 @@ class SwarmOptimizer:
     def epoch(self) -> int:
         """The swarm's optimizer epoch: the policy version of the current weights."""
         return int(self.optimizer.local_epoch)
+
+    # The learner trains the weights the model holds: the version's.
+    training = staticmethod(contextlib.nullcontext)
 
     @property
     def state_loads(self) -> int:

@@ -171,6 +171,7 @@ class Trainer:
                 cfg.swarm,
                 cfg.trainer.lr,
                 cfg.trainer.weight_decay,
+                lock=self.swarm.step_lock,
             ),
             cfg.trainer,
             temperature=cfg.rollout.sampling.temperature,

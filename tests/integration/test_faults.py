@@ -225,6 +225,9 @@ def faulty(tmp_path: Path, tiny_model_dir: Path) -> Iterator[FaultySwarm]:
             "trainer.max_policy_lag=8",
             # A node restarted while its peers restart too joins once one of them is up.
             "swarm.startup_attempts=6",
+            # Another mode under the same faults, e.g. "swarm.local_steps=2
+            # swarm.grad_compression=uint8" (docs/links.md, "Gradient rounds").
+            *os.environ.get("AGENTJET_FAULT_SETTINGS", "").split(),
         ),
     )
     yield swarm

@@ -605,6 +605,19 @@ def test_a_trainer_that_gives_up_on_rounds_its_peer_completes_trains_nothing_twi
     assert leftovers(swarm) == {}
 
 
+def kill_trainer_b_and_go_on(swarm: Swarm, versions: int) -> None:
+    """SIGKILL trainer-b; wait for trainer-a to make `versions` more, and for the rollout
+    node to find trainer-b gone (two directory reads without its record, then no answer)
+    and settle what it held: trained per the marks, or sent to trainer-a."""
+    swarm.kill("trainer-b")
+    killed_at = swarm.version("trainer-a")
+    swarm.wait_for("trainer-a to go on", lambda: swarm.version("trainer-a") >= killed_at + versions)
+    swarm.wait_for(
+        "the rollout node to settle trainer-b's groups",
+        lambda: "is gone" in (swarm.dir / "rollout.log").read_text(),
+    )
+
+
 @pytest.mark.integration
 def test_a_joining_trainer_catches_up_and_a_killed_one_loses_nothing(
     swarm_factory: Callable[..., Swarm],
@@ -633,15 +646,7 @@ def test_a_joining_trainer_catches_up_and_a_killed_one_loses_nothing(
     assert alone < joined and len(joined - alone) == 2, (alone, joined)
 
     # SIGKILL it mid-run: trainer-a goes on, and what trainer-b held is trained there
-    swarm.kill("trainer-b")
-    killed_at = swarm.version("trainer-a")
-    swarm.wait_for("trainer-a to go on", lambda: swarm.version("trainer-a") >= killed_at + 3)
-    # the rollout node finds trainer-b gone (two directory reads without its record, then
-    # no answer) and settles what it held: trained per the marks, or sent to trainer-a
-    swarm.wait_for(
-        "the rollout node to settle trainer-b's groups",
-        lambda: "is gone" in (swarm.dir / "rollout.log").read_text(),
-    )
+    kill_trainer_b_and_go_on(swarm, versions=3)
     codes = swarm.stop()
     assert set(codes.values()) == {0}, swarm.logs()
     counts = check_every_group_accounted_for(swarm, ["trainer-a", "trainer-b"])
@@ -699,6 +704,34 @@ def test_two_rollout_nodes_pass_policy_versions_on_to_each_other(
     assert leftovers(swarm) == {}
 
 
+def start_swarm_on_hosts(
+    swarm: Swarm, net: Swarmnet, limit_mbit: float | None = None
+) -> dict[str, Node]:
+    """Coordinator, trainer-a, trainer-b and a rollout node, each on a host of its own in
+    `net` ("coord", "ta", "tb", "roll"; each link limited to `limit_mbit` each way), joined
+    through the coordinator by the README's commands."""
+    hosts = {name: net.add_node(name) for name in ("coord", "ta", "tb", "roll")}
+    if limit_mbit is not None:
+        for host in hosts.values():
+            host.limit(limit_mbit)
+    swarm.start(
+        "coordinator", "coordinator", "--listen", f"{hosts['coord'].ip}:7000",
+        host=hosts["coord"],
+    )  # fmt: skip
+    join = swarm.join_address()
+    assert f"/ip4/{hosts['coord'].ip}/tcp/7001/" in join
+    for name, host in (("trainer-a", hosts["ta"]), ("trainer-b", hosts["tb"])):
+        swarm.start(
+            name, "node", "--role", "trainer", "--join", join,
+            "--listen", f"{host.ip}:7100", host=host,
+        )  # fmt: skip
+    swarm.start(
+        "rollout", "node", "--role", "rollout", "--join", join,
+        "--listen", f"{hosts['roll'].ip}:7200", host=hosts["roll"],
+    )  # fmt: skip
+    return hosts
+
+
 @pytest.mark.netns
 def test_a_swarm_across_hosts_survives_a_cut_link(swarm_factory: Callable[..., Swarm]):
     """Coordinator, two trainers and a rollout node, each in its own network namespace
@@ -707,22 +740,7 @@ def test_a_swarm_across_hosts_survives_a_cut_link(swarm_factory: Callable[..., S
     require_netns()
     swarm = swarm_factory("net.map_local=false")  # hosts of their own: no shared memory
     with Swarmnet() as net:
-        hosts = {name: net.add_node(name) for name in ("coord", "ta", "tb", "roll")}
-        swarm.start(
-            "coordinator", "coordinator", "--listen", f"{hosts['coord'].ip}:7000",
-            host=hosts["coord"],
-        )  # fmt: skip
-        join = swarm.join_address()
-        assert f"/ip4/{hosts['coord'].ip}/tcp/7001/" in join
-        for name, host in (("trainer-a", hosts["ta"]), ("trainer-b", hosts["tb"])):
-            swarm.start(
-                name, "node", "--role", "trainer", "--join", join,
-                "--listen", f"{host.ip}:7100", host=host,
-            )  # fmt: skip
-        swarm.start(
-            "rollout", "node", "--role", "rollout", "--join", join,
-            "--listen", f"{hosts['roll'].ip}:7200", host=hosts["roll"],
-        )  # fmt: skip
+        hosts = start_swarm_on_hosts(swarm, net)
 
         def trained_since(name: str, version: int) -> bool:
             return any(

@@ -4,6 +4,8 @@ the outer optimizer a trainer's swarm uses (`outer_optimizer`)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -22,10 +24,12 @@ def model() -> torch.nn.Linear:
     return torch.nn.Linear(4, 3)
 
 
-def backward(net: torch.nn.Module, seed: int) -> None:
+def backward(net: torch.nn.Module, seed: int, optimizer: LocalSteps | None = None) -> None:
+    """A batch's gradients, on the weights `optimizer` trains (as the learner's passes)."""
     generator = torch.Generator().manual_seed(seed)
     inputs = torch.randn(5, 4, generator=generator)
-    net(inputs).pow(2).mean().backward()
+    with optimizer.training() if optimizer else contextlib.nullcontext():
+        net(inputs).pow(2).mean().backward()
 
 
 def local_steps(net: torch.nn.Module, steps: int = 3) -> tuple[LocalSteps, LocalOptimizer]:
@@ -41,10 +45,15 @@ def test_h_inner_adamw_steps_then_one_nesterov_step_on_their_pseudo_gradient() -
     optimizer, _ = local_steps(net)
     inner = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.0)
     for seed in range(3):
-        backward(net, seed)
+        backward(net, seed, optimizer)
         outcome = optimizer.step_outcome(batch_size=5)
         assert outcome.applied == (seed == 2) and not outcome.discarded
         assert optimizer.epoch == (1 if seed == 2 else 0)
+        if seed < 2:  # between batches the model holds the version's weights, not the inner
+            assert all(
+                torch.equal(p.detach(), b) for p, b in zip(net.parameters(), start, strict=True)
+            )
+            assert not torch.equal(optimizer.weights[0].detach(), start[0])
         backward(reference, seed)
         inner.step()
         inner.zero_grad()
@@ -54,7 +63,7 @@ def test_h_inner_adamw_steps_then_one_nesterov_step_on_their_pseudo_gradient() -
         assert torch.allclose(param.detach(), begin - 0.7 * 1.9 * delta, atol=1e-7)
     # The next inner steps start from the version's weights.
     assert all(
-        torch.equal(a, p.detach()) for a, p in zip(optimizer.anchor, net.parameters(), strict=True)
+        torch.equal(a, p.detach()) for a, p in zip(optimizer.version, net.parameters(), strict=True)
     )
 
 
@@ -63,15 +72,15 @@ def test_the_samples_of_every_inner_step_count_toward_the_outer_step() -> None:
     optimizer, outer = local_steps(net, steps=2)
     outer.target_batch_size = 12  # the swarm's target: two inner batches of 5 fall short
     for seed in range(2):
-        backward(net, seed)
+        backward(net, seed, optimizer)
         assert not optimizer.step_outcome(batch_size=5).applied
     # kept for the next epoch, as hivemind keeps them: the weights are the version's again
     assert outer.epoch == 0 and optimizer.rounds == 1
     assert all(
-        torch.equal(a, p.detach()) for a, p in zip(optimizer.anchor, net.parameters(), strict=True)
+        torch.equal(a, p.detach()) for a, p in zip(optimizer.version, net.parameters(), strict=True)
     )
     for seed in range(2, 4):
-        backward(net, seed)
+        backward(net, seed, optimizer)
         outcome = optimizer.step_outcome(batch_size=5)
     assert outcome.applied and outer.epoch == 1
 
@@ -79,7 +88,7 @@ def test_the_samples_of_every_inner_step_count_toward_the_outer_step() -> None:
 def test_weights_replaced_between_inner_steps_drop_them_and_their_groups() -> None:
     net = model()
     optimizer, outer = local_steps(net)
-    backward(net, 0)
+    backward(net, 0, optimizer)
     assert not optimizer.step_outcome(batch_size=5).discarded
     # a catch-up: the swarm's weights of a later version come in between two inner steps
     with torch.no_grad():
@@ -87,14 +96,14 @@ def test_weights_replaced_between_inner_steps_drop_them_and_their_groups() -> No
             param.add_(1.0)
     outer._epoch = 4
     swarm = [p.detach().clone() for p in net.parameters()]
-    backward(net, 1)
+    backward(net, 1, optimizer)
     outcome = optimizer.step_outcome(batch_size=5)
     assert outcome.discarded and not outcome.applied and optimizer.dropped == 1
-    assert all(torch.equal(a, p) for a, p in zip(optimizer.anchor, swarm, strict=True))
+    assert all(torch.equal(a, p) for a, p in zip(optimizer.version, swarm, strict=True))
     assert all(torch.equal(p.detach(), s) for p, s in zip(net.parameters(), swarm, strict=True))
     # then three inner steps from the swarm's weights make version 5
     for seed in range(2, 5):
-        backward(net, seed)
+        backward(net, seed, optimizer)
         outcome = optimizer.step_outcome(batch_size=5)
     assert outcome.applied and optimizer.epoch == 5
 

@@ -168,6 +168,10 @@ bench-relay *ARGS: ensure
 bench-links *ARGS: ensure
     {{bin}}/python bench/links.py {{ARGS}}
 
+# Gradient rounds of 0.5B, 7B and 32B models per link and mode, on paper from bench-links-rounds' measured costs (writes bench/results/rounds_model.json)
+rounds-model *ARGS: ensure
+    {{bin}}/python bench/rounds_model.py {{ARGS}}
+
 # Honest vs forged sampler logprobs: the learner's gap by policy lag (writes bench/results/logprob_gap.json)
 bench-logprob-gap *ARGS: ensure
     {{bin}}/python bench/logprob_gap.py {{ARGS}}

@@ -16,6 +16,7 @@ from tests.integration.test_swarm import (
     kill_trainer_b_and_go_on,
     leftovers,
     start_swarm_on_hosts,
+    swarm_factory,  # noqa: F401  (the fixture)
     trained_in_the_weights_that_go_on,
 )
 from tests.netns import Node, Swarmnet, require_netns

@@ -16,12 +16,13 @@ from tests.integration.test_swarm import (
     kill_trainer_b_and_go_on,
     leftovers,
     start_swarm_on_hosts,
-    swarm_factory,  # noqa: F401  (the fixture)
+    swarm_factory,
     trained_in_the_weights_that_go_on,
 )
 from tests.netns import Node, Swarmnet, require_netns
 
 pytestmark = pytest.mark.netns
+__all__ = ["swarm_factory"]  # the fixture, used by name
 
 RATE_MBIT = 20
 # Both trainers sent this much in one poll: a round is on the wire (the tiny model's

@@ -18,7 +18,8 @@ What holds as in exact mode:
   accumulated (node/groups.py GroupBook) until the outer step: trained if it is applied;
   if the round fails, or this trainer was out of sync, the inner steps are dropped (the
   weights are the version's again, or the swarm's) and the groups go back to the queue,
-  as a failed gradient round's do.
+  as a failed gradient round's do. A catch-up between batches (the swarm's weights taken
+  from a peer) moves the inner steps over onto the new weights (`_rebase`).
 
 Between batches the model holds the version's weights, so whatever reads them then (a
 checkpoint, a version published, the state served to a joining trainer) gets a version's;
@@ -90,8 +91,7 @@ class LocalSteps(StepOptimizer):
         self.taken = 0  # inner steps since the weights were last the version's
         self.samples = 0  # the samples of those steps
         self.rounds = 0  # outer steps asked for
-        self.dropped = 0  # inner steps dropped: their weights were replaced (`_replaced`)
-        self.replaced = False  # set by `training` for the `step_outcome` after it
+        self.rebased = 0  # times the version's weights were replaced under the inner steps
         self.anchored = self._where()
 
     @property
@@ -113,12 +113,7 @@ class LocalSteps(StepOptimizer):
         `lock`; the version's again after."""
         with self.lock:
             if self._where() != self.anchored:
-                # The weights were replaced since the inner steps began (a trainer catching
-                # up with the swarm, node/trainer_catch_up.py): the inner steps are lost
-                # with them, so their groups go back to the queue with this batch's.
-                self.dropped += self.taken
-                self.replaced = True
-                self._anchor_here()
+                self._rebase()
             _copy(self.params, self.weights)
             try:
                 yield
@@ -130,14 +125,8 @@ class LocalSteps(StepOptimizer):
         """An inner step on the `.grad`s of `batch_size` samples; after the `steps`-th,
         the outer step on the pseudo-gradient, and what became of the inner steps' groups
         (kept accumulated before it)."""
-        grads = [p.grad for p in self.params]
-        for param in self.params:
-            param.grad = None
-        if self.replaced:
-            self.replaced = False
-            return StepOutcome(self.epoch, applied=False, discarded=True)
-        for weights, grad in zip(self.weights, grads, strict=True):
-            weights.grad = grad
+        for weights, param in zip(self.weights, self.params, strict=True):
+            weights.grad, param.grad = param.grad, None
         self.inner.step()
         self.inner.zero_grad(set_to_none=True)
         self.taken += 1
@@ -158,6 +147,19 @@ class LocalSteps(StepOptimizer):
     def _where(self) -> tuple[int, int]:
         """The version the weights are at, and the state downloads that put them there."""
         return self.outer.epoch, self.outer.state_loads
+
+    @torch.no_grad()
+    def _rebase(self) -> None:
+        """The version's weights were replaced between batches (a trainer catching up with
+        the swarm, node/trainer_catch_up.py; it may do so at every batch while its version
+        is withheld): the inner steps so far move over onto the new weights, as a delta.
+        Their groups are in no version yet, so they are still trained once, by the outer
+        step that averages this delta with the others'."""
+        for param, version, weights in zip(self.params, self.version, self.weights, strict=True):
+            weights.add_(param - version)
+            version.copy_(param)
+        self.anchored = self._where()
+        self.rebased += 1
 
     def _anchor_here(self) -> None:
         """The weights in `params` now are the version the next inner steps start from."""

@@ -168,6 +168,14 @@ bench-relay *ARGS: ensure
 bench-links *ARGS: ensure
     {{bin}}/python bench/links.py {{ARGS}}
 
+# Gradient rounds between 2 trainers over loopback, 1 Gbit/s, 100 and 20 Mbit/s links (netns, root): full and LoRA, exact, fp16, uint8 and local steps; bytes per global step, round time vs floor, failed rounds, s per MB (~40 min; --quick: a smoke test; writes "rounds" in bench/results/links.json)
+bench-links-rounds *ARGS: ensure
+    {{bin}}/python bench/links_rounds.py {{ARGS}}
+
+# Learning per trained sample: exact rounds vs local steps (+fp16) at a fixed sample budget, 3 paired seeds, held-out greedy; a loopback swarm of 2 trainers and a rollout node per run (writes bench/results/rounds_learn.json)
+bench-rounds-learn *ARGS: ensure
+    {{bin}}/python bench/rounds_learn.py {{ARGS}}
+
 # Gradient rounds of 0.5B, 7B and 32B models per link and mode, on paper from bench-links-rounds' measured costs (writes bench/results/rounds_model.json)
 rounds-model *ARGS: ensure
     {{bin}}/python bench/rounds_model.py {{ARGS}}

@@ -122,7 +122,7 @@ def start(swarm: LinkSwarm, hosts: dict[str, Node]) -> None:
         swarm.start(name, *args, host=hosts[ns])
 
 
-def watch(swarm: LinkSwarm, until: Callable[[], bool], limit_s: float, what: str) -> None:
+def watch(swarm: Swarm, until: Callable[[], bool], limit_s: float, what: str) -> None:
     """Poll until `until()`; fail when a process exits meanwhile or `limit_s` passes. Notes
     every process's descendants (hivemind's daemons) for `leftovers`."""
     deadline = time.monotonic() + limit_s
@@ -149,13 +149,15 @@ def first_version(swarm: LinkSwarm) -> dict[str, Any]:
     return made[0]
 
 
-def stop(swarm: LinkSwarm) -> tuple[dict[str, int | None], dict[str, float]]:
-    """SIGINT to the nodes at once, then to the coordinator (the directory's bootstrap peer)
-    once they are gone: each one's exit code (None: still running after STOP_TIMEOUT_S; its
-    stacks are then in its log) and seconds from its SIGINT to its exit."""
+def stop(
+    swarm: Swarm, nodes: tuple[str, ...] = NODES
+) -> tuple[dict[str, int | None], dict[str, float]]:
+    """SIGINT to the `nodes` at once, then to the coordinator (the directory's bootstrap
+    peer) once they are gone: each one's exit code (None: still running after
+    STOP_TIMEOUT_S; its stacks are then in its log) and seconds from its SIGINT to its exit."""
     codes: dict[str, int | None] = {}
     stop_s: dict[str, float] = {}
-    for names in (NODES, (COORDINATOR,)):
+    for names in (nodes, (COORDINATOR,)):
         began = time.monotonic()
         for name in names:
             swarm.spawned |= descendants(swarm.procs[name].pid)

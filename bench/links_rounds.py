@@ -752,10 +752,8 @@ def main() -> int:
     args = parse_args()
     if args.child:
         return run_child(args.child, json.loads(args.settings))
-    # SIGTERM (and SIGINT, ignored in a background job) unwind: children stopped and
-    # reaped, namespaces deleted.
+    # SIGTERM unwinds as Ctrl-C does: children stopped and reaped, namespaces deleted.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    signal.signal(signal.SIGINT, signal.default_int_handler)
     reason = netns_available()
     if reason is not None:
         print(f"bench-links-rounds needs network namespaces: {reason}", file=sys.stderr)

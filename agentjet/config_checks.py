@@ -67,6 +67,14 @@ def _check_env(env: EnvConfig, i: int) -> None:
             f"config error at envs.{i}.name: unknown environment {env.name!r} "
             f"(allowed: {', '.join(ENV_NAMES)})"
         )
+    if env.name == "verifiers":
+        from agentjet.verifiers_envs import check_env  # imports the user's package
+
+        check_env(env, i)
+    elif env.verifiers_env:
+        raise ConfigError(
+            f'config error at envs.{i}.verifiers_env: only "verifiers" environments take one'
+        )
     if not env.task_file and (not env.difficulties or not env.ops):
         raise ConfigError(
             f"config error at envs.{i}: difficulties and ops must be non-empty "

@@ -12,7 +12,7 @@ agentjet/config_checks.py.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
@@ -26,11 +26,13 @@ NonNegInt = Annotated[int, Meta(ge=0)]
 Probability = Annotated[float, Meta(gt=0, le=1)]
 
 EMBEDDED_MODEL = "embedded:smollm2-135m"
-ENV_NAMES = ("arithmetic", "prompt", "python_tool", "python_code", "shell", "react", "agent")
+ENV_NAMES = (
+    "arithmetic", "prompt", "python_tool", "python_code", "shell", "react", "agent", "verifiers"
+)  # fmt: skip
 # Environments whose episodes run programs in a sandbox ([sandbox] configures them).
 SANDBOXED_ENVS = ("python_tool", "python_code", "shell", "react")
 # Environments whose episodes are agent programs using the OpenAI-compatible endpoint.
-AGENT_ENVS = ("react", "agent")
+AGENT_ENVS = ("react", "agent", "verifiers")
 
 
 # What a device key may say (agentjet/devices.py resolves it on the machine).
@@ -215,6 +217,19 @@ class EnvConfig(_Section):
     # position teaches k tokens, not one, for 8 bytes a token a k on the wire. At most 64
     # (agentjet/protocol.py MAX_TOP_K).
     teacher_top_k: Annotated[int, Meta(ge=0, le=64)] = 0
+    # "verifiers" environments (agentjet/verifiers_envs.py; verifiers 0.4.x, v1 API): an
+    # importable package or module (installed, or on PYTHONPATH) whose __all__ exports one
+    # vf.Taskset subclass; its rows are the tasks and its @vf.reward functions the reward
+    # (weighted sum). Played by a built-in chat loop on the episode's OpenAI endpoint,
+    # calling the tasks' @vf.tool toolsets in-process, for at most max_turns model calls.
+    # verifiers_args: the taskset's config fields (its TasksetConfig); verifiers_eval_args:
+    # the held-out set (for rollout.eval_every and `agentjet eval`), the taskset built with
+    # these merged over verifiers_args ({} = none); verifiers_max_tasks: rows read from each
+    # (bounds an infinite taskset).
+    verifiers_env: str = ""
+    verifiers_args: dict[str, Any] = msgspec.field(default_factory=dict)
+    verifiers_eval_args: dict[str, Any] = msgspec.field(default_factory=dict)
+    verifiers_max_tasks: Annotated[int, Meta(ge=1, le=100_000)] = 10_000
 
     def sandboxed(self) -> bool:
         """Whether its episodes (or its reward) run programs in sandboxes."""

@@ -90,6 +90,10 @@ class TaskSource:
     @classmethod
     def from_config(cls, env: EnvConfig) -> TaskSource:
         """The source an `[[envs]]` entry describes."""
+        if env.name == "verifiers":  # the rows of the environment's own taskset
+            from agentjet.verifiers_envs import VerifiersTaskset
+
+            return cls.of_rows(env.name, VerifiersTaskset(env).tasks())
         return cls(
             env.name,
             env.difficulties,
@@ -99,6 +103,14 @@ class TaskSource:
             env.bad_rows,
             env.task_split,
         )
+
+    @classmethod
+    def of_rows(cls, env: str, rows: Sequence[Task]) -> TaskSource:
+        """A source drawing uniformly from `rows` (distinct ids)."""
+        source = cls(env)
+        source.rows = list(rows)
+        source.by_id = {task.id: task for task in source.rows}
+        return source
 
     def covers(self, task: Task) -> bool:
         """Whether this source could have drawn `task` (for tasks of an older config)."""
@@ -127,6 +139,20 @@ class TaskSource:
         if maker is not None:
             return maker(rng, difficulty, self.env)
         return make_arithmetic_task(rng, difficulty, rng.choice(self.ops), self.env)
+
+
+def held_out_tasks(env: EnvConfig) -> list[Task]:
+    """An `[[envs]]` entry's held-out tasks: its eval_file, or a verifiers environment's
+    eval set (verifiers_eval_args); [] when it has none."""
+    if env.eval_file:
+        return load_tasks(
+            env.eval_file, env.name, env.columns(), env.bad_rows, env.task_split
+        ).tasks
+    if env.name == "verifiers" and env.verifiers_eval_args:
+        from agentjet.verifiers_envs import VerifiersTaskset
+
+        return VerifiersTaskset(env).eval_tasks()
+    return []
 
 
 def draw_tasks(

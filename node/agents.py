@@ -48,6 +48,7 @@ from agentjet.timeline import Call, merge_by_policy
 from node.openai_api import AgentEpisode, EpisodeHub, OpenAIServer
 from node.policy_sync import PolicyView
 from node.tool_templates import Setting
+from node.verifiers_env import verifiers_agent
 from sandboxes.base import Sandbox
 from sandboxes.envs.react import ReactAgent, react_judge
 
@@ -337,6 +338,8 @@ def make_agent_env(
             tool_timeout_s=config.tool_timeout_s,
             sandbox_factory=sandbox_factory,
         )
+    elif config.name == "verifiers":
+        agent = verifiers_agent(config)
     else:
         agent = load_callable(config.agent, "agent") if config.agent else None
     judge: Judge | None = load_callable(config.judge, "judge") if config.judge else None

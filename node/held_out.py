@@ -1,6 +1,7 @@
-"""Held-out evaluation during training (`rollout.eval_every`, each env's `eval_file`).
+"""Held-out evaluation during training (`rollout.eval_every`, each env's `eval_file`, or a
+verifiers environment's `verifiers_eval_args` set: agentjet/tasks.py `held_out_tasks`).
 
-    rollout node: version v loaded ──HeldOut.due(v)?──▶ every env with an eval_file:
+    rollout node: version v loaded ──HeldOut.due(v)?──▶ every env with held-out tasks:
         greedy, one answer per held-out task, played by the environment that trains it
         ──▶ one metrics row {"event": "eval", "policy_version": v,
                             "eval/<env>/accuracy", "eval/<env>/mean_reward", ...}
@@ -22,7 +23,7 @@ from typing import Any
 from agentjet.config import Config
 from agentjet.episode import Generator, SamplingParams
 from agentjet.protocol import Task
-from agentjet.task_files import load_tasks
+from agentjet.tasks import held_out_tasks
 from node.agents import AgentEnv
 from node.evaluate import play_rewards, summarize
 from sandboxes.envs import Environment
@@ -37,18 +38,17 @@ class HeldOut:
     """The held-out tasks of a rollout node's environments, and when to score them."""
 
     def __init__(self, config: Config) -> None:
-        """Reads every env's eval_file now: a bad file fails the node at start."""
+        """Reads every env's held-out tasks now: a bad file fails the node at start."""
         self.every = config.rollout.eval_every
         self.tasks: dict[str, list[Task]] = {}
         if self.every:
             for env in config.envs:
-                if env.eval_file:
-                    loaded = load_tasks(
-                        env.eval_file, env.name, env.columns(), env.bad_rows, env.task_split
-                    )
-                    self.tasks[env.name] = loaded.tasks
+                tasks = held_out_tasks(env)
+                if tasks:
+                    self.tasks[env.name] = tasks
         if self.every and not self.tasks:
-            log.warning("rollout.eval_every is set but no environment has an eval_file")
+            log.warning("rollout.eval_every is set but no environment has held-out tasks "
+                        "(an eval_file, or verifiers_eval_args)")  # fmt: skip
         self.params = SamplingParams(
             max_new_tokens=config.rollout.sampling.max_new_tokens, greedy=True
         )

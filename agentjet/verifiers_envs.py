@@ -108,8 +108,9 @@ def taskset_class(module_name: str, where: str) -> type[Any]:
                 f"{where}: {module_name!r} exports {what}; agentjet plays a taskset with its "
                 "own chat loop (verifiers' `null` harness), one agent, no runtime"
             )
-    _check_task_class(tasksets[0].task_type(), vf, where)
-    return tasksets[0]
+    taskset: type[Any] = tasksets[0]
+    _check_task_class(taskset.task_type(), vf, where)
+    return taskset
 
 
 def _check_task_class(task_cls: type[Any], vf: Any, where: str) -> None:

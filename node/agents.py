@@ -49,6 +49,7 @@ from node.openai_api import AgentEpisode, EpisodeHub, OpenAIServer
 from node.policy_sync import PolicyView
 from node.tool_templates import Setting
 from sandboxes.base import Sandbox
+from sandboxes.envs.env_class import env_class_agent
 from sandboxes.envs.react import ReactAgent, react_judge
 
 log = logging.getLogger(__name__)
@@ -328,7 +329,8 @@ def make_agent_env(
     sandbox_factory: Callable[[], Sandbox],
     policies: Sequence[str] = (),
 ) -> AgentEnv:
-    """The AgentEnv an `[[envs]]` entry names: the built-in react agent, or the user's;
+    """The AgentEnv an `[[envs]]` entry names: the built-in react agent, a TRL-style
+    environment class (sandboxes/envs/env_class.py), or the user's agent;
     `policies`: the [[policies]] names its agents may call by the `model` field."""
     agent: Agent | None
     if config.name == "react":
@@ -337,6 +339,8 @@ def make_agent_env(
             tool_timeout_s=config.tool_timeout_s,
             sandbox_factory=sandbox_factory,
         )
+    elif config.name == "env_class":
+        agent = env_class_agent(config, sandbox_factory)
     else:
         agent = load_callable(config.agent, "agent") if config.agent else None
     judge: Judge | None = load_callable(config.judge, "judge") if config.judge else None

@@ -9,7 +9,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +28,6 @@ from sandboxes.envs.prompt import Rewards
 from sandboxes.process import ProcessSandbox
 from tests.factories import RuleGenerator
 from tests.integration.test_local import run_local
-
-pytestmark = pytest.mark.integration
 
 PARAMS = SamplingParams(max_new_tokens=40)
 TASK = Task(id="g1", env="env_class", prompt="Guess my number.", answer="won",
@@ -88,6 +86,7 @@ def play(
     return group, contexts
 
 
+@pytest.mark.integration
 def test_a_game_is_played_through_its_tools_and_scored_by_get_reward_and_the_functions(
     tokenizer: Any, sandboxes: Callable[[], Sandbox] | None, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -110,7 +109,9 @@ def test_a_game_is_played_through_its_tools_and_scored_by_get_reward_and_the_fun
     # reset's observation appended to the row's prompt; the tool offered by its schema
     assert "Guess my number. Call guess to guess it." in contexts[0]
     assert '"name": "guess", "description": "Guess the secret number."' in contexts[0]
-    assert "Error: TypeError: " in contexts[1] and "unexpected keyword argument 'num'" in contexts[1]
+    assert (
+        "Error: TypeError: " in contexts[1] and "unexpected keyword argument 'num'" in contexts[1]
+    )
     assert "Tool result: higher" in contexts[3]
     assert "Tool result: right" in contexts[4]  # the instance kept its state between calls
     # get_reward (1, the last guess was right) + 0.5 x says_answer ("won" in the reply)
@@ -122,6 +123,7 @@ def test_a_game_is_played_through_its_tools_and_scored_by_get_reward_and_the_fun
     assert len(logged) == 1 and "tool guess: TypeError" in logged[0]
 
 
+@pytest.mark.integration
 def test_a_tool_that_raises_is_told_to_the_model_and_its_state_kept(
     tokenizer: Any, sandboxes: Callable[[], Sandbox] | None
 ) -> None:
@@ -153,6 +155,7 @@ def test_a_tool_that_raises_is_told_to_the_model_and_its_state_kept(
         ("tests.env_classes:JunkReward", "get_reward returned a str"),
     ],
 )
+@pytest.mark.integration
 def test_a_class_that_fails_fails_its_episode_and_says_why(
     tokenizer: Any,
     sandboxes: Callable[[], Sandbox] | None,
@@ -168,6 +171,7 @@ def test_a_class_that_fails_fails_its_episode_and_says_why(
     assert all(why in line for line in failures)
 
 
+@pytest.mark.integration
 def test_a_hanging_tool_is_bounded(
     tokenizer: Any, sandboxes: Callable[[], Sandbox] | None, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -186,12 +190,14 @@ def test_a_hanging_tool_is_bounded(
         assert "guess ran past tool_timeout_s (1 s)" in caplog.text
     else:
         [episode] = group
-        assert "Error: the tool ran past tool_timeout_s (1 s); nothing it did is kept" in (
-            contexts[-1]
+        assert (
+            "Error: the tool ran past tool_timeout_s (1 s); nothing it did is kept"
+            in (contexts[-1])
         )
         assert episode.reward == 0.0  # no guess was kept
 
 
+@pytest.mark.integration
 def test_state_that_cannot_be_pickled_is_refused_in_a_sandbox_only(
     tokenizer: Any, sandboxes: Callable[[], Sandbox] | None, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -207,6 +213,37 @@ def test_state_that_cannot_be_pickled_is_refused_in_a_sandbox_only(
         assert "the instance cannot be kept between sandboxed calls" in caplog.text
 
 
+@pytest.mark.docker
+def test_the_game_in_docker_sandboxes(tokenizer: Any, docker_client: Any) -> None:
+    """The docker backend: the instance lives in a container for the episode, the same
+    game as here and in process sandboxes."""
+    import docker
+
+    from sandboxes.docker_sandbox import DockerEngine, DockerSandbox
+    from sandboxes.image import DEFAULT_IMAGE
+
+    try:
+        docker_client.images.get(DEFAULT_IMAGE)
+    except docker.errors.ImageNotFound:
+        pytest.skip(f"image {DEFAULT_IMAGE} missing: run `agentjet sandbox build-image`")
+    engine = DockerEngine("test-env-class", client=docker_client)
+
+    def reply(context: str) -> str:
+        if "Tool result: right" in context:
+            return "I won."
+        return call("guess", number=5 if "Tool result: higher" in context else 2)
+
+    try:
+        group, contexts = play(
+            tokenizer, reply, "tests.env_classes:GuessingGame", lambda: DockerSandbox(engine), n=2
+        )
+    finally:
+        engine.remove_ours()
+    assert [(e.reward, e.turns) for e in group] == [(1.0, 3)] * 2
+    assert "Tool result: higher" in contexts[-1] and "Tool result: right" in contexts[-1]
+    assert engine.ours() == []
+
+
 # ── trained with the tiny model ───────────────────────────────────────────────────────
 
 
@@ -219,17 +256,14 @@ def write_rows(tmp_path: Path) -> Path:
     return rows
 
 
-@pytest.fixture
-def run_dir(tmp_path: Path) -> Iterator[Path]:
-    yield tmp_path / "run"
-
-
+@pytest.mark.integration
 @pytest.mark.parametrize("sandboxed", [False, True], ids=["here", "in-sandboxes"])
 def test_agentjet_local_trains_on_a_class(
-    tiny_model_dir: Path, tmp_path: Path, run_dir: Path, sandboxed: bool
+    tiny_model_dir: Path, tmp_path: Path, sandboxed: bool
 ) -> None:
     """The guessing game with get_reward and even_length (which the random tiny model earns
     half the time, so groups carry a gradient): versions are trained, nothing is lost."""
+    run_dir = tmp_path / "run"
     settings = (
         'envs.0.name="env_class"',
         'envs.0.environment="tests.env_classes:GuessingGame"',

@@ -84,13 +84,19 @@ def test_a_class_that_cannot_be_used_is_one_config_error(spec: str, message: str
         ({}, 'envs.0.environment: the env_class environment needs environment = "module:Class"'),
         ({"environment": "my_env"}, "envs.0.environment: the env_class environment needs"),
         ({"environment": "my_env:MyEnv", "task_file": ""}, "envs.0.task_file: an env_class"),
-        ({"environment": "e:E", "reward": "r:f", "rewards": [{"name": "a", "function": "r:g"}]},
-         "envs.0.reward: give reward or [[envs.rewards]], not both"),  # fmt: skip
+        (
+            {"environment": "e:E", "reward": "r:f", "rewards": [{"name": "a", "function": "r:g"}]},
+            "envs.0.reward: give reward or [[envs.rewards]], not both",
+        ),  # fmt: skip
         ({"environment": "e:E", "external": True}, "envs.0.external: an env_class environment"),
-        ({"name": "agent", "agent": "a:f", "environment": "e:E"},
-         'envs.0.environment: only "env_class" environments take environment'),  # fmt: skip
-        ({"name": "agent", "agent": "a:f", "sandbox": True},
-         'envs.0.sandbox: only "env_class" environments take sandbox'),  # fmt: skip
+        (
+            {"name": "agent", "agent": "a:f", "environment": "e:E"},
+            'envs.0.environment: only "env_class" environments take environment',
+        ),  # fmt: skip
+        (
+            {"name": "agent", "agent": "a:f", "sandbox": True},
+            'envs.0.sandbox: only "env_class" environments take sandbox',
+        ),  # fmt: skip
     ],
 )
 def test_config_errors_name_the_key(env: dict[str, object], message: str, tmp_path: Path):

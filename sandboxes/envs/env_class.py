@@ -38,6 +38,7 @@ import json
 import logging
 import math
 import sys
+import threading
 import types
 from collections import Counter
 from collections.abc import Callable
@@ -51,7 +52,7 @@ from agentjet.config import EnvConfig
 from agentjet.errors import ConfigError
 from agentjet.protocol import Task
 from agentjet.task_files import task_row
-from sandboxes.base import Sandbox, SandboxError
+from sandboxes.base import FAULT_OOM, FAULT_PIDS, ExecResult, Sandbox, SandboxError
 from sandboxes.envs import env_class_runner
 from sandboxes.envs.prompt import Rewards
 
@@ -197,6 +198,10 @@ class SandboxedInstance:
         self.factory = factory
         self.timeout_s = timeout_s
         self.box: Sandbox | None = None
+        # Held by each run and by the release: an episode cancelled mid-call (its timeout,
+        # the node's stop) leaves the run going in its thread, and the sandbox must not go
+        # back to the pool under it (the run ends within timeout_s).
+        self._using = threading.Lock()
 
     async def reset(self, row: dict[str, Any]) -> str | None:
         box = self.factory()
@@ -223,7 +228,15 @@ class SandboxedInstance:
     async def close(self) -> None:
         box, self.box = self.box, None
         if box is not None:
-            await blocking(_close, box)
+            await blocking(self._release, box)
+
+    def _exec(self, box: Sandbox, code: str) -> ExecResult:
+        with self._using:
+            return box.exec(code, self.timeout_s)
+
+    def _release(self, box: Sandbox) -> None:
+        with self._using, contextlib.suppress(SandboxError):
+            box.close()
 
     async def _run(self, request: dict[str, Any], what: str) -> dict[str, Any]:
         assert self.box is not None
@@ -233,10 +246,10 @@ class SandboxedInstance:
         except (TypeError, ValueError) as e:  # a row the task file made, not JSON: say so
             raise EnvClassError(f"{what}: its arguments are not JSON ({e})") from None
         try:
-            result = await blocking(self.box.exec, code, self.timeout_s)
+            result = await blocking(self._exec, self.box, code)
         except SandboxError as e:
             raise EnvClassError(f"{what}: the sandbox failed ({e})") from None
-        if result.timed_out or result.fault in ("oom_killed", "pids_limit"):
+        if result.timed_out or result.fault in (FAULT_OOM, FAULT_PIDS):
             why = "ran past tool_timeout_s" if result.timed_out else f"was killed ({result.fault})"
             if request["op"] == "call":
                 return {"killed": f"the tool {why} ({self.timeout_s:g} s); nothing it did is kept"}
@@ -403,8 +416,3 @@ def _prompt(task: Task, observation: str | None) -> list[dict[str, Any]]:
     if observation:
         messages[-1] = {**messages[-1], "content": messages[-1]["content"] + observation}
     return messages
-
-
-def _close(box: Sandbox) -> None:
-    with contextlib.suppress(SandboxError):
-        box.close()

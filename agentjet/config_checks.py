@@ -85,6 +85,7 @@ def _check_env(env: EnvConfig, i: int) -> None:
             f"config error at envs.{i}.agent: the agent environment needs "
             'agent = "module:function" or external = true'
         )
+    _check_env_class(env, i)
     specs = [("agent", env.agent), ("judge", env.judge), ("reward", env.reward)]
     specs += [(f"rewards.{j}.function", t.function) for j, t in enumerate(env.rewards)]
     for key, spec in specs:
@@ -102,11 +103,40 @@ def _check_env(env: EnvConfig, i: int) -> None:
             raise ConfigError(f"config error at envs.{i}.{key}: {path} not found")
 
 
+def _check_env_class(env: EnvConfig, i: int) -> None:
+    """An "env_class" entry names its class and task file; the others name no class."""
+    where = f"config error at envs.{i}"
+    if env.name != "env_class":
+        for key in ("environment", "sandbox"):
+            if getattr(env, key):
+                raise ConfigError(f'{where}.{key}: only "env_class" environments take {key}')
+        return
+    if not re.fullmatch(r"[\w.]+:\w+", env.environment):
+        raise ConfigError(
+            f'{where}.environment: the env_class environment needs environment = "module:Class"'
+            + (f", got {env.environment!r}" if env.environment else "")
+        )
+    if not env.task_file:
+        raise ConfigError(
+            f"{where}.task_file: an env_class environment plays the rows of your task file "
+            "(each row goes to reset(**row))"
+        )
+    if env.external:
+        raise ConfigError(f"{where}.external: an env_class environment plays in the node")
+
+
 def _check_rewards(env: EnvConfig, i: int) -> None:
     where = f"config error at envs.{i}"
+    if env.name == "env_class":  # optional there: the class's get_reward may score alone
+        if env.reward and env.rewards:
+            raise ConfigError(f"{where}.reward: give reward or [[envs.rewards]], not both")
+        _check_term_names(env, where)
+        return
     if env.name != "prompt":
         if env.reward or env.rewards:
-            raise ConfigError(f'{where}.reward: only "prompt" environments take a reward')
+            raise ConfigError(
+                f'{where}.reward: only "prompt" and "env_class" environments take a reward'
+            )
         return
     if not env.task_file:
         raise ConfigError(f'{where}.task_file: a "prompt" environment trains on your task file')
@@ -115,6 +145,10 @@ def _check_rewards(env: EnvConfig, i: int) -> None:
             f'{where}.reward: a "prompt" environment needs reward = "module:function" '
             "or [[envs.rewards]] terms (one of the two)"
         )
+    _check_term_names(env, where)
+
+
+def _check_term_names(env: EnvConfig, where: str) -> None:
     names = [t.name for t in env.rewards]
     if len(set(names)) != len(names) or any(not re.fullmatch(r"\w+", n) for n in names):
         raise ConfigError(f"{where}.rewards: term names must be distinct words, got {names}")

@@ -27,12 +27,20 @@ Probability = Annotated[float, Meta(gt=0, le=1)]
 
 EMBEDDED_MODEL = "embedded:smollm2-135m"
 ENV_NAMES = (
-    "arithmetic", "prompt", "python_tool", "python_code", "shell", "react", "agent", "verifiers"
-)  # fmt: skip
+    "arithmetic",
+    "prompt",
+    "python_tool",
+    "python_code",
+    "shell",
+    "react",
+    "agent",
+    "verifiers",
+    "env_class",
+)
 # Environments whose episodes run programs in a sandbox ([sandbox] configures them).
 SANDBOXED_ENVS = ("python_tool", "python_code", "shell", "react")
 # Environments whose episodes are agent programs using the OpenAI-compatible endpoint.
-AGENT_ENVS = ("react", "agent", "verifiers")
+AGENT_ENVS = ("react", "agent", "verifiers", "env_class")
 
 
 # What a device key may say (agentjet/devices.py resolves it on the machine).
@@ -146,8 +154,9 @@ class EnvConfig(_Section):
     # Environment: "arithmetic" (one turn), "prompt" (one turn of your task file, scored by
     # your `reward` function), "python_tool" (arithmetic, may run Python first),
     # "python_code" (write a function, hidden tests), "shell" (multi-turn file tasks),
-    # "react" (a built-in agent on the OpenAI endpoint: arithmetic with a python tool) or
-    # "agent" (your agent, see `agent`; tasks from task_file, else arithmetic).
+    # "react" (a built-in agent on the OpenAI endpoint: arithmetic with a python tool),
+    # "agent" (your agent, see `agent`; tasks from task_file, else arithmetic) or
+    # "env_class" (a TRL-style environment class, see `environment`).
     name: str = "arithmetic"
     # Share of granted work for this environment, relative to the other entries.
     weight: PositiveFloat = 1.0
@@ -230,10 +239,24 @@ class EnvConfig(_Section):
     verifiers_args: dict[str, Any] = msgspec.field(default_factory=dict)
     verifiers_eval_args: dict[str, Any] = msgspec.field(default_factory=dict)
     verifiers_max_tasks: Annotated[int, Meta(ge=1, le=100_000)] = 10_000
+    # "env_class" environments (TRL's environment_factory, sandboxes/envs/env_class.py):
+    # environment = "module:Class", imported like an agent module. One instance per
+    # episode: `reset(**row)` gets the task file's row (a string it returns is appended to
+    # the prompt), every public method but reset and get_reward is a tool (its schema from
+    # the signature and the docstring's "Args:"), an optional `get_reward()` scores the
+    # episode, plus the weighted sum of `reward` / `rewards` (f(row, final reply)) when set.
+    # sandbox = true: the instance lives in a sandbox of the pool ([sandbox]) and its
+    # methods run there, each call bounded by tool_timeout_s; its module's file is copied in
+    # and its state kept there between calls (pickled).
+    environment: str = ""
+    sandbox: bool = False
 
     def sandboxed(self) -> bool:
         """Whether its episodes (or its reward) run programs in sandboxes."""
-        return self.name in SANDBOXED_ENVS or (self.name == "prompt" and self.reward_sandbox)
+        if self.name == "env_class" and self.sandbox:
+            return True
+        scored = self.name in ("prompt", "env_class")
+        return self.name in SANDBOXED_ENVS or (scored and self.reward_sandbox)
 
     def columns(self) -> TaskColumns:
         return TaskColumns(id=self.id_field, prompt=self.prompt_field, answer=self.answer_field)

@@ -50,6 +50,7 @@ from node.policy_sync import PolicyView
 from node.tool_templates import Setting
 from node.verifiers_env import verifiers_agent
 from sandboxes.base import Sandbox
+from sandboxes.envs.env_class import env_class_agent
 from sandboxes.envs.react import ReactAgent, react_judge
 
 log = logging.getLogger(__name__)
@@ -329,7 +330,8 @@ def make_agent_env(
     sandbox_factory: Callable[[], Sandbox],
     policies: Sequence[str] = (),
 ) -> AgentEnv:
-    """The AgentEnv an `[[envs]]` entry names: the built-in react agent, or the user's;
+    """The AgentEnv an `[[envs]]` entry names: the built-in react agent, a TRL-style
+    environment class (sandboxes/envs/env_class.py), or the user's agent;
     `policies`: the [[policies]] names its agents may call by the `model` field."""
     agent: Agent | None
     if config.name == "react":
@@ -340,6 +342,8 @@ def make_agent_env(
         )
     elif config.name == "verifiers":
         agent = verifiers_agent(config)
+    elif config.name == "env_class":
+        agent = env_class_agent(config, sandbox_factory)
     else:
         agent = load_callable(config.agent, "agent") if config.agent else None
     judge: Judge | None = load_callable(config.judge, "judge") if config.judge else None

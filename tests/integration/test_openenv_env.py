@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -33,7 +34,7 @@ from node.openenv_env import OpenEnvAgent, free_port, get_json
 from sandboxes.process import ProcessSandbox
 from tests import procs
 from tests.factories import RuleGenerator
-from tests.integration.test_local import run_local
+from tests.integration.test_local import group_fates, run_local
 
 pytestmark = pytest.mark.integration
 
@@ -227,8 +228,8 @@ def test_agentjet_local_trains_the_tiny_model_on_an_openenv_server(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     """`agentjet local` with openenv_app: the rollout node starts the server, plays its
-    episodes with the tiny model, versions are trained; killed by PID mid-run, the server
-    is started again, the run goes on; no process is left at the end."""
+    episodes with the tiny model, versions are trained; the server killed by PID after the
+    first batch is started again and the run goes on; no process is left at the end."""
     run_dir = tmp_path / "run"
     settings = (
         'envs.0.name="openenv"',
@@ -238,14 +239,39 @@ def test_agentjet_local_trains_the_tiny_model_on_an_openenv_server(
         "envs.0.max_turns=2",
         "trainer.max_logprob_gap=0",
     )
-    code, output, spawned = run_local(tiny_model_dir, run_dir, max_steps=3, settings=settings)
+    killed: list[int] = []
+
+    def kill_the_server_after_a_batch() -> bool:
+        """run_local's hook, polled: SIGKILL the server by the PID its start logged."""
+        if killed or not any(r.get("event") == "batch" for r in metrics(run_dir, "rollout")):
+            return False
+        logs = "\n".join(p.read_text() for p in (run_dir / "logs").glob("*.log"))
+        found = re.search(r"OpenEnv server tests.openenv_guess:app serving at \S+ \(pid (\d+)\)", logs)
+        if found:
+            killed.append(int(found.group(1)))
+            os.kill(killed[0], signal.SIGKILL)
+        return False  # never interrupt the run
+
+    code, output, spawned = run_local(
+        tiny_model_dir, run_dir, max_steps=4, settings=settings,
+        interrupt_when=kill_the_server_after_a_batch,
+    )  # fmt: skip
     logs = "\n".join(p.read_text() for p in (run_dir / "logs").glob("*.log"))
     assert code == 0, output + logs
-    assert "OpenEnv server tests.openenv_guess:app serving at http://127.0.0.1:" in logs
-    trainer = read_metrics(run_dir / "metrics" / "trainer.jsonl")
-    rollout = read_metrics(run_dir / "metrics" / "rollout.jsonl")
+    assert killed and "exited (code -9); starting it again" in logs
+    trainer, rollout = metrics(run_dir, "trainer"), metrics(run_dir, "rollout")
     steps = [r for r in trainer if r.get("event") == "step"]
-    assert {r["policy_version"] for r in steps} >= {1, 2, 3}
+    assert {r["policy_version"] for r in steps} >= {1, 2, 3, 4}
     batches = [r for r in rollout if r.get("event") == "batch"]
-    assert batches and all("openenv/episodes_failed" in r for r in batches)
+    assert batches[-1]["openenv/server_restarts"] >= 1
+    # every group made was trained, dropped as stale or is still pending: none lost
+    fates = group_fates(trainer, rollout)
+    assert set(fates["created"]) == set(fates["trained"]) | set(fates["stale"]) | set(
+        fates["pending"]
+    ) | set(fates["left_out"])
     assert [pid for pid in spawned if running(pid)] == []
+
+
+def metrics(run_dir: Path, role: str) -> list[dict[str, Any]]:
+    path = run_dir / "metrics" / f"{role}.jsonl"
+    return read_metrics(path) if path.exists() else []

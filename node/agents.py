@@ -51,8 +51,8 @@ from agentjet.protocol import Task
 from agentjet.roles import wait_for
 from agentjet.timeline import Call, merge_by_policy
 from node.openai_api import AgentEpisode, EpisodeHub, OpenAIServer
-from node.policy_sync import PolicyView
 from node.openenv_env import make_openenv_agent
+from node.policy_sync import PolicyView
 from node.tool_templates import Setting
 from sandboxes.base import Sandbox
 from sandboxes.envs.react import ReactAgent, react_judge
@@ -182,7 +182,8 @@ class AgentEnv:
     def metrics(self) -> dict[str, float]:
         """For the rollout node's metrics rows (`EpisodeHub.stats`): `agents/unclaimed`,
         `agents/playing` and `agents/claim_wait_s`, the time episodes waited for agents."""
-        own = self.agent.metrics() if hasattr(self.agent, "metrics") else {}
+        metrics = getattr(self.agent, "metrics", None)
+        own: dict[str, float] = metrics() if metrics is not None else {}
         return (self.server.hub.stats() if self.server is not None else {}) | own
 
     async def close(self) -> None:

@@ -234,7 +234,9 @@ class Server:
             except OpenEnvFault as e:
                 why = str(e)
             await asyncio.sleep(HEALTH_POLL_S)  # polling a starting process
-        raise OpenEnvFault(f"uvicorn {self.app}: no answer within {self.start_timeout_s:g} s: {why}")
+        raise OpenEnvFault(
+            f"uvicorn {self.app}: no answer within {self.start_timeout_s:g} s: {why}"
+        )
 
     async def stop(self) -> None:
         """SIGTERM, then SIGKILL after STOP_GRACE_S; reaped either way."""
@@ -359,7 +361,8 @@ class OpenEnvAgent:
             return parse_result(await asyncio.wait_for(call, self.timeout_s))
         except Refused as e:
             if e.code == "CAPACITY_REACHED":  # more sessions than the server holds
-                raise OpenEnvFault(f"{e}; set openenv_sessions to its max_concurrent_envs") from None
+                hint = "set openenv_sessions to its max_concurrent_envs"
+                raise OpenEnvFault(f"{e}; {hint}") from None
             raise
         except OpenEnvFault:
             raise

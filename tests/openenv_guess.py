@@ -55,7 +55,9 @@ class GuessEnvironment(Environment):
         if guess == self.target:
             return GuessObservation(prompt="Right!", guesses_left=left, done=True, reward=1.0)
         hint = "higher" if guess < self.target else "lower"
-        return GuessObservation(prompt=f"No, {hint}.", guesses_left=left, done=left == 0, reward=0.0)
+        wrong = GuessObservation(prompt=f"No, {hint}.", guesses_left=left, reward=0.0)
+        wrong.done = left == 0
+        return wrong
 
     @property
     def state(self) -> State:

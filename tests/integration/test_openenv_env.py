@@ -195,9 +195,7 @@ async def wait_for_health(url: str) -> None:
 def test_a_server_answering_junk_fails_the_episode_counted(
     tokenizer: Any, junk_server: str, junk: str
 ) -> None:
-    env = agent_env(
-        EnvConfig(name="openenv", openenv_url=junk_server, openenv_timeout_s=1.0)
-    )
+    env = agent_env(EnvConfig(name="openenv", openenv_url=junk_server, openenv_timeout_s=1.0))
     generator = RuleGenerator(tokenizer, lambda context: "5")
     groups = asyncio.run(play(env, generator, [task(0, junk=junk)], 1))
     assert groups == [[]]
@@ -246,7 +244,7 @@ def test_agentjet_local_trains_the_tiny_model_on_an_openenv_server(
         if killed or not any(r.get("event") == "batch" for r in metrics(run_dir, "rollout")):
             return False
         logs = "\n".join(p.read_text() for p in (run_dir / "logs").glob("*.log"))
-        found = re.search(r"OpenEnv server tests.openenv_guess:app serving at \S+ \(pid (\d+)\)", logs)
+        found = re.search(r"OpenEnv server \S+ serving at \S+ \(pid (\d+)\)", logs)
         if found:
             killed.append(int(found.group(1)))
             os.kill(killed[0], signal.SIGKILL)

@@ -59,6 +59,8 @@ log = logging.getLogger(__name__)
 HEALTH_POLL_S = 0.2
 # A server being stopped gets this long after SIGTERM before SIGKILL.
 STOP_GRACE_S = 5.0
+# A closing session waits this long for the server to close its end first.
+CLOSE_WAIT_S = 5.0
 # The model the episodes' calls name: the grant's policy (node/openai_api.py).
 MODEL = "policy"
 # OpenEnv's ResetRequest bounds episode ids to this many characters.
@@ -423,6 +425,17 @@ def session_class() -> type:
 
         def _parse_state(self, payload: Any) -> Any:
             return payload
+
+        async def disconnect(self) -> None:
+            # openenv's disconnect closes the socket right after its "close" message, and
+            # the server, closing too, logs a traceback per session; wait for its close.
+            if self._ws is not None:
+                with contextlib.suppress(Exception):
+                    await self._send({"type": "close"})
+                    await asyncio.wait_for(self._ws.wait_closed(), CLOSE_WAIT_S)
+                with contextlib.suppress(Exception):
+                    await self._ws.close()
+                self._ws = None
 
         async def _send_and_receive(self, message: dict[str, Any]) -> dict[str, Any]:
             await self._send(message)

@@ -43,7 +43,7 @@ class GuessEnvironment(Environment):
     ) -> GuessObservation:
         self.target = random.Random(seed).randrange(10)
         self._state = State(episode_id=episode_id, step_count=0)
-        return GuessObservation(prompt="I picked a number from 0 to 9. Guess it: reply with the number.")
+        return GuessObservation(prompt="I picked a number from 0 to 9. Guess it: reply with it.")
 
     def step(self, action: Action, timeout_s: float | None = None, **kwargs: Any) -> Observation:
         assert isinstance(action, GuessAction)

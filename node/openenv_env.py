@@ -429,12 +429,13 @@ def session_class() -> type:
         async def disconnect(self) -> None:
             # openenv's disconnect closes the socket right after its "close" message, and
             # the server, closing too, logs a traceback per session; wait for its close.
-            if self._ws is not None:
+            ws: Any = self._ws
+            if ws is not None:
                 with contextlib.suppress(Exception):
                     await self._send({"type": "close"})
-                    await asyncio.wait_for(self._ws.wait_closed(), CLOSE_WAIT_S)
+                    await asyncio.wait_for(ws.wait_closed(), CLOSE_WAIT_S)
                 with contextlib.suppress(Exception):
-                    await self._ws.close()
+                    await ws.close()
                 self._ws = None
 
         async def _send_and_receive(self, message: dict[str, Any]) -> dict[str, Any]:

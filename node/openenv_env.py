@@ -429,7 +429,7 @@ def session_class() -> type:
         async def disconnect(self) -> None:
             # openenv's disconnect closes the socket right after its "close" message, and
             # the server, closing too, logs a traceback per session; wait for its close.
-            ws: Any = self._ws
+            ws: Any = getattr(self, "_ws", None)
             if ws is not None:
                 with contextlib.suppress(Exception):
                     await self._send({"type": "close"})

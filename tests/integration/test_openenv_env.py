@@ -15,6 +15,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -238,6 +239,7 @@ def test_agentjet_local_trains_the_tiny_model_on_an_openenv_server(
         "trainer.max_logprob_gap=0",
     )
     killed: list[int] = []
+    killed_at: list[float] = []
 
     def kill_the_server_after_a_batch() -> bool:
         """run_local's hook, polled: SIGKILL the server by the PID its start logged."""
@@ -248,10 +250,11 @@ def test_agentjet_local_trains_the_tiny_model_on_an_openenv_server(
         if found:
             killed.append(int(found.group(1)))
             os.kill(killed[0], signal.SIGKILL)
+            killed_at.append(time.time())
         return False  # never interrupt the run
 
     code, output, spawned = run_local(
-        tiny_model_dir, run_dir, max_steps=4, settings=settings,
+        tiny_model_dir, run_dir, max_steps=6, settings=settings,
         interrupt_when=kill_the_server_after_a_batch,
     )  # fmt: skip
     logs = "\n".join(p.read_text() for p in (run_dir / "logs").glob("*.log"))
@@ -259,8 +262,9 @@ def test_agentjet_local_trains_the_tiny_model_on_an_openenv_server(
     assert killed and "exited (code -9); starting it again" in logs
     trainer, rollout = metrics(run_dir, "trainer"), metrics(run_dir, "rollout")
     steps = [r for r in trainer if r.get("event") == "step"]
-    assert {r["policy_version"] for r in steps} >= {1, 2, 3, 4}
+    assert {r["policy_version"] for r in steps} >= {1, 2, 3, 4, 5, 6}
     batches = [r for r in rollout if r.get("event") == "batch"]
+    assert any(r["time"] > killed_at[0] for r in batches)  # the run went on past the kill
     assert batches[-1]["openenv/server_restarts"] >= 1
     # every group made was trained, dropped as stale or is still pending: none lost
     fates = group_fates(trainer, rollout)

@@ -92,6 +92,7 @@ def _check_env(env: EnvConfig, i: int) -> None:
         if spec and not re.fullmatch(r"[\w.]+:\w+", spec):
             raise ConfigError(f"config error at envs.{i}.{key}: {spec!r} is not module:function")
     _check_rewards(env, i)
+    _check_openenv(env, i)
     if not_a_model_folder(env.teacher):
         raise ConfigError(
             f"config error at envs.{i}.teacher: {env.teacher} is not a model folder "
@@ -123,6 +124,32 @@ def _check_env_class(env: EnvConfig, i: int) -> None:
         )
     if env.external:
         raise ConfigError(f"{where}.external: an env_class environment plays in the node")
+
+
+def _check_openenv(env: EnvConfig, i: int) -> None:
+    """An "openenv" entry names one server, by URL or app; no other entry names one."""
+    where = f"config error at envs.{i}"
+    specs = {k: getattr(env, k) for k in ("openenv_app", "openenv_action", "openenv_observation")}
+    if env.name != "openenv":
+        named = [k for k in ("openenv_url", *specs) if getattr(env, k)]
+        if named:
+            raise ConfigError(f'{where}.{named[0]}: only "openenv" environments take it')
+        return
+    if bool(env.openenv_url) == bool(env.openenv_app):
+        raise ConfigError(
+            f'{where}: an "openenv" environment needs openenv_url = "http://HOST:PORT" '
+            '(a running server) or openenv_app = "module:app" (agentjet starts it), one of them'
+        )
+    if env.openenv_url and not re.fullmatch(r"(https?|wss?)://[^/\s]+/?", env.openenv_url):
+        raise ConfigError(f"{where}.openenv_url: {env.openenv_url!r} is not http://HOST:PORT")
+    for key, spec in specs.items():
+        if spec and not re.fullmatch(r"[\w.]+:\w+", spec):
+            raise ConfigError(f"{where}.{key}: {spec!r} is not module:name")
+    if env.agent or env.judge or env.external:
+        raise ConfigError(
+            f'{where}: an "openenv" environment plays the server\'s episodes itself; '
+            "agent, judge and external are not for it"
+        )
 
 
 def _check_rewards(env: EnvConfig, i: int) -> None:

@@ -36,11 +36,12 @@ ENV_NAMES = (
     "agent",
     "verifiers",
     "env_class",
+    "openenv",
 )
 # Environments whose episodes run programs in a sandbox ([sandbox] configures them).
 SANDBOXED_ENVS = ("python_tool", "python_code", "shell", "react")
 # Environments whose episodes are agent programs using the OpenAI-compatible endpoint.
-AGENT_ENVS = ("react", "agent", "verifiers", "env_class")
+AGENT_ENVS = ("react", "agent", "verifiers", "env_class", "openenv")
 
 
 # What a device key may say (agentjet/devices.py resolves it on the machine).
@@ -155,8 +156,10 @@ class EnvConfig(_Section):
     # your `reward` function), "python_tool" (arithmetic, may run Python first),
     # "python_code" (write a function, hidden tests), "shell" (multi-turn file tasks),
     # "react" (a built-in agent on the OpenAI endpoint: arithmetic with a python tool),
-    # "agent" (your agent, see `agent`; tasks from task_file, else arithmetic) or
-    # "env_class" (a TRL-style environment class, see `environment`).
+    # "agent" (your agent, see `agent`; tasks from task_file, else arithmetic),
+    # "env_class" (a TRL-style environment class, see `environment`), "verifiers" (a
+    # verifiers Taskset, see verifiers_*) or "openenv" (an OpenEnv server's episodes,
+    # see openenv_*).
     name: str = "arithmetic"
     # Share of granted work for this environment, relative to the other entries.
     weight: PositiveFloat = 1.0
@@ -250,6 +253,30 @@ class EnvConfig(_Section):
     # and its state kept there between calls (pickled).
     environment: str = ""
     sandbox: bool = False
+    # ── "openenv" environments (node/openenv_env.py): an OpenEnv server (openenv-core
+    # 0.3) played through reset/step over its WebSocket; each observation a user turn,
+    # each reply an action, up to max_turns; tasks: task_file rows, whose other fields are
+    # the reset's keyword arguments, else generated ones, "seed:N", reset with seed N.
+    # The server: a running one at openenv_url ("http://HOST:PORT"), or openenv_app
+    # ("module:app", imported from the node's current directory), which each rollout node
+    # starts under uvicorn on a free loopback port, restarts when it dies, and stops.
+    openenv_url: str = ""
+    openenv_app: str = ""
+    # `module:function(reply, observation) -> dict` (or an Action): the model's reply as
+    # the server's action; "" = the reply as the action's one text field.
+    openenv_action: str = ""
+    # `module:function(observation) -> str`: an observation as the user turn; "" = its one
+    # text field, else its JSON.
+    openenv_observation: str = ""
+    # The episode's reward: "sum" of the steps' rewards (the return), or the "last" one.
+    openenv_reward: Literal["sum", "last"] = "sum"
+    # Episodes played on the server at once (its create_app's max_concurrent_envs; a
+    # session beyond it is refused); the others wait, their clocks not started.
+    openenv_sessions: Annotated[int, Meta(ge=1, le=1024)] = 1
+    # A reset or step unanswered this long fails the episode; openenv_app waits this long
+    # for its server to answer /health after a start.
+    openenv_timeout_s: PositiveFloat = 30.0
+    openenv_start_timeout_s: PositiveFloat = 60.0
 
     def sandboxed(self) -> bool:
         """Whether its episodes (or its reward) run programs in sandboxes."""

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from agentjet.protocol import Task
-from agentjet.sandbox_tasks import TASK_MAKERS
+from agentjet.sandbox_tasks import TASK_MAKERS as SANDBOX_TASK_MAKERS
 from agentjet.task_files import DEFAULT_COLUMNS, BadRows, TaskColumns, load_tasks, task_row
 
 if TYPE_CHECKING:
@@ -62,6 +62,28 @@ def arithmetic_task_from_id(task_id: str, env: str) -> Task | None:
         return None
     difficulty, a, op, b = match.groups()
     return arithmetic_task(int(a), op, int(b), int(difficulty), env)
+
+
+# Reset seeds of generated OpenEnv tasks (OpenEnv's ResetRequest takes seeds >= 0).
+SEED_RANGE = 2**31
+
+
+def make_seed_task(rng: random.Random, difficulty: int, env: str = "openenv") -> Task:
+    """A generated task of a server-side environment (OpenEnv): only a reset seed, which
+    its id "seed:N" carries and its fields hold (the reset's keyword arguments); the
+    prompt names it, the model never sees it (the server's observations are the turns)."""
+    seed = rng.randrange(SEED_RANGE)
+    return Task(
+        id=f"seed:{seed}",
+        env=env,
+        prompt=f"{env} episode reset with seed {seed}",
+        difficulty=difficulty,
+        fields={"seed": seed},
+    )
+
+
+# Generated tasks of the environments other than arithmetic ones: (rng, difficulty, env).
+TASK_MAKERS = {**SANDBOX_TASK_MAKERS, "openenv": make_seed_task}
 
 
 class TaskSource:

@@ -14,7 +14,12 @@ caller's loop, and a model call crosses one thread boundary, the engine's bridge
 
 An agent is `async def run_episode(task, client) -> float` (or an object with that
 `__call__`), written against the official `openai` client; a separate
-`judge(task, messages) -> float` may score instead. An episode that fails (the agent
+`judge(task, messages) -> float` may score instead. An agent object may also bring its
+own lifecycle: `async start()` (awaited once, before the endpoint serves its first episode:
+a ConfigError there stops the node with its one line), `async close()` (after the
+endpoint's), `metrics()` (merged into `metrics()`) and `max_episodes` (at most that many of
+its episodes open at once; the others wait unopened, their clocks not started): the OpenEnv
+agent (node/openenv_env.py) starts and stops its server so. An episode that fails (the agent
 raised, went silent past `idle_timeout_s`, ran past `episode_timeout_s`, returned no
 finite reward, or never called the model) is discarded, never trained, and played again
 from scratch up to `attempts` times; a task whose episodes keep failing yields no group
@@ -46,6 +51,7 @@ from agentjet.protocol import Task
 from agentjet.roles import wait_for
 from agentjet.timeline import Call, merge_by_policy
 from node.openai_api import AgentEpisode, EpisodeHub, OpenAIServer
+from node.openenv_env import make_openenv_agent
 from node.policy_sync import PolicyView
 from node.tool_templates import Setting
 from node.verifiers_env import verifiers_agent
@@ -110,6 +116,8 @@ class AgentEnv:
         self.server: OpenAIServer | None = None
         self._starting = Exclusive()
         self._running: set[asyncio.Task[list[list[Played]]]] = set()
+        limit = getattr(agent, "max_episodes", 0)
+        self._slots = asyncio.Semaphore(limit) if limit else None
 
     # ── the Environment interface ─────────────────────────────────────────────────────
 
@@ -149,6 +157,7 @@ class AgentEnv:
         rollout.agent_listen cannot be bound."""
         async with self._starting.hold():
             if self.server is None:
+                await _hook(self.agent, "start")
                 hub = EpisodeHub(self.idle_timeout_s)
                 server = OpenAIServer(
                     generator,
@@ -175,7 +184,9 @@ class AgentEnv:
     def metrics(self) -> dict[str, float]:
         """For the rollout node's metrics rows (`EpisodeHub.stats`): `agents/unclaimed`,
         `agents/playing` and `agents/claim_wait_s`, the time episodes waited for agents."""
-        return self.server.hub.stats() if self.server is not None else {}
+        metrics = getattr(self.agent, "metrics", None)
+        own: dict[str, float] = metrics() if metrics is not None else {}
+        return (self.server.hub.stats() if self.server is not None else {}) | own
 
     async def close(self) -> None:
         """Stop the endpoint; a run_group still waiting on episodes raises CancelledError
@@ -188,6 +199,7 @@ class AgentEnv:
         server, self.server = self.server, None
         if server is not None:
             await server.close()
+        await _hook(self.agent, "close")
 
     # ── episodes ──────────────────────────────────────────────────────────────────────
 
@@ -210,6 +222,12 @@ class AgentEnv:
     async def _episode_with_retries(
         self, task: Task, training: bool, policy: str = ""
     ) -> Played | None:
+        if self._slots is None:
+            return await self._play_attempts(task, training, policy)
+        async with self._slots:
+            return await self._play_attempts(task, training, policy)
+
+    async def _play_attempts(self, task: Task, training: bool, policy: str) -> Played | None:
         assert self.server is not None
         hub = self.server.hub
         for attempt in range(1, self.attempts + 1):
@@ -295,6 +313,13 @@ class AgentEnv:
         return checked, ""
 
 
+async def _hook(agent: Agent | None, name: str) -> None:
+    """The agent's own `start` or `close`, when it has one."""
+    hook = getattr(agent, name, None)
+    if hook is not None:
+        await _call(hook)
+
+
 async def _call(fn: Callable[..., Any], *args: Any) -> Any:
     result = fn(*args)
     return await result if inspect.isawaitable(result) else result
@@ -334,7 +359,9 @@ def make_agent_env(
     environment class (sandboxes/envs/env_class.py), or the user's agent;
     `policies`: the [[policies]] names its agents may call by the `model` field."""
     agent: Agent | None
-    if config.name == "react":
+    if config.name == "openenv":  # an OpenEnv server's reset/step (node/openenv_env.py)
+        agent = make_openenv_agent(config)
+    elif config.name == "react":
         agent = ReactAgent(
             max_turns=config.max_turns,
             tool_timeout_s=config.tool_timeout_s,

@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -118,6 +119,7 @@ class AgentEnv:
         self._running: set[asyncio.Task[list[list[Played]]]] = set()
         limit = getattr(agent, "max_episodes", 0)
         self._slots = asyncio.Semaphore(limit) if limit else None
+        self.failures: Counter[str] = Counter()  # failed attempts, by kind of failure
 
     # ── the Environment interface ─────────────────────────────────────────────────────
 
@@ -186,7 +188,8 @@ class AgentEnv:
         `agents/playing` and `agents/claim_wait_s`, the time episodes waited for agents."""
         metrics = getattr(self.agent, "metrics", None)
         own: dict[str, float] = metrics() if metrics is not None else {}
-        return (self.server.hub.stats() if self.server is not None else {}) | own
+        failed = {"agents/attempts_failed": float(sum(self.failures.values()))}
+        return (self.server.hub.stats() if self.server is not None else {}) | failed | own
 
     async def close(self) -> None:
         """Stop the endpoint; a run_group still waiting on episodes raises CancelledError
@@ -244,9 +247,18 @@ class AgentEnv:
                     own = reward.get(policy, sum(reward.values()) / len(reward))
                     return Played(own, calls, rewards=reward)
                 return Played(reward, calls)
-            log.warning("%s: episode of task %s failed (attempt %d): %s",
-                        self.name, task.id, attempt, error)  # fmt: skip
+            self._failed(task, attempt, error)
         return None
+
+    def _failed(self, task: Task, attempt: int, error: str) -> None:
+        """Count a failed attempt; log the first of each kind (the text before its first
+        colon): an environment failing every episode the same way says so once."""
+        kind = error.split(":", 1)[0][:120]
+        if kind not in self.failures:
+            log.warning("%s: episode of task %s failed (attempt %d): %s (logged once per "
+                        "kind; agents/attempts_failed counts them)",
+                        self.name, task.id, attempt, error)  # fmt: skip
+        self.failures[kind] += 1
 
     async def _play_one(self, episode: AgentEpisode) -> tuple[Reward, str]:
         """(reward, "") for a finished episode, else (0.0, why it failed)."""

@@ -143,8 +143,10 @@ def run_configured(args: argparse.Namespace) -> int:
 def run_eval(args: argparse.Namespace) -> int:
     """`agentjet eval`: every flag and the config checked (a missing reward included), then
     the model loaded and the tasks scored; the summary as JSON on stdout."""
-    if args.samples < 0 or args.batch_size < 1 or args.show < 0:
-        raise AgentjetError("--samples and --show must be >= 0, --batch-size >= 1")
+    if args.samples < 0 or args.batch_size < 1:
+        raise AgentjetError("--samples must be >= 0 and --batch-size >= 1")
+    if args.show < 0:
+        raise AgentjetError(f"--show must be >= 0, got {args.show}")
     if (args.checkpoint is None) == (args.policy is None):
         raise AgentjetError("give --checkpoint DIR (or base), or --policy NAME (one of the two)")
     config, env_name, tasks = eval_config(args)

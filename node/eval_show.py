@@ -13,15 +13,34 @@ on stdout stays clean for a pipe.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from agentjet.episode import Episode
 from agentjet.protocol import Task
 
 # Characters of a prompt or an answer shown at most (head and tail; the middle elided).
 SHOW_CHARS = 600
 # How every line of a shown text is indented under its heading.
 INDENT = "    "
+
+
+class Seen:
+    """What evaluation keeps of each chunk it plays (play_rewards' `seen`): the first `show`
+    tasks with their episodes, and how many answers ended at max_new_tokens (`cut[True]`)
+    of those that can (single-turn and sandboxed episodes; agents' are not counted)."""
+
+    def __init__(self, show: int) -> None:
+        self.show = show
+        self.shown: list[tuple[Task, Sequence[Any]]] = []
+        self.cut: Counter[bool] = Counter()
+
+    def __call__(self, chunk: Sequence[Task], episodes: Sequence[Sequence[Any]]) -> None:
+        self.shown += list(zip(chunk, episodes, strict=True))[: self.show - len(self.shown)]
+        for episode in (e for task_episodes in episodes for e in task_episodes):
+            if isinstance(episode, Episode):
+                self.cut[episode.finish_reason == "length"] += 1
 
 
 def shorten(text: str, limit: int = SHOW_CHARS) -> str:

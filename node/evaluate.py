@@ -33,7 +33,7 @@ import contextlib
 import os
 import sys
 import time
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from pathlib import Path
@@ -43,14 +43,14 @@ import torch
 import uvloop
 
 from agentjet.config import AGENT_ENVS, Config, EnvConfig
-from agentjet.episode import Episode, Generator, SamplingParams
+from agentjet.episode import Generator, SamplingParams
 from agentjet.errors import ModelError
 from agentjet.progress import ProgressReport
 from agentjet.protocol import Task
 from agentjet.task_files import load_tasks
 from node.agents import AgentEnv, make_agent_env
 from node.engine import open_engine
-from node.eval_show import format_samples
+from node.eval_show import Seen, format_samples
 from node.model import resolve_model
 from sandboxes.envs import Environment, make_env
 from sandboxes.pool import open_pool
@@ -84,15 +84,7 @@ def evaluate_checkpoint(
         greedy=samples == 0,
     )
     n = samples or 1
-    shown: list[tuple[Task, Sequence[Any]]] = []
-    cut: Counter[bool] = Counter()  # answers that ended at max_new_tokens, of those that can
-
-    def seen(chunk: Sequence[Task], episodes: Sequence[Sequence[Any]]) -> None:
-        shown.extend(list(zip(chunk, episodes, strict=True))[: show - len(shown)])
-        for episode in (e for task_episodes in episodes for e in task_episodes):
-            if isinstance(episode, Episode):
-                cut[episode.finish_reason == "length"] += 1
-
+    seen = Seen(show)
     with contextlib.ExitStack() as cleanup:
         pool = None
         if env_config.sandboxed():
@@ -130,17 +122,17 @@ def evaluate_checkpoint(
 
         with ProgressReport(f"eval {env_name}", len(tasks), "tasks") as report:
             rewards = uvloop.run(play_all(report.update))
-        if shown:
+        if seen.shown:
             decode = partial(engine.tokenizer.decode, skip_special_tokens=True)
-            print(format_samples(shown, decode, params.max_new_tokens), file=sys.stderr)
+            print(format_samples(seen.shown, decode, params.max_new_tokens), file=sys.stderr)
     summary = summarize(tasks, rewards, n) | {
         "decoding": decoding(env_name, samples, sampling.temperature),
         "checkpoint": checkpoint,
         "env": env_name,
         "seconds": round(time.perf_counter() - start, 1),
     }
-    if cut.total():
-        summary["cut_at_max_new_tokens"] = round(cut[True] / cut.total(), 4)
+    if seen.cut.total():
+        summary["cut_at_max_new_tokens"] = round(seen.cut[True] / seen.cut.total(), 4)
     return summary
 
 

@@ -59,6 +59,7 @@ from agentjet.errors import ConfigError
 # The names the rest of the project imports from here, whichever module declares them.
 __all__ = [
     "AGENT_ENVS",
+    "apply_overrides",
     "check_config",
     "Config",
     "config_from_dict",
@@ -86,6 +87,7 @@ __all__ = [
     "PositiveFloat",
     "PositiveInt",
     "Probability",
+    "read_config_file",
     "ReplayConfig",
     "RewardTerm",
     "RolloutConfig",
@@ -101,18 +103,28 @@ __all__ = [
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Read TOML (or start from defaults), apply `key.path=value` overrides, validate."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        try:
-            with open(path, "rb") as f:
-                data = tomllib.load(f)
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path} does not exist") from None
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
-    for item in overrides or []:
-        _apply_override(data, item)
+    data = read_config_file(path)
+    apply_overrides(data, overrides or [])
     return config_from_dict(data)
+
+
+def read_config_file(path: str | Path | None) -> dict[str, Any]:
+    """A TOML config file as a dict, not yet validated ({} for None: the defaults)."""
+    if path is None:
+        return {}
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> None:
+    """`key.path=value` overrides (--set) applied to a config dict, in order."""
+    for item in overrides:
+        _apply_override(data, item)
 
 
 def config_from_dict(data: dict[str, Any]) -> Config:

@@ -146,17 +146,33 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument(
         "--tasks",
         type=Path,
-        help="task file: JSONL, JSON, CSV, Parquet or a datasets folder (read as the "
-        "config's [[envs]] entry for --env reads its task_file); default: that entry's "
-        "held-out tasks (its eval_file, or a verifiers environment's verifiers_eval_args)",
+        help="task file: JSONL, JSON, CSV, Parquet or a datasets folder, read with the "
+        "[[envs]] entry of --env (its columns, its reward); it serves as that entry's "
+        "task_file (default: the entry's held-out tasks: its eval_file, else a "
+        "reasoning_gym entry's held-out rows or a verifiers entry's eval set)",
     )
-    ev.add_argument("--env", default="arithmetic", choices=ENV_NAMES)
+    ev.add_argument(
+        "--env",
+        choices=ENV_NAMES,
+        help="the environment that scores the answers: its [[envs]] entry, added when the "
+        "config has none (so --set envs.0.reward=... gives --env prompt its reward); "
+        "default: the config's one environment (a run's config.toml: the run's), else "
+        "arithmetic",
+    )
     ev.add_argument("--batch-size", type=int, default=64, help="answers per engine batch")
     ev.add_argument(
         "--samples",
         type=int,
         default=0,
         help="answers sampled per task at rollout.sampling's temperature (default 0: greedy)",
+    )
+    ev.add_argument(
+        "--show",
+        type=int,
+        default=0,
+        metavar="N",
+        help="print the first N tasks with the model's answers and the rewards they scored "
+        "(to stderr; the JSON summary stays alone on stdout)",
     )
     _config_args(ev)
 

@@ -14,8 +14,17 @@ import json
 import time
 from pathlib import Path
 
-from agentjet.config import Config, load_config, not_a_model_folder, to_toml
-from agentjet.errors import AgentjetError
+from agentjet.config import (
+    Config,
+    EnvConfig,
+    apply_overrides,
+    config_from_dict,
+    load_config,
+    not_a_model_folder,
+    read_config_file,
+    to_toml,
+)
+from agentjet.errors import AgentjetError, ConfigError
 from agentjet.identity import node_keys
 from agentjet.rundir import default_run_dir, hold_run_dir, node_name
 
@@ -102,6 +111,8 @@ def run_configured(args: argparse.Namespace) -> int:
         from agentjet_app.local import run_local
 
         return run_local(config, Path(config.run.dir))
+    if args.command == "eval":
+        return run_eval(args)
     config = resolve_config(args)
     role = args.role if args.command == "node" else args.command
     own_dir = default_run_dir(role, config) if args.command in ("node", "coordinator") else None
@@ -126,18 +137,89 @@ def run_configured(args: argparse.Namespace) -> int:
             node_keys(config.net, args.command)  # fail in one line now, not after torch loads
         with hold_run_dir(Path(config.run.dir), role, node_name(config)):
             return _run_node(args, config)
-    if args.command == "eval":
-        from node.evaluate import evaluate_checkpoint
-
-        if args.samples < 0 or args.batch_size < 1:
-            raise AgentjetError("--samples must be >= 0 and --batch-size >= 1")
-        checkpoint = _eval_checkpoint(args.checkpoint, args.policy, Path(config.run.dir))
-        summary = evaluate_checkpoint(
-            config, checkpoint, args.tasks, args.env, args.batch_size, args.samples
-        )
-        print(json.dumps(summary, indent=2))
-        return 0
     raise AssertionError(args.command)
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    """`agentjet eval`: every flag and the config checked (a missing reward included), then
+    the model loaded and the tasks scored; the summary as JSON on stdout."""
+    if args.samples < 0 or args.batch_size < 1:
+        raise AgentjetError("--samples must be >= 0 and --batch-size >= 1")
+    if args.show < 0:
+        raise AgentjetError(f"--show must be >= 0, got {args.show}")
+    if (args.checkpoint is None) == (args.policy is None):
+        raise AgentjetError("give --checkpoint DIR (or base), or --policy NAME (one of the two)")
+    config, env_name, tasks = eval_config(args)
+    if args.dry_run:
+        return _dry_run(config)
+    checkpoint = _eval_checkpoint(args.checkpoint, args.policy, Path(config.run.dir))
+    from node.evaluate import evaluate_checkpoint
+
+    summary = evaluate_checkpoint(
+        config, checkpoint, tasks, env_name, args.batch_size, args.samples, args.show
+    )
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+# Environments whose entries hold held-out tasks of their own (generated rows, a packaged
+# eval set): `agentjet eval` needs no --tasks for them, and gives them no task_file.
+HELD_OUT_WITHOUT_FILE = ("reasoning_gym", "verifiers")
+
+
+def eval_config(args: argparse.Namespace) -> tuple[Config, str, Path | None]:
+    """`agentjet eval`'s config, the environment that scores and the task file.
+
+    --env names an [[envs]] entry; a config without one of that name gets one, so that on
+    the defaults `--env prompt --set envs.0.reward=mod:fn` is the whole prompt environment.
+    Without --env: the config's one environment (a run dir's config.toml: the run's, with
+    its reward and columns). The entry's task_file is the --tasks file (eval reads no
+    other, and a prompt environment must name one); without --tasks, its eval_file, else
+    None: the entry's generated or packaged held-out tasks (reasoning_gym, verifiers).
+    """
+    data = read_config_file(args.config)
+    envs = data.setdefault("envs", [])
+    if not isinstance(envs, list):
+        raise ConfigError("config error at envs: expected a list of [[envs]] tables")
+    if args.env is not None and not any(_entry_name(e) == args.env for e in envs):
+        envs.append({"name": args.env})
+    elif not envs:
+        envs.append({"name": EnvConfig().name})
+    overrides = list(args.set)
+    if args.run_dir is not None:
+        overrides.append(f"run.dir={json.dumps(str(args.run_dir))}")
+    apply_overrides(data, overrides)
+    names = [_entry_name(e) for e in data["envs"]]
+    env_name = args.env
+    if env_name is None:
+        if len(names) != 1:
+            raise AgentjetError(
+                f"the config has {len(names)} environments ({', '.join(names)}): "
+                "name the one to evaluate with --env"
+            )
+        env_name = names[0]
+    i = names.index(env_name)
+    entry = data["envs"][i]
+    tasks = args.tasks
+    if tasks is None and entry.get("eval_file"):
+        tasks = Path(entry["eval_file"])
+    if tasks is None:
+        if env_name not in HELD_OUT_WITHOUT_FILE:
+            raise AgentjetError(
+                f"give --tasks FILE: envs.{i} ({env_name}) has no eval_file to evaluate on"
+            )
+        return config_from_dict(data), env_name, None
+    if not tasks.expanduser().exists():
+        raise AgentjetError(f"--tasks {tasks}: not found")
+    if env_name not in HELD_OUT_WITHOUT_FILE:  # these make their own tasks, and take no file
+        entry["task_file"] = str(tasks)
+    return config_from_dict(data), env_name, tasks
+
+
+def _entry_name(entry: object) -> str:
+    """An [[envs]] table's name as the config will read it (the default when unnamed)."""
+    name = entry.get("name") if isinstance(entry, dict) else None
+    return name if isinstance(name, str) else EnvConfig().name
 
 
 def _run_node(args: argparse.Namespace, config: Config) -> int:
@@ -192,8 +274,6 @@ def _trainer_policies(asked: list[str], count: int, config: Config) -> list[str]
 
 def _eval_checkpoint(checkpoint: str | None, policy: str | None, run_dir: Path) -> str:
     """What `agentjet eval` scores: --checkpoint, or --policy's newest checkpoint."""
-    if (checkpoint is None) == (policy is None):
-        raise AgentjetError("give --checkpoint DIR (or base), or --policy NAME (one of the two)")
     if checkpoint is not None:
         return checkpoint
     saved = run_dir / "policies" / str(policy) / "checkpoints"

@@ -4,16 +4,24 @@
               ──▶ per task: the share of its n answers that are right
               ──▶ {"overall": acc, "by_difficulty": {"1": acc, ...}, "by_op": {...}, "n": N}
 
-The engine and sandbox pool are made first; then every chunk of tasks is played in one
-event loop (uvloop), as a rollout node plays them: an agent environment's endpoint is
-started on that loop and closed on it before it ends. Tasks done / total and their rate go
-to stderr as each chunk ends (a bar on a terminal, a line every few seconds otherwise;
-agentjet/progress.py), so the JSON on stdout stays clean.
+The sandbox pool and the environment (its reward functions imported) are made first, so a
+reward that cannot load is refused before the model does; then the engine, on
+`rollout.torch_threads` threads as a rollout node runs it (torch's default, every core,
+collapsed throughput 6x on a busy 2-core box: bench/eval_speed.py); then every chunk of
+tasks is played in one event loop (uvloop), as a rollout node plays them: an agent
+environment's endpoint is started on that loop and closed on it before it ends. Tasks
+done / total and their rate go to stderr as each chunk ends (a bar on a terminal, a line
+every few seconds otherwise; agentjet/progress.py), so the JSON on stdout stays clean.
 
 By default one greedy answer per task. With `samples` > 0, that many answers per task are
 sampled as rollouts sample them (`rollout.sampling`: temperature, top-p), so the figure is
 the policy's expected success, the quantity RL training raises. The two differ (docs/guide-data.md,
 "Evaluate a checkpoint").
+
+`show` > 0 prints the first `show` tasks with every answer and the reward it scored to
+stderr (node/eval_show.py). The summary's `cut_at_max_new_tokens` is the share of answers
+that hit `rollout.sampling.max_new_tokens` (single-turn environments): near 1, the score
+says more about the limit than about the model.
 
 The same environment code that plays training episodes scores evaluation ones, so the
 numbers mean the same thing in both places.
@@ -23,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Sequence
@@ -30,6 +39,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import torch
 import uvloop
 
 from agentjet.config import AGENT_ENVS, Config, EnvConfig
@@ -41,6 +51,7 @@ from agentjet.task_files import load_tasks
 from agentjet.tasks import held_out_tasks
 from node.agents import AgentEnv, make_agent_env
 from node.engine import open_engine
+from node.eval_show import Seen, format_samples
 from node.model import resolve_model
 from sandboxes.envs import Environment, make_env
 from sandboxes.pool import open_pool
@@ -54,30 +65,26 @@ def evaluate_checkpoint(
     env_name: str,
     batch_size: int = 64,
     samples: int = 0,
+    show: int = 0,
 ) -> dict[str, Any]:
-    """Accuracy on the task file (None: the `[[envs]]` entry's held-out tasks): greedy
-    (`samples` 0), or the mean of `samples` sampled answers per task; `batch_size` answers
-    go to the engine at once. The file is read with the `[[envs]]` entry of that name (its
-    columns, split, reward), if the config has one."""
-    if checkpoint == "base":
-        path = resolve_model(config.model.name, config.model.cache_dir)
-    else:
-        path = Path(checkpoint).expanduser()
-        if not (path / "config.json").is_file():
-            raise ModelError(f"{checkpoint} is not a checkpoint folder (no config.json)")
+    """Accuracy on the task file (None: the entry's held-out tasks): greedy (`samples` 0), or the mean of `samples` sampled
+    answers per task; `batch_size` answers go to the engine at once. The file is read with
+    the `[[envs]]` entry of that name (its columns, split, reward), if the config has one.
+    `show`: print the first `show` tasks with their answers and rewards to stderr."""
+    # The base model is found (maybe downloaded) once everything else is known good.
+    path = None if checkpoint == "base" else checkpoint_folder(checkpoint)
     env_config = next((e for e in config.envs if e.name == env_name), EnvConfig(name=env_name))
-    if tasks_path is None:  # the entry's own held-out tasks (eval_file, verifiers' eval set)
+    if tasks_path is None:  # the entry's own held-out tasks
         tasks = held_out_tasks(env_config)
         if not tasks:
             raise ConfigError(
                 f"agentjet eval --env {env_name}: give --tasks FILE (the config's entry for "
-                f"{env_name!r} has no held-out tasks: eval_file or verifiers_eval_args)"
+                f"{env_name!r} has no held-out tasks)"
             )
     else:
         tasks = load_tasks(
             tasks_path, env_name, env_config.columns(), env_config.bad_rows, env_config.task_split
         ).tasks
-    engine = open_engine(config.model, config.rollout, path, config.run.seed)
     sampling = config.rollout.sampling
     params = SamplingParams(
         temperature=sampling.temperature,
@@ -86,36 +93,64 @@ def evaluate_checkpoint(
         greedy=samples == 0,
     )
     n = samples or 1
-    start = time.perf_counter()
+    seen = Seen(show)
     with contextlib.ExitStack() as cleanup:
-        cleanup.callback(engine.close)
         pool = None
         if env_config.sandboxed():
             pool = open_pool(config.sandbox, f"eval-{os.getpid()}")
             cleanup.callback(pool.close)
+        # Made before the model is found (maybe downloaded) and loaded, so a reward function
+        # that cannot load fails in one line at once. Agent environments start their
+        # endpoint on the loop.
+        env = None if env_name in AGENT_ENVS else make_env(env_config, pool)
+        torch.set_num_threads(config.rollout.torch_threads)
+        engine = open_engine(
+            config.model,
+            config.rollout,
+            path or resolve_model(config.model.name, config.model.cache_dir),
+            config.run.seed,
+        )
+        cleanup.callback(engine.close)
+        start = time.perf_counter()
 
         async def play_all(played: Callable[[int], object]) -> list[list[float]]:
-            env: Environment | AgentEnv
-            if env_name in AGENT_ENVS:
+            playing: Environment | AgentEnv
+            if env is None:
                 factory = ProcessSandbox if pool is None else pool.lease
-                env = make_agent_env(env_config, config.rollout, factory)
+                playing = make_agent_env(env_config, config.rollout, factory)
             else:
-                env = make_env(env_config, pool)
+                playing = env
             try:
                 chunk_size = max(1, batch_size // n)
-                return await play_rewards(env, engine, tasks, n, params, chunk_size, played)
+                return await play_rewards(
+                    playing, engine, tasks, n, params, chunk_size, played, seen
+                )
             finally:
-                if isinstance(env, AgentEnv):
-                    await env.close()
+                if isinstance(playing, AgentEnv):
+                    await playing.close()
 
         with ProgressReport(f"eval {env_name}", len(tasks), "tasks") as report:
             rewards = uvloop.run(play_all(report.update))
-    return summarize(tasks, rewards, n) | {
+        if seen.shown:
+            decode = partial(engine.tokenizer.decode, skip_special_tokens=True)
+            print(format_samples(seen.shown, decode, params.max_new_tokens), file=sys.stderr)
+    summary = summarize(tasks, rewards, n) | {
         "decoding": decoding(env_name, samples, sampling.temperature),
         "checkpoint": checkpoint,
         "env": env_name,
         "seconds": round(time.perf_counter() - start, 1),
     }
+    if seen.cut.total():
+        summary["cut_at_max_new_tokens"] = round(seen.cut[True] / seen.cut.total(), 4)
+    return summary
+
+
+def checkpoint_folder(checkpoint: str) -> Path:
+    """The folder of a checkpoint to evaluate; ModelError for one that is no checkpoint."""
+    path = Path(checkpoint).expanduser()
+    if not (path / "config.json").is_file():
+        raise ModelError(f"{checkpoint} is not a checkpoint folder (no config.json)")
+    return path
 
 
 async def play_rewards(
@@ -126,10 +161,12 @@ async def play_rewards(
     params: SamplingParams,
     chunk_size: int,
     played: Callable[[int], object] | None = None,
+    seen: Callable[[Sequence[Task], Sequence[Sequence[Any]]], object] | None = None,
 ) -> list[list[float]]:
     """Per task, the rewards of its answers (fewer than `n` when some failed to play),
     `chunk_size` tasks at a time; evaluation episodes, never trained. `played` is told how
-    many tasks each chunk held once it is done (a progress report's `update`)."""
+    many tasks each chunk held once it is done (a progress report's `update`), `seen` each
+    chunk's tasks and their episodes."""
     play: Callable[[list[Task]], Awaitable[Sequence[Sequence[Any]]]]
     if isinstance(env, AgentEnv):  # agents sample as they are configured
         play = partial(env.play, engine, n=n, params=params, training=False)
@@ -137,8 +174,11 @@ async def play_rewards(
         play = partial(env.run_group, engine, n=n, params=params)
     rewards: list[list[float]] = []
     for i in range(0, len(tasks), chunk_size):
-        episodes = await play(list(tasks[i : i + chunk_size]))
+        chunk = tasks[i : i + chunk_size]
+        episodes = await play(list(chunk))
         rewards += [[e.reward for e in task_episodes] for task_episodes in episodes]
+        if seen is not None:
+            seen(chunk, episodes)
         if played is not None:
             played(len(episodes))
     return rewards

@@ -113,6 +113,7 @@ def test_dry_run_writes_resolved_config(tmp_path):
     ],
 )
 def test_user_errors_are_one_line(args, message, tmp_path):
+    (tmp_path / "t.jsonl").write_text('{"id": "a", "prompt": "1+1?", "answer": 2}\n')
     result = agentjet(*args, cwd=tmp_path)
     assert result.returncode == 2
     assert message in result.stderr

@@ -12,7 +12,7 @@ agentjet/config_checks.py.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
@@ -26,7 +26,16 @@ NonNegInt = Annotated[int, Meta(ge=0)]
 Probability = Annotated[float, Meta(gt=0, le=1)]
 
 EMBEDDED_MODEL = "embedded:smollm2-135m"
-ENV_NAMES = ("arithmetic", "prompt", "python_tool", "python_code", "shell", "react", "agent")
+ENV_NAMES = (
+    "arithmetic",
+    "prompt",
+    "python_tool",
+    "python_code",
+    "shell",
+    "react",
+    "agent",
+    "reasoning_gym",
+)
 # Environments whose episodes run programs in a sandbox ([sandbox] configures them).
 SANDBOXED_ENVS = ("python_tool", "python_code", "shell", "react")
 # Environments whose episodes are agent programs using the OpenAI-compatible endpoint.
@@ -140,6 +149,16 @@ class RewardTerm(_Section):
     weight: float = 1.0
 
 
+class ReasoningGymTask(_Section):
+    # One dataset of a "reasoning_gym" environment: a reasoning-gym dataset name (such as
+    # "leg_counting"), its share of the environment's tasks relative to the other entries,
+    # and its config: the fields of the dataset's config class (such as {min_animals = 1});
+    # seed and size are the environment's (task_seed, train_rows, eval_rows).
+    name: str
+    weight: PositiveFloat = 1.0
+    config: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
 class EnvConfig(_Section):
     # Environment: "arithmetic" (one turn), "prompt" (one turn of your task file, scored by
     # your `reward` function), "python_tool" (arithmetic, may run Python first),
@@ -215,6 +234,25 @@ class EnvConfig(_Section):
     # position teaches k tokens, not one, for 8 bytes a token a k on the wire. At most 64
     # (agentjet/protocol.py MAX_TOP_K).
     teacher_top_k: Annotated[int, Meta(ge=0, le=64)] = 0
+    # "reasoning_gym" environments (agentjet/reasoning_gym_tasks.py): rows generated on the
+    # fly by reasoning-gym's datasets, one model turn, the dataset's own score in [0, 1] the
+    # reward. tasks: the datasets (at least one). A name listed with several configs makes
+    # one scheduler cell per entry (its difficulty: 1, 2, ... in the order listed).
+    tasks: list[ReasoningGymTask] = msgspec.field(default_factory=list)
+    # Every entry's dataset seed (reasoning-gym makes row i from seed + i).
+    task_seed: NonNegInt = 0
+    # Training draws rows [0, train_rows) of each entry; held-out evaluation without an
+    # eval_file plays the next eval_rows rows of each entry, which training never draws.
+    train_rows: Annotated[int, Meta(ge=1, le=10**9)] = 100_000
+    eval_rows: Annotated[int, Meta(ge=1, le=100_000)] = 50
+    # The system message: the name of one of reasoning-gym's prompts (reasoning_gym.utils
+    # SYSTEM_PROMPTS: "default", "direct", "simple", "DeepSeekZero", "chain_of_draft"),
+    # or "model" for the chat template's own default.
+    rg_system_prompt: str = "direct"
+    # How the answer is read from the completion: "tags", reasoning-gym's way (the last
+    # <answer>...</answer>; none scores 0), or "tags_or_text" (the whole completion,
+    # stripped, when it has no tags: for small models that do not write tags yet).
+    rg_answer: Literal["tags", "tags_or_text"] = "tags"
 
     def sandboxed(self) -> bool:
         """Whether its episodes (or its reward) run programs in sandboxes."""

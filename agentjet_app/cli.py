@@ -145,10 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ev.add_argument(
         "--tasks",
-        required=True,
         type=Path,
         help="task file: JSONL, JSON, CSV, Parquet or a datasets folder (read as the "
-        "config's [[envs]] entry for --env reads its task_file)",
+        "config's [[envs]] entry for --env reads its task_file); default: that entry's "
+        "held-out tasks (its eval_file, or a reasoning_gym entry's held-out rows)",
     )
     ev.add_argument("--env", default="arithmetic", choices=ENV_NAMES)
     ev.add_argument("--batch-size", type=int, default=64, help="answers per engine batch")

@@ -1,4 +1,5 @@
-"""`agentjet eval`: accuracy of a checkpoint (or the base model) on a task file.
+"""`agentjet eval`: accuracy of a checkpoint (or the base model) on a task file, or on the
+held-out rows of a "reasoning_gym" environment (no file: agentjet/tasks.py held_out_tasks).
 
     task file ──▶ await environment.run_group(engine, tasks, n, params) ──▶ rewards
               ──▶ per task: the share of its n answers that are right
@@ -34,10 +35,11 @@ import uvloop
 
 from agentjet.config import AGENT_ENVS, Config, EnvConfig
 from agentjet.episode import Generator, SamplingParams
-from agentjet.errors import ModelError
+from agentjet.errors import ConfigError, ModelError
 from agentjet.progress import ProgressReport
 from agentjet.protocol import Task
 from agentjet.task_files import load_tasks
+from agentjet.tasks import held_out_tasks
 from node.agents import AgentEnv, make_agent_env
 from node.engine import open_engine
 from node.model import resolve_model
@@ -49,14 +51,16 @@ from sandboxes.process import ProcessSandbox
 def evaluate_checkpoint(
     config: Config,
     checkpoint: str,
-    tasks_path: Path,
+    tasks_path: Path | None,
     env_name: str,
     batch_size: int = 64,
     samples: int = 0,
 ) -> dict[str, Any]:
     """Accuracy on the task file: greedy (`samples` 0), or the mean of `samples` sampled
     answers per task; `batch_size` answers go to the engine at once. The file is read with
-    the `[[envs]]` entry of that name (its columns, split, reward), if the config has one."""
+    the `[[envs]]` entry of that name (its columns, split, reward), if the config has one;
+    without a file, that entry's held-out tasks are played (its eval_file's, or a
+    "reasoning_gym" entry's held-out rows)."""
     if checkpoint == "base":
         path = resolve_model(config.model.name, config.model.cache_dir)
     else:
@@ -64,9 +68,15 @@ def evaluate_checkpoint(
         if not (path / "config.json").is_file():
             raise ModelError(f"{checkpoint} is not a checkpoint folder (no config.json)")
     env_config = next((e for e in config.envs if e.name == env_name), EnvConfig(name=env_name))
-    tasks = load_tasks(
-        tasks_path, env_name, env_config.columns(), env_config.bad_rows, env_config.task_split
-    ).tasks
+    if tasks_path is not None:
+        tasks = load_tasks(
+            tasks_path, env_name, env_config.columns(), env_config.bad_rows, env_config.task_split
+        ).tasks
+    elif not (tasks := held_out_tasks(env_config)):
+        raise ConfigError(
+            f"agentjet eval --env {env_name}: give --tasks FILE (the config's {env_name} entry "
+            "has no eval_file and makes no held-out rows)"
+        )
     engine = open_engine(config.model, config.rollout, path, config.run.seed)
     sampling = config.rollout.sampling
     params = SamplingParams(

@@ -1,6 +1,7 @@
-"""Held-out evaluation during training (`rollout.eval_every`, each env's `eval_file`).
+"""Held-out evaluation during training (`rollout.eval_every`, each env's `eval_file`, or a
+"reasoning_gym" env's held-out rows).
 
-    rollout node: version v loaded ──HeldOut.due(v)?──▶ every env with an eval_file:
+    rollout node: version v loaded ──HeldOut.due(v)?──▶ every env with held-out tasks:
         greedy, one answer per held-out task, played by the environment that trains it
         ──▶ one metrics row {"event": "eval", "policy_version": v,
                             "eval/<env>/accuracy", "eval/<env>/mean_reward", ...}
@@ -22,7 +23,7 @@ from typing import Any
 from agentjet.config import Config
 from agentjet.episode import Generator, SamplingParams
 from agentjet.protocol import Task
-from agentjet.task_files import load_tasks
+from agentjet.tasks import held_out_tasks
 from node.agents import AgentEnv
 from node.evaluate import play_rewards, summarize
 from sandboxes.envs import Environment
@@ -37,16 +38,13 @@ class HeldOut:
     """The held-out tasks of a rollout node's environments, and when to score them."""
 
     def __init__(self, config: Config) -> None:
-        """Reads every env's eval_file now: a bad file fails the node at start."""
+        """Reads every env's held-out tasks now: a bad file fails the node at start."""
         self.every = config.rollout.eval_every
         self.tasks: dict[str, list[Task]] = {}
         if self.every:
             for env in config.envs:
-                if env.eval_file:
-                    loaded = load_tasks(
-                        env.eval_file, env.name, env.columns(), env.bad_rows, env.task_split
-                    )
-                    self.tasks[env.name] = loaded.tasks
+                if tasks := held_out_tasks(env):
+                    self.tasks[env.name] = tasks
         if self.every and not self.tasks:
             log.warning("rollout.eval_every is set but no environment has an eval_file")
         self.params = SamplingParams(
@@ -75,6 +73,8 @@ class HeldOut:
             row[f"eval/{name}/accuracy"] = summary["overall"]
             row[f"eval/{name}/mean_reward"] = summary["mean_reward"]
             row[f"eval/{name}/tasks"] = len(tasks)
+            if name == "reasoning_gym":  # each dataset's accuracy (its op)
+                row |= {f"eval/{name}/{op}/accuracy": a for op, a in summary["by_op"].items()}
             accuracy, mean_reward = summary["overall"], summary["mean_reward"]
             log.info("held-out %s at version %d: accuracy %.3f, mean reward %.3f (%d tasks)",
                      name, version, accuracy, mean_reward, len(tasks))  # fmt: skip

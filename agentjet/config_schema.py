@@ -250,9 +250,10 @@ class EnvConfig(_Section):
     # or "model" for the chat template's own default.
     rg_system_prompt: str = "direct"
     # How the answer is read from the completion: "tags", reasoning-gym's way (the last
-    # <answer>...</answer>; none scores 0), or "tags_or_text" (the whole completion,
-    # stripped, when it has no tags: for small models that do not write tags yet).
-    rg_answer: Literal["tags", "tags_or_text"] = "tags"
+    # <answer>...</answer>; none scores 0); for small models that do not write tags yet,
+    # when there are none, "tags_or_first_line" (its first line with text) or
+    # "tags_or_text" (all of it). Stripped of spaces; the dataset's scorer judges it.
+    rg_answer: Literal["tags", "tags_or_first_line", "tags_or_text"] = "tags"
 
     def sandboxed(self) -> bool:
         """Whether its episodes (or its reward) run programs in sandboxes."""

@@ -102,14 +102,14 @@ class GymTasks:
         seed: int = 0,
         train_rows: int = 100_000,
         eval_rows: int = 50,
-        tags_only: bool = True,
+        fallback: str = "",
         where: str = "config error at envs",
     ) -> None:
         """Makes (or takes from the cache) every entry's dataset and one row of each, so a
         bad config is one ConfigError naming the key (`where`: the entry's key) now."""
         package = reasoning_gym(where)
         self.env, self.train_rows, self.eval_rows = env, train_rows, eval_rows
-        self.tags_only = tags_only
+        self.fallback = fallback  # "" (tags only), "first_line" or "text": see `answer`
         self.extract_answer = package.utils.extract_answer
         if not tasks:
             raise ConfigError(f"{where}.tasks: a 'reasoning_gym' environment needs tasks")
@@ -135,7 +135,7 @@ class GymTasks:
             env.task_seed,
             env.train_rows,
             env.eval_rows,
-            env.rg_answer == "tags",
+            env.rg_answer.removeprefix("tags").removeprefix("_or_"),
             where,
         )
 
@@ -188,10 +188,13 @@ class GymTasks:
     # ── scoring ──────────────────────────────────────────────────────────────────────
 
     def answer(self, completion: str) -> str | None:
-        """The answer reasoning-gym reads from a completion: the last <answer>...</answer>
-        (with tags_or_text, the whole completion stripped when it has none)."""
+        """The answer reasoning-gym reads from a completion: the last <answer>...</answer>;
+        when it has none, with fallback "first_line" its first line with text, with "text"
+        all of it (stripped)."""
         answer: str | None = self.extract_answer(completion)
-        if answer is None and not self.tags_only:
+        if answer is None and self.fallback == "first_line":
+            answer = next((line.strip() for line in completion.splitlines() if line.strip()), "")
+        elif answer is None and self.fallback == "text":
             answer = completion.strip()
         return answer
 

@@ -251,9 +251,10 @@ class EnvConfig(_Section):
     rg_system_prompt: str = "direct"
     # How the answer is read from the completion: "tags", reasoning-gym's way (the last
     # <answer>...</answer>; none scores 0); for small models that do not write tags yet,
-    # when there are none, "tags_or_first_line" (its first line with text) or
-    # "tags_or_text" (all of it). Stripped of spaces; the dataset's scorer judges it.
-    rg_answer: Literal["tags", "tags_or_first_line", "tags_or_text"] = "tags"
+    # when there are none, "tags_or_last_number" (the completion's last number, as the
+    # arithmetic environment reads it) or "tags_or_text" (all of it, stripped). The
+    # dataset's scorer judges what is read.
+    rg_answer: Literal["tags", "tags_or_last_number", "tags_or_text"] = "tags"
 
     def sandboxed(self) -> bool:
         """Whether its episodes (or its reward) run programs in sandboxes."""

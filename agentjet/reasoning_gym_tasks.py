@@ -48,6 +48,8 @@ REFUSED = {"composite": "list its datasets as entries of tasks instead"}
 MODEL_PROMPT = "model"
 _ID = re.compile(r"(?P<name>\w+)#(?P<k>\d+)\.(?P<digest>[0-9a-f]{4}):(?P<index>\d+)")
 
+# A number as a completion writes it (sign, thousands commas, decimals).
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 _datasets: dict[tuple[str, int, int, str], Any] = {}  # made once per process: see `_dataset`
 _scorers: dict[str, Any] = {}  # a dataset name -> its default config's scorer
 _datasets_lock = threading.Lock()
@@ -109,7 +111,7 @@ class GymTasks:
         bad config is one ConfigError naming the key (`where`: the entry's key) now."""
         package = reasoning_gym(where)
         self.env, self.train_rows, self.eval_rows = env, train_rows, eval_rows
-        self.fallback = fallback  # "" (tags only), "first_line" or "text": see `answer`
+        self.fallback = fallback  # "" (tags only), "last_number" or "text": see `answer`
         self.extract_answer = package.utils.extract_answer
         if not tasks:
             raise ConfigError(f"{where}.tasks: a 'reasoning_gym' environment needs tasks")
@@ -189,11 +191,12 @@ class GymTasks:
 
     def answer(self, completion: str) -> str | None:
         """The answer reasoning-gym reads from a completion: the last <answer>...</answer>;
-        when it has none, with fallback "first_line" its first line with text, with "text"
-        all of it (stripped)."""
+        when it has none, with fallback "last_number" the completion's last number (none:
+        no answer), with "text" all of it (stripped)."""
         answer: str | None = self.extract_answer(completion)
-        if answer is None and self.fallback == "first_line":
-            answer = next((line.strip() for line in completion.splitlines() if line.strip()), "")
+        if answer is None and self.fallback == "last_number":
+            numbers = _NUMBER.findall(completion)
+            answer = numbers[-1].replace(",", "") if numbers else None
         elif answer is None and self.fallback == "text":
             answer = completion.strip()
         return answer

@@ -102,7 +102,9 @@ class TaskSource:
             env.columns(),
             env.bad_rows,
             env.task_split,
-            GymTasks.from_config(env) if env.name == "reasoning_gym" and not env.task_file else None,
+            GymTasks.from_config(env)
+            if env.name == "reasoning_gym" and not env.task_file
+            else None,
         )
 
     def covers(self, task: Task) -> bool:
@@ -145,7 +147,9 @@ def held_out_tasks(env: EnvConfig) -> list[Task]:
     without an eval_file the rows its training never draws (GymTasks.held_out); [] when it
     has none."""
     if env.eval_file:
-        return load_tasks(env.eval_file, env.name, env.columns(), env.bad_rows, env.task_split).tasks
+        return load_tasks(
+            env.eval_file, env.name, env.columns(), env.bad_rows, env.task_split
+        ).tasks
     if env.name == "reasoning_gym":
         return GymTasks.from_config(env).held_out()
     return []

@@ -40,9 +40,17 @@ RESULT = ROOT / "bench" / "results" / "rg_scan.json"
 # Small configs of easy datasets, likeliest in range first.
 CANDIDATES: list[tuple[str, dict[str, Any]]] = [
     ("leg_counting", {"min_animals": 1, "max_animals": 1, "max_instances": 3}),
-    ("basic_arithmetic", {"min_terms": 2, "max_terms": 2, "max_digits": 1,
-                          "operators": ["+", "-"], "allow_parentheses": False,
-                          "allow_negation": False}),  # fmt: skip
+    (
+        "basic_arithmetic",
+        {
+            "min_terms": 2,
+            "max_terms": 2,
+            "max_digits": 1,
+            "operators": ["+", "-"],
+            "allow_parentheses": False,
+            "allow_negation": False,
+        },
+    ),  # fmt: skip
     ("chain_sum", {"min_terms": 2, "max_terms": 2, "max_digits": 1}),
     ("products", {"max_digits": 1}),
     ("letter_counting", {"min_words": 1, "max_words": 3}),
@@ -55,8 +63,8 @@ CANDIDATES: list[tuple[str, dict[str, Any]]] = [
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=40, help="held-out rows per candidate")
-    parser.add_argument("--answer", default="tags_or_first_line", help="envs[].rg_answer")
-    parser.add_argument("--system-prompt", default="direct", help="envs[].rg_system_prompt")
+    parser.add_argument("--answer", default="tags_or_last_number", help="envs[].rg_answer")
+    parser.add_argument("--system-prompt", default="model", help="envs[].rg_system_prompt")
     parser.add_argument("--only", default="", help="comma-separated dataset names to scan")
     args = parser.parse_args()
     config = load_config(ROOT / "configs" / "local.toml")

@@ -45,8 +45,8 @@ from agentjet import protocol
 from agentjet.bridge import abandoned, detached
 from agentjet.config import EnvConfig, TrainerConfig
 from agentjet.logs import RepeatedLog
-from agentjet.roles import wait_for
 from agentjet.reasoning_gym_tasks import GymTasks, ScoreError
+from agentjet.roles import wait_for
 from agentjet.tasks import TaskSource
 from sandboxes.envs.arithmetic import score_completion
 from sandboxes.envs.prompt import REWARD_ERROR, REWARD_TIMEOUT_S, Rewards
@@ -105,8 +105,12 @@ def reward_checkers(
         if env.name == "reasoning_gym" and env.verify_rewards and not env.task_file:
             gym = GymTasks.from_config(env)
 
-            async def reasoning_gym(tokenizer: Any, completions: list[list[int]],
-                                    task: protocol.Task, gym: GymTasks = gym) -> list[float]:  # fmt: skip
+            async def reasoning_gym(
+                tokenizer: Any,
+                completions: list[list[int]],
+                task: protocol.Task,
+                gym: GymTasks = gym,
+            ) -> list[float]:
                 texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in completions]
                 return await detached(lambda: [_gym_score(gym, task, text) for text in texts])
 

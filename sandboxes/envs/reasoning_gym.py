@@ -52,7 +52,9 @@ class ReasoningGymEnv:
         decode = generator.tokenizer.decode
         scored = await asyncio.gather(
             *(
-                self.score(task, [decode(e.completion_ids, skip_special_tokens=True) for e in group])
+                self.score(
+                    task, [decode(e.completion_ids, skip_special_tokens=True) for e in group]
+                )
                 for task, group in zip(tasks, groups, strict=True)
             )
         )

@@ -92,8 +92,9 @@ def test_the_datasets_scorer_is_the_reward(env: EnvConfig) -> None:
     task = gym.held_out()[0]
     assert gym.score(task, f"I think <answer>{task.answer}</answer>") == 1.0
     assert gym.score(task, f"{task.answer}") == 0.0  # reasoning-gym's way: tags or nothing
-    lenient = GymTasks.from_config(msgspec.structs.replace(env, rg_answer="tags_or_first_line"))
-    assert lenient.score(task, f"\n{task.answer}\nbecause legs") == 1.0
+    lenient = GymTasks.from_config(msgspec.structs.replace(env, rg_answer="tags_or_last_number"))
+    assert lenient.score(task, f"2 cats make {task.answer} legs.") == 1.0
+    assert lenient.score(task, "no idea") == 0.0
     with pytest.raises(ScoreError, match="differs"):
         gym.score(msgspec.structs.replace(task, prompt="another question"), "<answer>1</answer>")
     with pytest.raises(ScoreError, match="neither"):
@@ -126,7 +127,9 @@ def test_episodes_get_the_score_per_task_metrics_and_failures_counted(
         return f"<answer>{answer if 'legs' in context else 'no'}</answer>"
 
     generator = RuleGenerator(tokenizer, reply)
-    junk = Task(id="leg_counting#9.0000:1", env="reasoning_gym", prompt="How many?", op="leg_counting")
+    junk = Task(
+        id="leg_counting#9.0000:1", env="reasoning_gym", prompt="How many?", op="leg_counting"
+    )
     groups = asyncio.run(rg_env.run_group(generator, [*tasks, junk], 2, SamplingParams()))
     assert [[e.reward for e in g] for g in groups] == [[1.0, 1.0], [0.0, 0.0], [0.0, 0.0]]
     assert groups[0][0].reward_terms == {"leg_counting": 1.0}

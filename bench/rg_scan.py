@@ -9,8 +9,8 @@ pick tasks that RL can move (base accuracy 10-60%: mixed groups, room to learn).
         ──▶ {"task", "config", "n", "accuracy" (reward 1), "mean_reward", "seconds"}
     ──▶ bench/results/rg_scan.json (written after every candidate)
 
-Run: `just rg-scan` (or `.venv/bin/python bench/rg_scan.py --rows 40`); about 15 CPU
-minutes on a 2-core box for the 8 candidates at 40 rows (more when the box is shared).
+Run: `just rg-scan` (or `.venv/bin/python bench/rg_scan.py --rows 40 --only gcd,products`):
+40 rows took 83-567 s a candidate on a shared 2-core box (one engine batch each).
 """
 
 from __future__ import annotations

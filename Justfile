@@ -109,6 +109,10 @@ browser:
 bench-learn *ARGS: ensure
     {{bin}}/python bench/learn.py {{ARGS}}
 
+# Which reasoning-gym tasks the base model half solves: greedy held-out accuracy per small config (bench/results/rg_scan.json)
+rg-scan *ARGS: ensure
+    {{bin}}/python bench/rg_scan.py {{ARGS}}
+
 # What the default held-out curve costs: local runs with and without it, alternating (bench/results/heldout_cost.json)
 bench-heldout-cost *ARGS: ensure
     {{bin}}/python bench/heldout_cost.py {{ARGS}}

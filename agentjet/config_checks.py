@@ -23,6 +23,7 @@ from agentjet.config_schema import (
     TrainerConfig,
 )
 from agentjet.errors import ConfigError
+from agentjet.reasoning_gym_tasks import GymTasks, system_prompt
 
 
 def check_config(config: Config) -> None:
@@ -93,6 +94,7 @@ def _check_env(env: EnvConfig, i: int) -> None:
             raise ConfigError(f"config error at envs.{i}.{key}: {spec!r} is not module:function")
     _check_rewards(env, i)
     _check_openenv(env, i)
+    _check_reasoning_gym(env, i)
     if not_a_model_folder(env.teacher):
         raise ConfigError(
             f"config error at envs.{i}.teacher: {env.teacher} is not a model folder "
@@ -179,6 +181,23 @@ def _check_term_names(env: EnvConfig, where: str) -> None:
     names = [t.name for t in env.rewards]
     if len(set(names)) != len(names) or any(not re.fullmatch(r"\w+", n) for n in names):
         raise ConfigError(f"{where}.rewards: term names must be distinct words, got {names}")
+
+
+def _check_reasoning_gym(env: EnvConfig, i: int) -> None:
+    """A "reasoning_gym" entry's datasets exist and take their configs (the package is
+    imported and each dataset made here, once per process: before any model loads)."""
+    where = f"config error at envs.{i}"
+    if env.name != "reasoning_gym":
+        if env.tasks:
+            raise ConfigError(f'{where}.tasks: only "reasoning_gym" environments take tasks')
+        return
+    if env.task_file:
+        raise ConfigError(
+            f"{where}.task_file: a 'reasoning_gym' environment makes its rows from tasks "
+            "(an eval_file of reasoning-gym rows is read for held-out evaluation)"
+        )
+    GymTasks.from_config(env, where)
+    system_prompt(env.rg_system_prompt, where)
 
 
 def _check_envsched(params: EnvSchedConfig, env_names: set[str]) -> None:

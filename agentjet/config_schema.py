@@ -34,6 +34,7 @@ ENV_NAMES = (
     "shell",
     "react",
     "agent",
+    "reasoning_gym",
     "verifiers",
     "env_class",
     "openenv",
@@ -151,15 +152,26 @@ class RewardTerm(_Section):
     weight: float = 1.0
 
 
+class ReasoningGymTask(_Section):
+    # One dataset of a "reasoning_gym" environment: a reasoning-gym dataset name (such as
+    # "leg_counting"), its share of the environment's tasks relative to the other entries,
+    # and its config: the fields of the dataset's config class (such as {min_animals = 1});
+    # seed and size are the environment's (task_seed, train_rows, eval_rows).
+    name: str
+    weight: PositiveFloat = 1.0
+    config: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
 class EnvConfig(_Section):
     # Environment: "arithmetic" (one turn), "prompt" (one turn of your task file, scored by
     # your `reward` function), "python_tool" (arithmetic, may run Python first),
     # "python_code" (write a function, hidden tests), "shell" (multi-turn file tasks),
     # "react" (a built-in agent on the OpenAI endpoint: arithmetic with a python tool),
-    # "agent" (your agent, see `agent`; tasks from task_file, else arithmetic),
-    # "env_class" (a TRL-style environment class, see `environment`), "verifiers" (a
-    # verifiers Taskset, see verifiers_*) or "openenv" (an OpenEnv server's episodes,
-    # see openenv_*).
+    # "agent" (your agent, see `agent`; tasks from task_file, else arithmetic), and the
+    # ecosystem's (docs/guide-ecosystem.md): "reasoning_gym" (reasoning-gym's datasets by
+    # name, see `tasks`), "env_class" (a TRL-style environment class, see `environment`),
+    # "verifiers" (a verifiers Taskset, see verifiers_*) or "openenv" (an OpenEnv server's
+    # episodes, see openenv_*).
     name: str = "arithmetic"
     # Share of granted work for this environment, relative to the other entries.
     weight: PositiveFloat = 1.0
@@ -277,6 +289,27 @@ class EnvConfig(_Section):
     # for its server to answer /health after a start.
     openenv_timeout_s: PositiveFloat = 30.0
     openenv_start_timeout_s: PositiveFloat = 60.0
+    # "reasoning_gym" environments (agentjet/reasoning_gym_tasks.py): rows generated on the
+    # fly by reasoning-gym's datasets, one model turn, the dataset's own score in [0, 1] the
+    # reward. tasks: the datasets (at least one). A name listed with several configs makes
+    # one scheduler cell per entry (its difficulty: 1, 2, ... in the order listed).
+    tasks: list[ReasoningGymTask] = msgspec.field(default_factory=list)
+    # Every entry's dataset seed (reasoning-gym makes row i from seed + i).
+    task_seed: NonNegInt = 0
+    # Training draws rows [0, train_rows) of each entry; held-out evaluation without an
+    # eval_file plays the next eval_rows rows of each entry, which training never draws.
+    train_rows: Annotated[int, Meta(ge=1, le=10**9)] = 100_000
+    eval_rows: Annotated[int, Meta(ge=1, le=100_000)] = 50
+    # The system message: the name of one of reasoning-gym's prompts (reasoning_gym.utils
+    # SYSTEM_PROMPTS: "default", "direct", "simple", "DeepSeekZero", "chain_of_draft"),
+    # or "model" for the chat template's own default.
+    rg_system_prompt: str = "direct"
+    # How the answer is read from the completion: "tags", reasoning-gym's way (the last
+    # <answer>...</answer>; none scores 0); for small models that do not write tags yet,
+    # when there are none, "tags_or_last_number" (the completion's last number, as the
+    # arithmetic environment reads it) or "tags_or_text" (all of it, stripped). The
+    # dataset's scorer judges what is read.
+    rg_answer: Literal["tags", "tags_or_last_number", "tags_or_text"] = "tags"
 
     def sandboxed(self) -> bool:
         """Whether its episodes (or its reward) run programs in sandboxes."""

@@ -2,7 +2,7 @@
 
 Pure and torch-free, so the coordinator (which hands tasks out) can import it. Task files
 (any row shape, JSONL, JSON, CSV, Parquet or a `datasets` folder) are read by
-agentjet/task_files.py.
+agentjet/task_files.py; reasoning-gym's rows are made by agentjet/reasoning_gym_tasks.py.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from agentjet.protocol import Task
+from agentjet.reasoning_gym_tasks import GymTasks
 from agentjet.sandbox_tasks import TASK_MAKERS as SANDBOX_TASK_MAKERS
 from agentjet.task_files import DEFAULT_COLUMNS, BadRows, TaskColumns, load_tasks, task_row
 
@@ -87,7 +88,8 @@ TASK_MAKERS = {**SANDBOX_TASK_MAKERS, "openenv": make_seed_task}
 
 
 class TaskSource:
-    """Draws tasks for one environment: generated on the fly, or uniformly from a file."""
+    """Draws tasks for one environment: generated on the fly (by reasoning-gym for
+    "reasoning_gym" environments, `gym`), or uniformly from a file."""
 
     def __init__(
         self,
@@ -98,8 +100,10 @@ class TaskSource:
         columns: TaskColumns = DEFAULT_COLUMNS,
         bad_rows: BadRows = "stop",
         split: str = "",
+        gym: GymTasks | None = None,
     ) -> None:
         self.env = env
+        self.gym = gym
         self.difficulties = list(difficulties)
         self.ops = list(ops)
         self.rows: list[Task] | None = None
@@ -124,6 +128,9 @@ class TaskSource:
             env.columns(),
             env.bad_rows,
             env.task_split,
+            GymTasks.from_config(env)
+            if env.name == "reasoning_gym" and not env.task_file
+            else None,
         )
 
     @classmethod
@@ -138,6 +145,8 @@ class TaskSource:
         """Whether this source could have drawn `task` (for tasks of an older config)."""
         if self.by_id is not None:
             return task.id in self.by_id
+        if self.gym is not None:
+            return self.gym.covers(task)
         if task.difficulty not in self.difficulties:
             return False
         return self.env in TASK_MAKERS or task.op in self.ops
@@ -147,6 +156,8 @@ class TaskSource:
         sandboxed environments are not rebuilt from their ids."""
         if self.by_id is not None:
             return self.by_id.get(task_id)
+        if self.gym is not None:
+            return self.gym.find(task_id)
         if self.env in TASK_MAKERS:
             return None
         task = arithmetic_task_from_id(task_id, self.env)
@@ -156,6 +167,8 @@ class TaskSource:
         """A task: a row of the task file, or a generated one of a configured difficulty."""
         if self.rows is not None:
             return rng.choice(self.rows)
+        if self.gym is not None:
+            return self.gym.sample(rng)
         difficulty = rng.choice(self.difficulties)
         maker = TASK_MAKERS.get(self.env)
         if maker is not None:
@@ -164,8 +177,9 @@ class TaskSource:
 
 
 def held_out_tasks(env: EnvConfig) -> list[Task]:
-    """An `[[envs]]` entry's held-out tasks: its eval_file, or a verifiers environment's
-    eval set (verifiers_eval_args); [] when it has none."""
+    """An `[[envs]]` entry's held-out tasks: its eval_file's, a verifiers environment's
+    eval set (verifiers_eval_args), or for a "reasoning_gym" one the rows its training
+    never draws (GymTasks.held_out); [] when it has none."""
     if env.eval_file:
         return load_tasks(
             env.eval_file, env.name, env.columns(), env.bad_rows, env.task_split
@@ -174,6 +188,8 @@ def held_out_tasks(env: EnvConfig) -> list[Task]:
         from agentjet.verifiers_envs import VerifiersTaskset
 
         return VerifiersTaskset(env).eval_tasks()
+    if env.name == "reasoning_gym":
+        return GymTasks.from_config(env).held_out()
     return []
 
 

@@ -1,4 +1,5 @@
-"""`agentjet eval`: accuracy of a checkpoint (or the base model) on a task file.
+"""`agentjet eval`: accuracy of a checkpoint (or the base model) on a task file, or on the
+held-out rows of a "reasoning_gym" environment (no file: agentjet/tasks.py held_out_tasks).
 
     task file ──▶ await environment.run_group(engine, tasks, n, params) ──▶ rewards
               ──▶ per task: the share of its n answers that are right
@@ -67,24 +68,15 @@ def evaluate_checkpoint(
     samples: int = 0,
     show: int = 0,
 ) -> dict[str, Any]:
-    """Accuracy on the task file (None: the entry's held-out tasks): greedy (`samples` 0), or the mean of `samples` sampled
-    answers per task; `batch_size` answers go to the engine at once. The file is read with
+    """Accuracy on the task file (None: the entry's held-out tasks, agentjet/tasks.py
+    `held_out_tasks`): greedy (`samples` 0), or the mean of `samples` sampled answers per
+    task; `batch_size` answers go to the engine at once. The file is read with
     the `[[envs]]` entry of that name (its columns, split, reward), if the config has one.
     `show`: print the first `show` tasks with their answers and rewards to stderr."""
     # The base model is found (maybe downloaded) once everything else is known good.
     path = None if checkpoint == "base" else checkpoint_folder(checkpoint)
     env_config = next((e for e in config.envs if e.name == env_name), EnvConfig(name=env_name))
-    if tasks_path is None:  # the entry's own held-out tasks
-        tasks = held_out_tasks(env_config)
-        if not tasks:
-            raise ConfigError(
-                f"agentjet eval --env {env_name}: give --tasks FILE (the config's entry for "
-                f"{env_name!r} has no held-out tasks)"
-            )
-    else:
-        tasks = load_tasks(
-            tasks_path, env_name, env_config.columns(), env_config.bad_rows, env_config.task_split
-        ).tasks
+    tasks = eval_tasks(env_config, tasks_path)
     sampling = config.rollout.sampling
     params = SamplingParams(
         temperature=sampling.temperature,
@@ -143,6 +135,19 @@ def evaluate_checkpoint(
     if seen.cut.total():
         summary["cut_at_max_new_tokens"] = round(seen.cut[True] / seen.cut.total(), 4)
     return summary
+
+
+def eval_tasks(env: EnvConfig, tasks_path: Path | None) -> list[Task]:
+    """The tasks of the file, read as the entry reads its task_file; without one, the
+    entry's own held-out tasks (agentjet/tasks.py `held_out_tasks`)."""
+    if tasks_path is not None:
+        return load_tasks(tasks_path, env.name, env.columns(), env.bad_rows, env.task_split).tasks
+    if not (tasks := held_out_tasks(env)):
+        raise ConfigError(
+            f"agentjet eval --env {env.name}: give --tasks FILE (the config's entry for "
+            f"{env.name!r} has no held-out tasks)"
+        )
+    return tasks
 
 
 def checkpoint_folder(checkpoint: str) -> Path:

@@ -1,5 +1,6 @@
 """Held-out evaluation during training (`rollout.eval_every`, each env's `eval_file`, or a
-verifiers environment's `verifiers_eval_args` set: agentjet/tasks.py `held_out_tasks`).
+verifiers environment's `verifiers_eval_args` set, or a "reasoning_gym" env's held-out rows:
+agentjet/tasks.py `held_out_tasks`).
 
     rollout node: version v loaded ──HeldOut.due(v)?──▶ every env with held-out tasks:
         greedy, one answer per held-out task, played by the environment that trains it
@@ -43,12 +44,11 @@ class HeldOut:
         self.tasks: dict[str, list[Task]] = {}
         if self.every:
             for env in config.envs:
-                tasks = held_out_tasks(env)
-                if tasks:
+                if tasks := held_out_tasks(env):
                     self.tasks[env.name] = tasks
         if self.every and not self.tasks:
             log.warning("rollout.eval_every is set but no environment has held-out tasks "
-                        "(an eval_file, or verifiers_eval_args)")  # fmt: skip
+                        "(an eval_file, verifiers_eval_args or a reasoning_gym entry)")  # fmt: skip
         self.params = SamplingParams(
             max_new_tokens=config.rollout.sampling.max_new_tokens, greedy=True
         )
@@ -75,6 +75,8 @@ class HeldOut:
             row[f"eval/{name}/accuracy"] = summary["overall"]
             row[f"eval/{name}/mean_reward"] = summary["mean_reward"]
             row[f"eval/{name}/tasks"] = len(tasks)
+            if name == "reasoning_gym":  # each dataset's accuracy (its op)
+                row |= {f"eval/{name}/{op}/accuracy": a for op, a in summary["by_op"].items()}
             accuracy, mean_reward = summary["overall"], summary["mean_reward"]
             log.info("held-out %s at version %d: accuracy %.3f, mean reward %.3f (%d tasks)",
                      name, version, accuracy, mean_reward, len(tasks))  # fmt: skip

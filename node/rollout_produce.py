@@ -40,7 +40,7 @@ from node.rollout_work import Work
 from node.spool import SpoolFull
 from node.teacher import LocalTeachers, TeacherNodes
 from node.trajectory_log import TrajectoryLog
-from sandboxes.envs import Environment, PromptEnv
+from sandboxes.envs import Environment, PromptEnv, ReasoningGymEnv
 from sandboxes.envs.prompt import rewards_metrics
 from sandboxes.pool import SandboxPool
 
@@ -380,7 +380,7 @@ class Producer:
             **gpu_metrics(self.gpus),
             **peak_memory(self.engine.device),
             **rewards_metrics(batch.all_episodes),
-            **(env.metrics() if isinstance(env, PromptEnv | AgentEnv) else {}),
+            **(env.metrics() if isinstance(env, PromptEnv | ReasoningGymEnv | AgentEnv) else {}),
             **({"distill/kl_to_teacher": sum(kls) / len(kls)} if kls else {}),
             **self.counts,
         }

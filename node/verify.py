@@ -13,8 +13,9 @@
         and lifted after QUARANTINE_ALONE_LIFT_S (its failures forgiven)
 
 Rewards are re-checked for the environments `reward_checkers` gives a checker (arithmetic,
-and "prompt" with your reward function imported here, unless it is sandboxed or
-verify_rewards is off: one turn, scored from the completion text alone) when the trainer's
+"prompt" with your reward function imported here, unless it is sandboxed or verify_rewards
+is off, and "reasoning_gym" with its dataset's scorer: one turn, scored from the completion
+text alone) when the trainer's
 own `[[envs]]` can rebuild the task: a generated task from its id, a task-file task by its
 id. Other groups are trained unchecked and counted (`groups_reward_unchecked`): multi-turn
 and sandboxed environments score with tools and programs the trainer does not run. A
@@ -41,9 +42,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentjet import protocol
-from agentjet.bridge import abandoned
+from agentjet.bridge import abandoned, detached
 from agentjet.config import EnvConfig, TrainerConfig
 from agentjet.logs import RepeatedLog
+from agentjet.reasoning_gym_tasks import GymTasks, ScoreError
 from agentjet.roles import wait_for
 from agentjet.tasks import TaskSource
 from sandboxes.envs.arithmetic import score_completion
@@ -100,7 +102,29 @@ def reward_checkers(
                 return [s.reward for s in scored]
 
             checkers["prompt"] = prompt
+        if env.name == "reasoning_gym" and env.verify_rewards and not env.task_file:
+            gym = GymTasks.from_config(env)
+
+            async def reasoning_gym(
+                tokenizer: Any,
+                completions: list[list[int]],
+                task: protocol.Task,
+                gym: GymTasks = gym,
+            ) -> list[float]:
+                texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in completions]
+                return await detached(lambda: [_gym_score(gym, task, text) for text in texts])
+
+            checkers["reasoning_gym"] = reasoning_gym
     return checkers
+
+
+def _gym_score(gym: GymTasks, task: protocol.Task, text: str) -> float:
+    """A reasoning-gym score as the rollout node gives it (a failed one is 0 there, marked
+    as a failed reward and not re-checked; failing only here, it is 0 too)."""
+    try:
+        return gym.score(task, text)
+    except ScoreError:
+        return 0.0
 
 
 def picked_for_reward_check(group_id: str, fraction: float, secret: bytes) -> bool:

@@ -20,11 +20,13 @@ from agentjet.config import ENV_NAMES, EnvConfig
 from agentjet.episode import Episode, Generator, SamplingParams
 from agentjet.errors import ConfigError
 from agentjet.protocol import Task
+from agentjet.reasoning_gym_tasks import GymTasks, system_prompt
 from sandboxes.base import Sandbox
 from sandboxes.envs.arithmetic import ArithmeticEnv
 from sandboxes.envs.prompt import PromptEnv, Rewards
 from sandboxes.envs.python_code import PythonCodeEnv
 from sandboxes.envs.python_tool import PythonToolEnv
+from sandboxes.envs.reasoning_gym import ReasoningGymEnv
 from sandboxes.envs.sandboxed import MAX_EPISODES_AT_ONCE, SandboxedEnv
 from sandboxes.envs.shell import ShellEnv
 from sandboxes.pool import SandboxPool
@@ -36,6 +38,7 @@ __all__ = [
     "PromptEnv",
     "PythonCodeEnv",
     "PythonToolEnv",
+    "ReasoningGymEnv",
     "ShellEnv",
     "make_env",
 ]
@@ -71,6 +74,8 @@ def make_env(config: EnvConfig, pool: SandboxPool | None = None) -> Environment:
     if config.name == "prompt":
         sandboxes: Callable[[], Sandbox] = ProcessSandbox if pool is None else pool.lease
         return PromptEnv(Rewards.from_config(config, sandboxes))
+    if config.name == "reasoning_gym":
+        return ReasoningGymEnv(GymTasks.from_config(config), system_prompt(config.rg_system_prompt))
     if config.name in _SANDBOXED:
         factory = ProcessSandbox if pool is None else pool.lease
         return _SANDBOXED[config.name](

@@ -52,6 +52,7 @@ from agentjet.agent_runner import load_callable
 from agentjet.config import EnvConfig
 from agentjet.errors import ConfigError
 from agentjet.protocol import Task
+from agentjet.roles import wait_for
 
 log = logging.getLogger(__name__)
 
@@ -248,7 +249,7 @@ class Server:
         if process.returncode is None:
             process.terminate()
             try:
-                await asyncio.wait_for(process.wait(), STOP_GRACE_S)
+                await wait_for(process.wait(), STOP_GRACE_S)
             except TimeoutError:
                 process.kill()
         await process.wait()
@@ -354,13 +355,13 @@ class OpenEnvAgent:
                 rewards.append(result.reward)
         finally:
             with contextlib.suppress(Exception):  # a dead server's socket: nothing to close
-                await asyncio.wait_for(session.close(), self.timeout_s)
+                await wait_for(session.close(), self.timeout_s)
         return episode_reward(rewards, self.how)
 
     async def _exchange(self, call: Awaitable[Any], what: str) -> Result:
         """A reset or step, answered and checked within openenv_timeout_s."""
         try:
-            return parse_result(await asyncio.wait_for(call, self.timeout_s))
+            return parse_result(await wait_for(call, self.timeout_s))
         except Refused as e:
             if e.code == "CAPACITY_REACHED":  # more sessions than the server holds
                 hint = "set openenv_sessions to its max_concurrent_envs"
@@ -433,7 +434,7 @@ def session_class() -> type:
             if ws is not None:
                 with contextlib.suppress(Exception):
                     await self._send({"type": "close"})
-                    await asyncio.wait_for(ws.wait_closed(), CLOSE_WAIT_S)
+                    await wait_for(ws.wait_closed(), CLOSE_WAIT_S)
                 with contextlib.suppress(Exception):
                     await ws.close()
                 self._ws = None

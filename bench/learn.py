@@ -9,6 +9,10 @@ Run: `just bench-learn` (or `.venv/bin/python bench/learn.py --minutes 15`).
 classify as "even" or "odd" (word answers), scored by a user reward function
 (bench/parity.py), through the "prompt" environment; results in
 bench/results/learn_custom.json.
+`--task reasoning_gym --dataset NAME` trains configs/reasoning_gym.toml's entry for that
+reasoning-gym dataset alone (`--config` another config with such entries) and scores it on
+the environment's own held-out rows (--heldout of them, rows training never draws; the
+same rows before and after); results in bench/results/learn_rg_<NAME>.json.
 `--memory-only` skips both evaluations: it trains for --minutes and writes the peak PSS
 per role with the run's speed (bench/results/learn_memory.json by default), for A/B runs
 of a memory change that need no learning figures.
@@ -125,17 +129,44 @@ def make_parity_task(run_dir: Path, held_out: int) -> tuple[Path, list[str]]:
     return held_out_file, overrides
 
 
+def one_dataset(config: Path, dataset: str, held_out: int) -> list[str]:
+    """Overrides that train `config`'s first reasoning_gym entry on its `dataset` entry
+    alone, with `held_out` held-out rows."""
+    import tomllib
+
+    envs = tomllib.loads(config.read_text())["envs"]
+    i, env = next((i, e) for i, e in enumerate(envs) if e["name"] == "reasoning_gym")
+    entries = [t for t in env["tasks"] if t["name"] == dataset]
+    if not entries:
+        names = [t["name"] for t in env["tasks"]]
+        raise SystemExit(f"--dataset {dataset!r}: {config} trains {names}")
+    return [f"envs.{i}.tasks={inline_toml(entries)}", f"envs.{i}.eval_rows={held_out}"]
+
+
+def inline_toml(value: object) -> str:
+    """`value` (tables, arrays, strings, numbers, booleans) as a TOML inline value."""
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {inline_toml(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(inline_toml(v) for v in value) + "]"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return json.dumps(value)  # a JSON string or number is a TOML one
+
+
 def evaluate(
     checkpoint: str,
-    tasks: Path,
+    tasks: Path | None,
     config: Path,
     samples: int = 0,
     env: str = "arithmetic",
     overrides: list[str] | None = None,
 ) -> dict:
-    """`agentjet eval`: greedy, or `samples` sampled answers per task."""
+    """`agentjet eval`: greedy, or `samples` sampled answers per task (no task file: the
+    environment's own held-out tasks)."""
+    task_file = [] if tasks is None else ["--tasks", str(tasks)]
     out = subprocess.run(
-        [*AGENTJET, "eval", "--checkpoint", checkpoint, "--tasks", str(tasks),
+        [*AGENTJET, "eval", "--checkpoint", checkpoint, *task_file,
          "--config", str(config), "--samples", str(samples), "--env", env,
          *(a for s in overrides or [] for a in ("--set", s))],
         check=True, capture_output=True, text=True, cwd=ROOT,
@@ -176,17 +207,26 @@ def main() -> int:
     parser.add_argument("--config", type=Path, default=ROOT / "configs" / "local.toml")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "learn.json")
     parser.add_argument("--set", action="append", default=[], help="config override")
-    parser.add_argument("--task", choices=["arithmetic", "parity"], default="arithmetic")
+    parser.add_argument(
+        "--task", choices=["arithmetic", "parity", "reasoning_gym"], default="arithmetic"
+    )
+    parser.add_argument("--dataset", default="", help="--task reasoning_gym: which entry")
     parser.add_argument("--memory-only", action="store_true", help="no evaluation")
     args = parser.parse_args()
     if args.memory_only and args.out == parser.get_default("out"):
         args.out = ROOT / "bench" / "results" / "learn_memory.json"
     if args.task == "parity" and args.out == parser.get_default("out"):
         args.out = ROOT / "bench" / "results" / "learn_custom.json"
+    if args.task == "reasoning_gym":
+        if args.config == parser.get_default("config"):
+            args.config = ROOT / "configs" / "reasoning_gym.toml"
+        if args.out == parser.get_default("out"):
+            args.out = ROOT / "bench" / "results" / f"learn_rg_{args.dataset}.json"
 
     run_dir = ROOT / "runs" / f"bench-learn-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir.mkdir(parents=True)
     env = "arithmetic"
+    tasks: Path | None = None
     if args.task == "parity":
         tasks, overrides = make_parity_task(run_dir, args.heldout)
         args.set = overrides + args.set
@@ -195,6 +235,9 @@ def main() -> int:
         return memory_only(args, run_dir)
     if args.task == "arithmetic":
         tasks = make_heldout(run_dir, args.heldout)
+    elif args.task == "reasoning_gym":
+        tasks, env = None, "reasoning_gym"
+        args.set = [*one_dataset(args.config, args.dataset, args.heldout), *args.set]
     before = evaluate("base", tasks, args.config, env=env, overrides=args.set)
     print("before:", json.dumps(before), flush=True)
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import re
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -251,9 +252,10 @@ class AgentEnv:
         return None
 
     def _failed(self, task: Task, attempt: int, error: str) -> None:
-        """Count a failed attempt; log the first of each kind (the text before its first
-        colon): an environment failing every episode the same way says so once."""
-        kind = error.split(":", 1)[0][:120]
+        """Count a failed attempt; log the first of each kind (its first two colon-separated
+        parts, digits as N: "the agent raised VerifiersError: a reward returned nan"): an
+        environment failing every episode the same way says so once."""
+        kind = re.sub(r"\d+", "N", ":".join(error.split(":", 2)[:2]))[:160]
         if kind not in self.failures:
             log.warning("%s: episode of task %s failed (attempt %d): %s (logged once per "
                         "kind; agents/attempts_failed counts them)",

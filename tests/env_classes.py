@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 
 class GuessingGame:
@@ -119,9 +118,15 @@ class JunkReward(GuessingGame):
         return "great"  # type: ignore[return-value]
 
 
+# In the node a hung tool's thread cannot be stopped: the test lets it go (RELEASE) and
+# joins it (HUNG), so no thread outlives the test and counts as abandoned in the next one.
+# In a sandbox nobody sets RELEASE: the sandbox kills the call.
+RELEASE = threading.Event()
+HUNG: list[threading.Thread] = []
+
+
 class HangsInGuess(GuessingGame):
-    """`guess` never returns (a sleep the sandbox kills, or a thread the test cannot stop:
-    it ends when the interpreter does)."""
+    """`guess` does not return until the test releases it (never, in a sandbox)."""
 
     def guess(self, number: int) -> str:
         """Guess the secret number.
@@ -129,7 +134,8 @@ class HangsInGuess(GuessingGame):
         Args:
             number: Your guess.
         """
-        time.sleep(3600)
+        HUNG.append(threading.current_thread())
+        RELEASE.wait(3600)
         return ""
 
 

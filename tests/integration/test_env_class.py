@@ -26,6 +26,7 @@ from sandboxes.base import Sandbox
 from sandboxes.envs.env_class import EnvClassAgent, load_env_class
 from sandboxes.envs.prompt import Rewards
 from sandboxes.process import ProcessSandbox
+from tests import env_classes
 from tests.factories import RuleGenerator
 from tests.integration.test_local import run_local
 
@@ -182,9 +183,17 @@ def test_a_hanging_tool_is_bounded(
         return "giving up" if "Error: the tool ran past" in context else call("guess", number=5)
 
     started = time.monotonic()
-    with caplog.at_level(logging.WARNING):
-        group, contexts = play(tokenizer, reply, "tests.env_classes:HangsInGuess", sandboxes)
+    env_classes.RELEASE.clear()
+    env_classes.HUNG.clear()
+    try:
+        with caplog.at_level(logging.WARNING):
+            group, contexts = play(tokenizer, reply, "tests.env_classes:HangsInGuess", sandboxes)
+    finally:
+        env_classes.RELEASE.set()  # the node's abandoned threads end before the next test
+        for thread in env_classes.HUNG:
+            thread.join(10)
     assert time.monotonic() - started < 20 * TOOL_TIMEOUT_S
+    assert not any(thread.is_alive() for thread in env_classes.HUNG)
     if sandboxes is None:
         assert group == []
         assert "guess ran past tool_timeout_s (1 s)" in caplog.text

@@ -195,7 +195,8 @@ class StepLimit(Commands):
 
 def trainer_child(s: dict[str, Any], out: TextIO) -> None:
     """Load the model ("loaded"); on "start {order}" make the swarm (its own DHT, joining
-    the order's peers: "ready"); on "go" train until "stop"; then shut down ("stopped")."""
+    the order's peers: "ready"); on "go" train the order's steps, say "stopped" with the
+    swarm's counts, shut it down, and exit when the parent says so."""
     commands = Commands()
     torch.set_num_threads(s["threads"])
     torch.manual_seed(0)  # the same LoRA adapters on every trainer
@@ -363,9 +364,8 @@ def run_cell(
             child.send("go")
         # (the window starts here when there is no warm-up)
         go = (time.monotonic(), [host.tx_bytes() for host in hosts])
-        cell = observe(children, trainers, hosts, h, warmup_rounds, window_rounds, timeout_s)
+        cell = observe(children, trainers, hosts, h, (warmup_rounds, window_rounds), timeout_s, go)
         cell.ready = ready
-        cell.marks.setdefault(0, go)
     return summarize(cell, rate, rounds, h, len(trainers)) | {
         "compression": compressions,
         "averaging_timeout_s": timeout_s,
@@ -378,15 +378,15 @@ def observe(
     trainers: list[Child],
     hosts: list[Node],
     h: int,
-    warmup_rounds: int,
-    window_rounds: int,
+    rounds: tuple[int, int],
     timeout_s: float,
+    go: tuple[float, list[int]],
 ) -> Cell:
     """Every message until each trainer trained the window's last global step (each stops
     there: StepLimit) and said "stopped" with its counts; the tx counters as the last
-    trainer reports the warm-up's and the window's last step."""
-    warmup, end = warmup_rounds * h, (warmup_rounds + window_rounds) * h
-    cell = Cell(warmup, end, {}, [], [], {}, {})
+    trainer reports the warm-up's and the window's last step (`go`'s without a warm-up)."""
+    warmup, end = rounds[0] * h, (rounds[0] + rounds[1]) * h
+    cell = Cell(warmup, end, {0: go}, [], [], {}, {})
     steps = {child.name: 0 for child in trainers}
     for child, message in children.messages(STEP_TIMEOUT_S + 2 * timeout_s):
         if message["event"] == "round":
@@ -540,16 +540,19 @@ def run_all(
 
 def per_byte(cells: dict[str, Any]) -> dict[str, Any]:
     """Per profile: round_s = fixed_s + s_per_mb x MB each trainer sent in the round, a
-    least-squares line through the measured cells of 2 trainers."""
+    least-squares line through the measured cells of 2 trainers whose window's rounds all
+    succeeded (a failed round's time is its timeout's, its bytes a part of the round's)."""
     out: dict[str, Any] = {}
     for profile, kinds in cells.items():
-        points = [
-            (c["bytes_per_round"] / 1e6, c["round_s"])
+        fitted = [
+            (f"{kind} {mode}", c)
             for kind, modes in kinds.items()
             if kind in KINDS
-            for c in modes.values()
+            for mode, c in modes.items()
             if c.get("measured") and c.get("round_s") is not None
         ]
+        left_out = [name for name, c in fitted if failed(c)]
+        points = [(c["bytes_per_round"] / 1e6, c["round_s"]) for _, c in fitted if not failed(c)]
         if not points:
             continue
         xs, ys = [p[0] for p in points], [p[1] for p in points]
@@ -568,9 +571,16 @@ def per_byte(cells: dict[str, Any]) -> dict[str, Any]:
             "link_mbit_s": rate,
             "floor_s_per_mb": round(8 / rate, 5) if rate else None,
             "n_cells": len(points),
+            "left_out_failed": left_out,
             "points_mb_s": [[round(x, 2), y] for x, y in points],
         }
     return out
+
+
+def failed(cell: dict[str, Any]) -> bool:
+    """Whether a round of the cell's window failed or was incomplete on some trainer."""
+    counts = cell.get("failed", {})
+    return bool(counts.get("failed_rounds") or counts.get("incomplete_rounds"))
 
 
 def extrapolate(cells: dict[str, Any], fits: dict[str, Any]) -> None:
@@ -606,7 +616,7 @@ def extrapolate(cells: dict[str, Any], fits: dict[str, Any]) -> None:
             "bytes_per_round": source["bytes_per_round"],
             "trainable_bytes": source["trainable_bytes"],
             "round_s": round(round_s, 1),
-            "floor_s": round(floor, 1),
+            "floor_s": round(floor, 3),
             "over_floor": round(round_s / floor, 2),
             "global_step_s": round(source["global_step_s"] + (round_s - source["round_s"]) / h, 1),
         }

@@ -29,8 +29,9 @@ first poll after the budget is reached, so a version or two more may be in the c
 its samples are reported beside the budget ("samples_at_checkpoint"). Every process is
 reaped by PID (tests/integration/test_swarm.py Swarm: each in its own session, killed with
 this process); a run's folder is removed once evaluated and kept (its path printed) when it
-fails. The box is shared: each swarm starts once --need-gb of memory is free (or after
---memory-wait-s), and one that fails (a trainer OOM-killed) is run again, up to --retries.
+fails. The box is shared: each swarm starts once NEED_GB of memory is free (or after
+--memory-wait-s), and one that fails (a trainer OOM-killed) is run again, up to --retries;
+`--resume` keeps the base and the runs --out already holds.
 
 Run: `just bench-rounds-learn` (or `.venv/bin/python bench/rounds_learn.py [--samples 1024]
 [--seeds 0 1 2] [--modes exact local_steps] [--heldout 300] [--set KEY=VALUE ...]`);
@@ -57,6 +58,7 @@ sys.path.insert(0, str(ROOT))
 from learn import HELDOUT_SEED, evaluate, final_checkpoint, make_heldout, run_facts  # noqa: E402
 from links_swarm import stop  # noqa: E402
 from links_swarm import watch as watch_swarm  # noqa: E402
+from swarm import BenchError  # noqa: E402  (what links_swarm's watch raises)
 
 from agentjet.config import Config, load_config, to_toml  # noqa: E402
 from tests.integration.test_swarm import (  # noqa: E402
@@ -78,17 +80,14 @@ NODES = (*TRAINERS, ROLLOUT)
 # Until the budget is trained: model loads, the rollout node's held-out evaluation at v0 and
 # the versions themselves, on a 2-core box other benchmarks share.
 RUN_TIMEOUT_S = 45 * 60.0
-# A node given SIGINT saves what is durable (its final checkpoint) and leaves.
-STOP_TIMEOUT_S = 120.0
-POLL_S = 1.0
 PROGRESS_S = 60.0
+# Free memory a swarm waits for before it starts, per mode (peaks measured here: trainers of
+# 4.3 GB each in exact mode, their inner AdamW and anchor on top with local steps, a rollout
+# node of 1.7 GB); --need-gb overrides.
+NEED_GB = {"exact": 13.0, "local_steps": 16.0, "uint8": 13.0}
 # Free memory must last this long before a swarm starts (another benchmark's run between
 # its phases frees it for a moment).
 MEMORY_SETTLE_S = 60.0
-
-
-class BenchError(RuntimeError):
-    pass
 
 
 class LearnSwarm(Swarm):
@@ -259,7 +258,7 @@ def one_run(
     failures: list[str] = []
     began = time.monotonic()
     while True:
-        memory = wait_for_memory(args.need_gb, args.memory_wait_s)
+        memory = wait_for_memory(args.need_gb or NEED_GB[mode], args.memory_wait_s)
         folder = Path(tempfile.mkdtemp(prefix=f"rounds-learn-{mode}-{seed}-", dir=work))
         print(f"{mode} seed {seed}: {folder} ({memory} GB free)", flush=True)
         try:
@@ -344,6 +343,19 @@ def write(path: Path, result: dict[str, Any]) -> None:
     path.write_text(json.dumps(result, indent=2) + "\n")
 
 
+def resumed(args: argparse.Namespace) -> dict[str, Any]:
+    """With --resume, --out's result when it was made with this budget and held-out set
+    (its base and finished runs are kept), else nothing."""
+    if not args.resume or not args.out.exists():
+        return {}
+    earlier = json.loads(args.out.read_text())
+    if (earlier["samples_budget"], earlier["heldout"]) != (args.samples, args.heldout):
+        return {}
+    kept = {mode: sorted(runs, key=int) for mode, runs in earlier["runs"].items()}
+    print(f"resumed from {args.out}: base and runs {kept}", flush=True)
+    return earlier
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--samples", type=int, default=1024, help="budget, both trainers")
@@ -359,10 +371,13 @@ def main() -> int:
     )
     parser.add_argument("--retries", type=int, default=5, help="a failed swarm run again")
     parser.add_argument(
-        "--need-gb", type=float, default=13.0, help="free memory to wait for before a run"
+        "--need-gb", type=float, default=None, help="free memory to wait for (NEED_GB)"
     )
     parser.add_argument("--memory-wait-s", type=float, default=900.0, help="at most")
     parser.add_argument("--quick", action="store_true", help="1 seed, 128 samples, 20 tasks")
+    parser.add_argument(
+        "--resume", action="store_true", help="keep --out's base and runs (same budget, tasks)"
+    )
     args = parser.parse_args()
     if args.quick:
         args.seeds, args.samples, args.heldout = args.seeds[:1], 128, 20
@@ -373,8 +388,7 @@ def main() -> int:
     args.work.mkdir(parents=True, exist_ok=True)
     held_dir = Path(tempfile.mkdtemp(prefix="rounds-learn-heldout-", dir=args.work))
     tasks = make_heldout(held_dir, args.heldout)
-    base = evaluate("base", tasks, BASE_CONFIG)
-    print(f"base: {base['overall']:.4f} on {base['n']} held-out tasks", flush=True)
+    earlier = resumed(args)
     result: dict[str, Any] = {
         "samples_budget": args.samples,
         "heldout": args.heldout,
@@ -382,16 +396,25 @@ def main() -> int:
         "seeds": args.seeds,
         "seed_key": "run.seed",
         "modes": {mode: MODES[mode] for mode in args.modes},
-        "base": {k: base[k] for k in ("overall", "mean_reward", "by_difficulty", "n")},
-        "runs": {mode: {} for mode in args.modes},
+        "base": earlier.get("base"),
+        "runs": {mode: earlier.get("runs", {}).get(mode, {}) for mode in args.modes},
     }
+    if result["base"] is None:
+        base = evaluate("base", tasks, BASE_CONFIG)
+        result["base"] = {k: base[k] for k in ("overall", "mean_reward", "by_difficulty", "n")}
+    print(f"base: {result['base']['overall']:.4f} on {args.heldout} held-out tasks", flush=True)
     facts = run_facts(argparse.Namespace(config=BASE_CONFIG, set=args.set))
     for seed in args.seeds:  # seed by seed: a cut-short bench still has pairs
         for mode in args.modes:
+            if str(seed) in result["runs"][mode]:
+                continue
             result["runs"][mode][str(seed)] = one_run(mode, seed, args, tasks, args.work)
             summarize(result)
-            result["wall_minutes"] = round((time.monotonic() - began) / 60, 2)
+            result["wall_minutes"] = round(
+                earlier.get("wall_minutes", 0) + (time.monotonic() - began) / 60, 2
+            )
             write(args.out, result | {"facts": facts})
+    summarize(result)
     shutil.rmtree(held_dir)
     print_table(result)
     print(f"\nwall: {result['wall_minutes']} min; written: {args.out}")

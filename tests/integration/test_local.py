@@ -112,6 +112,25 @@ VARIED_REWARDS = (
 )
 
 
+Rows = list[dict[str, Any]]
+
+
+def trained_locally(
+    tiny_model_dir: Path, run_dir: Path, max_steps: int, settings: tuple[str, ...]
+) -> tuple[Rows, Rows, str]:
+    """`agentjet local` to a clean exit with every process gone and every version up to
+    `max_steps` trained: the trainer's and rollout node's metrics rows, and the logs."""
+    code, output, spawned = run_local(tiny_model_dir, run_dir, max_steps, settings=settings)
+    logs = "\n".join(p.read_text() for p in (run_dir / "logs").glob("*.log"))
+    assert code == 0, output + logs
+    assert [pid for pid in spawned if running(pid)] == []
+    trainer = read_metrics(run_dir / "metrics" / "trainer.jsonl")
+    rollout = read_metrics(run_dir / "metrics" / "rollout.jsonl")
+    steps = [r for r in trainer if r.get("event") == "step"]
+    assert {r["policy_version"] for r in steps} >= set(range(1, max_steps + 1))
+    return trainer, rollout, logs
+
+
 def run_to_the_end(
     tiny_model_dir: Path, run_dir: Path, max_steps: int, settings: tuple[str, ...]
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], set[int]]:

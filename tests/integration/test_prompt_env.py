@@ -9,9 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from agentjet.lifeline import running
-from agentjet.metrics import read_metrics
-from tests.integration.test_local import run_local
+from tests.integration.test_local import trained_locally
 
 QUESTIONS = [
     ("Capital of France?", "Paris"),
@@ -68,15 +66,8 @@ def test_a_dataset_and_reward_functions_train_with_held_out_evaluation(
         "rollout.eval_every=2",
         "trainer.reward_check_fraction=1.0",  # every group re-scored by the trainer
     )
-    code, output, spawned = run_local(tiny_model_dir, run_dir, max_steps=4, settings=settings)
-    logs = "\n".join(p.read_text() for p in (run_dir / "logs").glob("*.log"))
-    assert code == 0, output + logs
-    assert [pid for pid in spawned if running(pid)] == []
-
-    trainer = read_metrics(run_dir / "metrics" / "trainer.jsonl")
-    rollout = read_metrics(run_dir / "metrics" / "rollout.jsonl")
+    trainer, rollout, _ = trained_locally(tiny_model_dir, run_dir, 4, settings)
     steps = [r for r in trainer if r.get("event") == "step"]
-    assert {r["policy_version"] for r in steps} >= {1, 2, 3, 4}
     batches = [r for r in rollout if r.get("event") == "batch"]
     # both reward terms reported on their own; the tiny model earns "even" about half the time
     assert all({"reward/even", "reward/says"} <= r.keys() for r in batches)

@@ -10,10 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from agentjet.lifeline import running
-from agentjet.metrics import read_metrics
 from tests import procs
-from tests.integration.test_local import run_local
+from tests.integration.test_local import trained_locally
 
 TASKS = (
     '[{name="leg_counting", weight=1, config={min_animals=1, max_animals=2}}, '
@@ -34,15 +32,7 @@ def test_reasoning_gym_trains_and_evaluates_without_files(
         "rollout.eval_every=2",
         "trainer.reward_check_fraction=1.0",  # every group re-scored by the trainer
     )
-    code, output, spawned = run_local(tiny_model_dir, run_dir, max_steps=3, settings=settings)
-    logs = "\n".join(p.read_text() for p in (run_dir / "logs").glob("*.log"))
-    assert code == 0, output + logs
-    assert [pid for pid in spawned if running(pid)] == []
-
-    trainer = read_metrics(run_dir / "metrics" / "trainer.jsonl")
-    rollout = read_metrics(run_dir / "metrics" / "rollout.jsonl")
-    steps = [r for r in trainer if r.get("event") == "step"]
-    assert {r["policy_version"] for r in steps} >= {1, 2, 3}
+    trainer, rollout, _ = trained_locally(tiny_model_dir, run_dir, 3, settings)
     batches = [r for r in rollout if r.get("event") == "batch"]
     assert batches and all(r["env"] == "reasoning_gym" for r in batches)
     # each dataset's reward on its own, from the tasks the batch played

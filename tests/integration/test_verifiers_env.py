@@ -9,14 +9,11 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from agentjet.lifeline import running
-from agentjet.metrics import read_metrics
 from tests import procs
-from tests.integration.test_local import run_local
+from tests.integration.test_local import trained_locally
 
 pytestmark = pytest.mark.integration
 
@@ -42,25 +39,6 @@ def verifiers_env(package: str, args: str, *more: str) -> tuple[str, ...]:
     )
 
 
-Rows = list[dict[str, Any]]
-
-
-def trained(
-    tiny_model_dir: Path, run_dir: Path, max_steps: int, settings: tuple[str, ...]
-) -> tuple[Rows, Rows, str]:
-    """`agentjet local` to a clean exit with every process gone: the trainer's and rollout
-    node's metrics rows, and the logs."""
-    code, output, spawned = run_local(tiny_model_dir, run_dir, max_steps, settings=settings)
-    logs = "\n".join(p.read_text() for p in (run_dir / "logs").glob("*.log"))
-    assert code == 0, output + logs
-    assert [pid for pid in spawned if running(pid)] == []
-    trainer = read_metrics(run_dir / "metrics" / "trainer.jsonl")
-    rollout = read_metrics(run_dir / "metrics" / "rollout.jsonl")
-    steps = [r for r in trainer if r.get("event") == "step"]
-    assert {r["policy_version"] for r in steps} >= set(range(1, max_steps + 1))
-    return trainer, rollout, logs
-
-
 def test_a_single_turn_taskset_trains_with_its_rewards_and_eval_set(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -68,7 +46,7 @@ def test_a_single_turn_taskset_trains_with_its_rewards_and_eval_set(
         "vf_words", "{count=6}", 'envs.0.verifiers_eval_args={split="test", count=3}',
         "envs.0.max_turns=1", "rollout.eval_every=2",
     )  # fmt: skip
-    _, rollout, _ = trained(tiny_model_dir, tmp_path / "run", 3, settings)
+    _, rollout, _ = trained_locally(tiny_model_dir, tmp_path / "run", 3, settings)
     batches = [r for r in rollout if r.get("event") == "batch"]
     rewards = [r["charts/reward_mean"] for r in batches]
     # the weighted sum (even length 1 + says the word 0.5): the random model earns some
@@ -80,7 +58,7 @@ def test_a_single_turn_taskset_trains_with_its_rewards_and_eval_set(
 
 def test_a_tool_taskset_trains_over_several_turns(tiny_model_dir: Path, tmp_path: Path) -> None:
     settings = verifiers_env("vf_tools", "{count=4}", "envs.0.max_turns=2")
-    _, rollout, _ = trained(tiny_model_dir, tmp_path / "run", 2, settings)
+    _, rollout, _ = trained_locally(tiny_model_dir, tmp_path / "run", 2, settings)
     batches = [r for r in rollout if r.get("event") == "batch"]
     assert batches and all(r["charts/reward_mean"] >= 0 for r in batches)
 
@@ -92,7 +70,7 @@ def test_rewards_that_raise_hang_or_give_nan_fail_their_episodes_and_the_run_goe
         "vf_faulty", '{bad=["raise", "nan", "hang"], count=6}', "envs.0.episode_timeout_s=5",
         "envs.0.max_turns=1",
     )  # fmt: skip
-    _, rollout, logs = trained(tiny_model_dir, tmp_path / "run", 2, settings)
+    _, rollout, logs = trained_locally(tiny_model_dir, tmp_path / "run", 2, settings)
     batches = [r for r in rollout if r.get("event") == "batch"]
     assert max(r.get("groups_failed", 0) for r in batches) > 0
     assert "a reward raised RuntimeError: the reward broke" in logs

@@ -4,32 +4,19 @@ on the command line, a run's saved config, and the answers shown beside their re
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests import procs
+from tests.integration.test_cli import agentjet
 
 pytestmark = pytest.mark.integration
 
-CLI_TIMEOUT_S = 300
 ROWS = [
     {"id": "capital-fr", "prompt": "Capital of France?", "answer": "Paris"},
     {"id": "capital-it", "prompt": "Capital of Italy?", "answer": "Rome"},
     {"id": "capital-es", "prompt": "Capital of Spain?", "answer": "Madrid"},
 ]
-
-
-def agentjet(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return procs.run(
-        [sys.executable, "-m", "agentjet_app.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=CLI_TIMEOUT_S,
-        cwd=cwd,
-    )
 
 
 @pytest.fixture

@@ -119,7 +119,7 @@ class TaskSource:
         if env.name == "verifiers":  # the rows of the environment's own taskset
             from agentjet.verifiers_envs import VerifiersTaskset
 
-            return cls.of_rows(env.name, VerifiersTaskset(env).tasks())
+            return cls.of_rows(env.name, VerifiersTaskset.of(env).tasks())
         return cls(
             env.name,
             env.difficulties,
@@ -187,7 +187,7 @@ def held_out_tasks(env: EnvConfig) -> list[Task]:
     if env.name == "verifiers" and env.verifiers_eval_args:
         from agentjet.verifiers_envs import VerifiersTaskset
 
-        return VerifiersTaskset(env).eval_tasks()
+        return VerifiersTaskset.of(env).eval_tasks()
     if env.name == "reasoning_gym":
         return GymTasks.from_config(env).held_out()
     return []

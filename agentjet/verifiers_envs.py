@@ -38,6 +38,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from agentjet.errors import AgentjetError, ConfigError
 from agentjet.protocol import Message, Task
 
@@ -138,6 +140,9 @@ def _check_task_class(task_cls: type[Any], vf: Any, where: str) -> None:
                 )
 
 
+_TASKSETS: dict[bytes, VerifiersTaskset] = {}  # VerifiersTaskset.of's, by the entry's keys
+
+
 def check_env(env: EnvConfig, i: int) -> None:
     """Config load: the package imports and holds a Taskset agentjet can run, and its
     config accepts verifiers_args and verifiers_eval_args (one ConfigError naming the key)."""
@@ -166,7 +171,19 @@ def _taskset_config(cls: type[Any], module_name: str, args: dict[str, Any], wher
 
 
 class VerifiersTaskset:
-    """One `[[envs]]` entry's taskset: its rows as Tasks, and its tasks rebuilt from them."""
+    """One `[[envs]]` entry's taskset: its rows as Tasks, and its tasks rebuilt from them.
+    `of(env)` makes it once per process: the task source, held-out evaluation and the agent
+    all read the same one, and its rows are read once."""
+
+    @classmethod
+    def of(cls, env: EnvConfig) -> VerifiersTaskset:
+        key = msgspec.json.encode(
+            [env.name, env.verifiers_env, env.verifiers_args, env.verifiers_eval_args,
+             env.verifiers_max_tasks]
+        )  # fmt: skip
+        if key not in _TASKSETS:
+            _TASKSETS[key] = cls(env)
+        return _TASKSETS[key]
 
     def __init__(self, env: EnvConfig) -> None:
         where = f"environment {env.name!r} (verifiers_env {env.verifiers_env!r})"
@@ -176,18 +193,25 @@ class VerifiersTaskset:
         config = _taskset_config(self.cls, env.verifiers_env, env.verifiers_args, where)
         self.taskset = self.cls(config)
         self.skipped = 0  # rows left out: no prompt, a duplicate id, a prompt we cannot show
+        self._tasks: list[Task] | None = None
+        self._eval_tasks: list[Task] | None = None
 
     def tasks(self) -> list[Task]:
-        """The training rows (at most verifiers_max_tasks)."""
-        return self._rows(self.taskset)
+        """The training rows (at most verifiers_max_tasks), read once."""
+        if self._tasks is None:
+            self._tasks = self._rows(self.taskset)
+        return self._tasks
 
     def eval_tasks(self) -> list[Task]:
         """The held-out rows: the taskset built with verifiers_eval_args; [] when unset."""
         if not self.env.verifiers_eval_args:
             return []
-        where = f"environment {self.env.name!r}: verifiers_eval_args"
-        args = self.env.verifiers_args | self.env.verifiers_eval_args
-        return self._rows(self.cls(_taskset_config(self.cls, self.env.verifiers_env, args, where)))
+        if self._eval_tasks is None:
+            where = f"environment {self.env.name!r}: verifiers_eval_args"
+            args = self.env.verifiers_args | self.env.verifiers_eval_args
+            config = _taskset_config(self.cls, self.env.verifiers_env, args, where)
+            self._eval_tasks = self._rows(self.cls(config))
+        return self._eval_tasks
 
     def _rows(self, taskset: Any) -> list[Task]:
         tasks: dict[str, Task] = {}

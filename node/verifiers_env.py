@@ -60,4 +60,4 @@ class VerifiersAgent:
 
 def verifiers_agent(config: EnvConfig) -> VerifiersAgent:
     """The agent of a "verifiers" `[[envs]]` entry (node/agents.py make_agent_env)."""
-    return VerifiersAgent(VerifiersTaskset(config), config.max_turns)
+    return VerifiersAgent(VerifiersTaskset.of(config), config.max_turns)

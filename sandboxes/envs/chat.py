@@ -12,8 +12,9 @@ tokenizer's own chat template so it matches what the template would have rendere
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+import asyncio
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, TypeVar
 
 from agentjet.episode import Episode, Generator, SamplingParams
 from agentjet.errors import ModelError
@@ -65,6 +66,30 @@ async def single_turn_episodes(
             group.append(episode)
         groups.append(group)
     return groups
+
+
+T = TypeVar("T")
+
+
+async def scored_single_turn(
+    generator: Generator,
+    system: str | None,
+    tasks: list[Task],
+    n: int,
+    params: SamplingParams,
+    score: Callable[[Task, list[str]], Awaitable[T]],
+) -> tuple[list[list[Episode]], list[T]]:
+    """`single_turn_episodes`, and `score(task, its completions' text)` for every task at
+    once: what a one-turn environment scored by a function of the text does."""
+    groups = await single_turn_episodes(generator, system, tasks, n, params)
+    decode = generator.tokenizer.decode
+    scores = await asyncio.gather(
+        *(
+            score(task, [decode(e.completion_ids, skip_special_tokens=True) for e in group])
+            for task, group in zip(tasks, groups, strict=True)
+        )
+    )
+    return groups, list(scores)
 
 
 class UserTurn:

@@ -38,7 +38,7 @@ from agentjet.protocol import Task
 from agentjet.roles import wait_for
 from agentjet.task_files import task_row
 from sandboxes.base import Sandbox
-from sandboxes.envs.chat import single_turn_episodes
+from sandboxes.envs.chat import scored_single_turn
 
 log = logging.getLogger(__name__)
 
@@ -274,15 +274,8 @@ class PromptEnv:
     async def run_group(
         self, generator: Generator, tasks: list[Task], n: int, params: SamplingParams
     ) -> list[list[Episode]]:
-        groups = await single_turn_episodes(generator, self.system_prompt, tasks, n, params)
-        decode = generator.tokenizer.decode
-        scores = await asyncio.gather(
-            *(
-                self.rewards.score(
-                    task, [decode(e.completion_ids, skip_special_tokens=True) for e in group]
-                )
-                for task, group in zip(tasks, groups, strict=True)
-            )
+        groups, scores = await scored_single_turn(
+            generator, self.system_prompt, tasks, n, params, self.rewards.score
         )
         for group, scored in zip(groups, scores, strict=True):
             for episode, score in zip(group, scored, strict=True):

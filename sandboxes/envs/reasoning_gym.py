@@ -15,7 +15,6 @@ and logged once per kind; the run goes on. Trainers re-score with the same `GymT
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections import Counter
 from collections.abc import Sequence
@@ -25,7 +24,7 @@ from agentjet.episode import Episode, Generator, SamplingParams
 from agentjet.protocol import Task
 from agentjet.reasoning_gym_tasks import GymTasks, ScoreError
 from agentjet.roles import wait_for
-from sandboxes.envs.chat import single_turn_episodes
+from sandboxes.envs.chat import scored_single_turn
 from sandboxes.envs.prompt import REWARD_ERROR, REWARD_TIMEOUT_S
 
 log = logging.getLogger(__name__)
@@ -48,15 +47,8 @@ class ReasoningGymEnv:
     async def run_group(
         self, generator: Generator, tasks: list[Task], n: int, params: SamplingParams
     ) -> list[list[Episode]]:
-        groups = await single_turn_episodes(generator, self.system_prompt, tasks, n, params)
-        decode = generator.tokenizer.decode
-        scored = await asyncio.gather(
-            *(
-                self.score(
-                    task, [decode(e.completion_ids, skip_special_tokens=True) for e in group]
-                )
-                for task, group in zip(tasks, groups, strict=True)
-            )
+        groups, scored = await scored_single_turn(
+            generator, self.system_prompt, tasks, n, params, self.score
         )
         for task, group, results in zip(tasks, groups, scored, strict=True):
             for episode, (reward, error) in zip(group, results, strict=True):

@@ -1,8 +1,15 @@
 """Learning benchmark: does `agentjet local` make SmolLM2-135M better at arithmetic?
 
     held-out tasks (seed 12345, never the training seed) ──eval base──▶ before
-    agentjet local --config configs/local.toml for --minutes of wall time (then Ctrl-C)
-    ──eval the final checkpoint──▶ after ──▶ bench/results/learn.json
+    per seed (--seeds; run.seed 0, 1, 2): agentjet local --config configs/local.toml for
+    --minutes of wall time (then Ctrl-C), a checkpoint every --checkpoint-every versions
+    ──eval at each --marks minute the newest checkpoint saved by then, and the final one──▶
+    "curve" [{seed, mark, minutes, version, overall}] ──▶ bench/results/learn.json
+    (with each seed's speed, effective samples/s, zero-variance share and peak memory)
+
+The curve's minutes count from the launch of `agentjet local` (model loading included),
+and a mark's point is the checkpoint saved at or before it: at the default resolution (5
+versions, ~40 s) a point may be up to that much older than its mark, never younger.
 
 Run: `just bench-learn` (or `.venv/bin/python bench/learn.py --minutes 15`).
 `--task parity` trains on your-own-data terms instead: a Parquet dataset of numbers to
@@ -26,10 +33,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,6 +46,7 @@ sys.path.insert(0, str(ROOT))
 
 from agentjet.lifeline import descendants, process_table  # noqa: E402
 from agentjet.metrics import read_metrics  # noqa: E402
+from node.weights import read_checkpoint_meta  # noqa: E402
 
 HELDOUT_SEED = 12345
 AGENTJET = [sys.executable, "-m", "agentjet_app.cli"]
@@ -165,10 +175,12 @@ def evaluate(
     """`agentjet eval`: greedy, or `samples` sampled answers per task (no task file: the
     environment's own held-out tasks)."""
     task_file = [] if tasks is None else ["--tasks", str(tasks)]
+    # Scoring runs alone on the box: every core (training's rollout node has one).
+    overrides = [*(overrides or []), f"rollout.torch_threads={os.cpu_count() or 1}"]
     out = subprocess.run(
         [*AGENTJET, "eval", "--checkpoint", checkpoint, *task_file,
          "--config", str(config), "--samples", str(samples), "--env", env,
-         *(a for s in overrides or [] for a in ("--set", s))],
+         *(a for s in overrides for a in ("--set", s))],
         check=True, capture_output=True, text=True, cwd=ROOT,
     )  # fmt: skip
     return json.loads(out.stdout)
@@ -212,6 +224,17 @@ def main() -> int:
     )
     parser.add_argument("--dataset", default="", help="--task reasoning_gym: which entry")
     parser.add_argument("--memory-only", action="store_true", help="no evaluation")
+    parser.add_argument(
+        "--seeds", type=int, default=None, help="runs, run.seed 0..N-1 (arithmetic: 3, else 1)"
+    )
+    parser.add_argument(
+        "--marks", type=lambda v: [float(m) for m in v.split(",")], default=[2.5, 5.0, 10.0],
+        help="minutes at which the curve scores the newest checkpoint (the end always)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--checkpoint-every", type=int, default=5,
+        help="the runs' trainer.checkpoint_every: the curve's resolution in versions",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.memory_only and args.out == parser.get_default("out"):
         args.out = ROOT / "bench" / "results" / "learn_memory.json"
@@ -238,48 +261,117 @@ def main() -> int:
     elif args.task == "reasoning_gym":
         tasks, env = None, "reasoning_gym"
         args.set = [*one_dataset(args.config, args.dataset, args.heldout), *args.set]
+    if args.seeds is None:
+        args.seeds = 3 if args.task == "arithmetic" else 1
+    marks = [m for m in args.marks if m < args.minutes]
     before = evaluate("base", tasks, args.config, env=env, overrides=args.set)
     print("before:", json.dumps(before), flush=True)
 
-    extra = [a for s in args.set for a in ("--set", s)]
-    wall_s, peak_pss, stop_s = train(args.minutes, args.config, run_dir / "train", extra)
-    checkpoint = str(final_checkpoint(run_dir / "train"))
-    after = evaluate(checkpoint, tasks, args.config, env=env, overrides=args.set)
-    print("after:", json.dumps(after), flush=True)
-
-    steps = [
-        r
-        for r in read_metrics(run_dir / "train" / "metrics" / "trainer.jsonl")
-        if r.get("event") == "step"
-    ]
-    batches = [
-        r
-        for r in read_metrics(run_dir / "train" / "metrics" / "rollout.jsonl")
-        if r.get("event") == "batch"
-    ]
-    zero_var = sum(r["charts/zero_variance_groups"] for r in steps)
-    groups = sum(len(r["trained_group_ids"]) for r in steps)
     kept = ("overall", "mean_reward", "by_difficulty", "by_op", "n")
+    seeds, curve = [], []
+    for seed in range(args.seeds):
+        train_dir = run_dir / f"train-seed{seed}"
+        one = train_seed(args, seed, train_dir, marks)
+        for point in one.pop("points"):
+            scored = evaluate(point["checkpoint"], tasks, args.config, env=env, overrides=args.set)
+            curve.append({"seed": seed, "mark": point["mark"], "minutes": point["minutes"],
+                          "version": point["version"], "overall": scored["overall"]})  # fmt: skip
+            print("curve:", json.dumps(curve[-1]), flush=True)
+        after = evaluate(str(final_checkpoint(train_dir)), tasks, args.config, env=env,
+                         overrides=args.set)  # fmt: skip
+        print(f"after (seed {seed}):", json.dumps(after), flush=True)
+        curve.append({"seed": seed, "mark": args.minutes, "minutes": one["minutes"],
+                      "version": one["policy_versions"], "overall": after["overall"]})  # fmt: skip
+        seeds.append({"seed": seed, "after": {k: after[k] for k in kept}, **one})
+        drop_checkpoints(train_dir)
+
     result = {
         "task": args.task,
         "before": {k: before[k] for k in kept},
-        "after": {k: after[k] for k in kept},
-        "minutes": round(wall_s / 60, 2),
-        **speed(run_dir / "train", wall_s),
-        "gen_tokens_per_s": gen_tokens_per_s(batches),
-        "s_per_policy_version": round(
-            wall_s / max(len({r["policy_version"] for r in steps}), 1), 2
-        ),
-        "zero_variance_group_frac": round(zero_var / max(groups, 1), 3),
-        # Peak memory as proportional set size (see memory_mb), sampled every 2 s: of all
-        # roles together, and each role's own peak (memory_by_role).
-        "peak_pss_mb": {key: round(mb, 1) for key, mb in peak_pss.items()},
-        "ctrl_c_exit_s": round(stop_s, 1),  # SIGINT to the launcher's exit
+        # The mean over seeds of the final held-out accuracy, and at each mark: the newest
+        # checkpoint saved by then (its own minutes since launch are in "curve"), the end's
+        # being the final checkpoint.
+        "after_mean": mean(s["after"]["overall"] for s in seeds),
+        "at_marks_mean": at_marks(curve, [*marks, args.minutes], args.seeds),
+        "curve": curve,
+        "seeds": seeds,
+        "minutes": args.minutes,
+        "zero_variance_group_frac": mean(s["zero_variance_group_frac"] for s in seeds),
+        "effective_samples_per_s": mean(s["effective_samples_per_s"] for s in seeds),
+        "samples_per_s": mean(s["samples_per_s"] for s in seeds),
+        "peak_pss_mb_max": max(s["peak_pss_mb"]["total"] for s in seeds),
         "heldout_seed": HELDOUT_SEED,
         **run_facts(args),
     }
     write_result(args.out, result)
     return 0
+
+
+def mean(values: Iterable[float]) -> float:
+    values = list(values)
+    return round(sum(values) / len(values), 4) if values else 0.0
+
+
+def at_marks(curve: list[dict], marks: list[float], seeds: int) -> dict[str, float | None]:
+    """Per mark, the mean over seeds of the curve point at it (None when a seed has no
+    checkpoint saved by then)."""
+    out: dict[str, float | None] = {}
+    for mark in marks:
+        points = [p for p in curve if p.get("mark") == mark]
+        out[f"{mark:g}"] = mean(p["overall"] for p in points) if len(points) == seeds else None
+    return out
+
+
+def train_seed(args: argparse.Namespace, seed: int, train_dir: Path, marks: list[float]) -> dict:
+    """One training run of `args.minutes` with run.seed = `seed`, every checkpoint kept (the
+    curve's); its speed and memory figures, and per mark the newest checkpoint saved by
+    then ("points"), with the minutes since launch it was saved at."""
+    extra = [a for s in args.set for a in ("--set", s)]
+    extra += ["--set", f"run.seed={seed}", "--set", "trainer.keep_checkpoints=0",
+              "--set", f"trainer.checkpoint_every={args.checkpoint_every}"]  # fmt: skip
+    launched = time.time()
+    wall_s, peak_pss, stop_s = train(args.minutes, args.config, train_dir, extra)
+    metrics = train_dir / "metrics"
+    steps = [r for r in read_metrics(metrics / "trainer.jsonl") if r.get("event") == "step"]
+    batches = [r for r in read_metrics(metrics / "rollout.jsonl") if r.get("event") == "batch"]
+    versions = len({r["policy_version"] for r in steps})
+    zero_var = sum(r["charts/zero_variance_groups"] for r in steps)
+    groups = sum(len(r["trained_group_ids"]) for r in steps)
+    informative = sum(r["charts/trained_samples"] for r in steps)
+    saved = sorted(
+        (read_checkpoint_meta(d)["time"] - launched, d)
+        for d in (train_dir / "checkpoints").glob("v*")
+        if (d / "agentjet.json").exists()
+    )
+    points = []
+    for mark in marks:
+        before_mark = [(t, d) for t, d in saved if t <= mark * 60]
+        if before_mark:
+            t, d = before_mark[-1]
+            points.append({"mark": mark, "minutes": round(t / 60, 2), "checkpoint": str(d),
+                           "version": read_checkpoint_meta(d)["policy_version"]})  # fmt: skip
+    return {
+        "minutes": round(wall_s / 60, 2),
+        **speed(train_dir, wall_s),
+        "gen_tokens_per_s": gen_tokens_per_s(batches),
+        "s_per_policy_version": round(wall_s / max(versions, 1), 2),
+        "zero_variance_group_frac": round(zero_var / max(groups, 1), 3),
+        # Samples trained with a non-zero advantage (the gradient's), per second of wall time.
+        "effective_samples_per_s": round(informative / wall_s, 3),
+        # Peak memory as proportional set size (see memory_mb), sampled every 2 s: of all
+        # roles together, and each role's own peak (memory_by_role).
+        "peak_pss_mb": {key: round(mb, 1) for key, mb in peak_pss.items()},
+        "ctrl_c_exit_s": round(stop_s, 1),  # SIGINT to the launcher's exit
+        "points": points,
+    }
+
+
+def drop_checkpoints(train_dir: Path) -> None:
+    """Every checkpoint of a scored run but its last (0.5 GB each)."""
+    newest = final_checkpoint(train_dir)
+    for d in (train_dir / "checkpoints").glob("v*"):
+        if d != newest:
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def gen_tokens_per_s(batches: list[dict]) -> float:

@@ -417,8 +417,13 @@ class TrainerConfig(_Section):
     # batch; counts/steps_short), or, holding none, says so in the log and waits on (the
     # tasks are all solved or all out of reach). 0 = wait for a full step however long.
     fill_timeout_s: NonNegFloat = 600.0
-    # PPO-style clip range on the importance ratio pi_theta / pi_sampler.
+    # PPO-style clip range on the importance ratio pi_theta / pi_sampler: below 1 - clip_eps,
+    # above 1 + clip_eps_high (DAPO's clip-higher when larger; 0 = clip_eps).
     clip_eps: Annotated[float, Meta(gt=0, lt=1)] = 0.2
+    clip_eps_high: Annotated[float, Meta(ge=0, lt=10)] = 0.0
+    # GRPO divides each group's advantages r - mean(r) by the group's reward std; false is
+    # Dr. GRPO's plain r - mean(r) (agentjet/rl.py).
+    advantage_std: bool = True
     # Groups sampled more than this many versions ago are dropped, not trained.
     max_policy_lag: NonNegInt = 4
     # Groups waiting to be trained; beyond this the trainer answers "busy" and rollout nodes
@@ -580,6 +585,13 @@ class EnvSchedConfig(_Section):
     half_life_groups: PositiveFloat = 256.0
     # Candidates drawn from an env's task source per slot granted in it (the choice pool).
     pool_factor: PositiveInt = 8
+    # How a candidate is weighed. "skip": predicted zero-variance candidates are skipped as
+    # far as zero_variance_target asks (the trained mix stays near the task distribution).
+    # "nearest_half": by how near its predicted success rate p is to 0.5, 1 - |2p - 1|, never
+    # under `floor` (PCL's pick from a uniform pool; the mix moves with the policy: solved
+    # and out-of-reach cells keep about `floor` of their uniform share); no frontier, no
+    # steering.
+    selection: Literal["skip", "nearest_half"] = "skip"
     # No candidate weighs less than this (uniform sampling weighs each 1): whatever the
     # history, every task keeps about this share of its chance under uniform sampling.
     floor: Probability = 0.1

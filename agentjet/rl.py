@@ -3,16 +3,20 @@
 For a group of G samples of one task with rewards r_1..r_G:
 
     A_i = (r_i - mean(r)) / (std(r) + eps)                       group-relative advantage
+    A_i = r_i - mean(r)                        Dr. GRPO (trainer.advantage_std = false)
 
 For every trained token t of sample i, with pi_theta the learner's policy and mu the
 sampler's (possibly stale or engine-mismatched) policy that produced the token:
 
     ratio_t = exp(log pi_theta(y_t) - log mu(y_t))              importance weight
-    loss_t  = max(-A_i * ratio_t, -A_i * clip(ratio_t, 1 - eps_clip, 1 + eps_clip))
+    loss_t  = max(-A_i * ratio_t, -A_i * clip(ratio_t, 1 - eps_low, 1 + eps_high))
     loss    = sum_t mask_t * loss_t / N_tokens                   token-level mean over the step
 
 Because the ratio is taken against the sampler's own logprobs (decoupled PPO), samples
-from an older policy version stay correctly weighted up to the staleness bound.
+from an older policy version stay correctly weighted up to the staleness bound. eps_low is
+trainer.clip_eps; eps_high is trainer.clip_eps_high, DAPO's clip-higher when larger (0: the
+same as eps_low). The token-level mean over the step is DAPO's: a long sample weighs by its
+tokens, not as one sample.
 
 On-policy distillation (an environment with a teacher, `envs[].teacher`): the teacher
 scores the student's own sampled tokens (prefill, no generation), and the per-token reverse
@@ -61,24 +65,30 @@ def zero_variance(rewards: Sequence[float]) -> bool:
     return not rewards or _mean_std(rewards)[1] < ADVANTAGE_EPS
 
 
-def group_advantages(rewards: Sequence[float]) -> list[float]:
-    """GRPO advantages; all zero when every sample got the same reward (no signal)."""
+def group_advantages(rewards: Sequence[float], std: bool = True) -> list[float]:
+    """GRPO advantages; all zero when every sample got the same reward (no signal).
+    `std=False`: Dr. GRPO's r - mean(r), not divided by the group's std (which weighs a
+    group that is nearly all right or all wrong up to sqrt(G - 1) times a half-right one)."""
     if zero_variance(rewards):
         return [0.0] * len(rewards)
-    mean, std = _mean_std(rewards)
-    return [(r - mean) / (std + ADVANTAGE_EPS) for r in rewards]
+    mean, sd = _mean_std(rewards)
+    scale = sd + ADVANTAGE_EPS if std else 1.0
+    return [(r - mean) / scale for r in rewards]
 
 
-def sample_advantages(rewards: Sequence[float], episodes: Sequence[int]) -> list[float]:
+def sample_advantages(
+    rewards: Sequence[float], episodes: Sequence[int], std: bool = True
+) -> list[float]:
     """Advantages of a group's samples when an episode may span several samples (timeline
     merging keeps forked conversations apart): `episodes[i]` is sample i's episode, -1 for a
     sample that is an episode of its own. Each episode counts once, with its reward."""
     if all(e < 0 for e in episodes):
-        return group_advantages(rewards)
+        return group_advantages(rewards, std)
     keys = [e if e >= 0 else -1 - i for i, e in enumerate(episodes)]  # lone samples: unique
     reward_of = dict(zip(keys, rewards, strict=True))
     order = list(reward_of)
-    advantage_of = dict(zip(order, group_advantages([reward_of[k] for k in order]), strict=True))
+    advantages = group_advantages([reward_of[k] for k in order], std)
+    advantage_of = dict(zip(order, advantages, strict=True))
     return [advantage_of[k] for k in keys]
 
 
@@ -132,8 +142,11 @@ def policy_loss(
     mask: torch.Tensor,
     clip_eps: float,
     num_tokens: int,
+    clip_eps_high: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped importance-weighted policy-gradient loss.
+    """Clipped importance-weighted policy-gradient loss; the ratio is clipped to
+    [1 - clip_eps, 1 + clip_eps_high] (DAPO's clip-higher when clip_eps_high > clip_eps;
+    0: symmetric).
 
     Shapes: `logprobs`, `sampler_logprobs`, `mask`: [B, T]; `advantages`: [B] (one per
     sample) or [B, T] (per token: `distill_advantages`).
@@ -143,7 +156,7 @@ def policy_loss(
     ratio = torch.exp(logprobs - sampler_logprobs)
     adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
     unclipped = -adv * ratio
-    clipped = -adv * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps)
+    clipped = -adv * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + (clip_eps_high or clip_eps))
     per_token = torch.maximum(unclipped, clipped)
     mask = mask.to(per_token.dtype)
     loss = (per_token * mask).sum() / max(num_tokens, 1)

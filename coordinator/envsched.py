@@ -1,5 +1,6 @@
 """EnvSched: grant (environment, task) work where GRPO learns, groups whose rewards differ,
-by skipping predicted zero-variance work down to a target share, never below a floor.
+by skipping predicted zero-variance work down to a target share, never below a floor (or,
+with selection "nearest_half", by predicted success nearest 0.5).
 
     GroupReport ──▶ Statistics.observe ──▶ decayed sums per node of the graph:
                       env ⊃ cell (env, op, difficulty) ⊃ task (cell, id)
@@ -60,6 +61,16 @@ gives fewer zero-variance groups, keep stays at 1 and EnvSched samples like unif
 even keep = floor gives more, keep rests at the floor. Zero-variance groups are not all
 waste: in a trainer-bound run they cost nothing, and they are how uniform sampling finds the
 mixed groups of hard problems (bench/LOG.md).
+
+Nearest half (`selection = "nearest_half"`). Instead of skipping toward a zero-variance
+target, a candidate weighs by how near its predicted success rate (its Beta's mean) is to
+0.5: 1 − |2p − 1|, never under the floor (PCL's choice from a uniformly drawn pool; the
+learning signal of a binary reward peaks at p = 0.5). No frontier is offered and keep is
+not used. The trained mix then moves with the policy: early on it leans to the cells the
+base model half solves (1-digit arithmetic), and as those are learned, to the next ones,
+while solved and out-of-reach cells keep the floor's share. This gives up keeping the mix
+near the task distribution; bench/LOG.md (2026-12-07) has what it does to held-out
+accuracy, which stays measured on the uniform distribution.
 
 The floor: what is guaranteed. No candidate weighs less than `floor`, and none more than 1.
 So after any history, each draw without replacement takes a given candidate still in the
@@ -327,6 +338,12 @@ def candidate_weight(mixed: float, keep: float, floor: float) -> float:
     `floor` (uniform sampling weighs every candidate 1)."""
     # m + (1 − m) · keep, written to be exactly 1 at keep = 1 (exactly uniform).
     return max(floor, keep + (1.0 - keep) * mixed)
+
+
+def nearest_half_weight(success: float, floor: float) -> float:
+    """The sampling weight of a candidate whose predicted success rate is `success`, under
+    "nearest_half": 1 at 0.5, falling to `floor` toward 0 and 1."""
+    return max(floor, 1.0 - abs(2.0 * success - 1.0))
 
 
 def frontier_share(keep: float, floor: float) -> float:
@@ -605,6 +622,8 @@ class EnvSched:
             if any(entry.can_draw(task) for entry in entries)
         ]
         share = frontier_share(self.statistics.keep_rate(env), self.params.floor)
+        if self.params.selection == "nearest_half":
+            share = 0.0
         offered = frontier[len(frontier) - round(share * len(frontier)) :]
         pool = {task.id: task for task in offered}
         weights = [entry.weight for entry in entries]
@@ -622,8 +641,12 @@ class EnvSched:
         return [pool[i] for i in pick(weights, count, rng)]
 
     def weight(self, task: Task) -> float:
-        """The sampling weight of a candidate task (candidate_weight)."""
+        """The sampling weight of a candidate task (candidate_weight, or nearest_half_weight
+        by the task's Beta mean)."""
         stats = self.statistics
+        if self.params.selection == "nearest_half":
+            beta = stats.task_beta(task)
+            return nearest_half_weight(beta.alpha / (beta.alpha + beta.beta), self.params.floor)
         mixed = mixed_probability(stats.task_beta(task), stats.group_size)
         return candidate_weight(mixed, stats.keep_rate(task.env), self.params.floor)
 

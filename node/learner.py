@@ -285,6 +285,7 @@ class Learner:
                 out.mask,
                 self.config.clip_eps,
                 num_tokens,
+                self.config.clip_eps_high,
             )
             if out.topk_loss is not None:
                 loss = loss + out.topk_loss / max(num_tokens, 1)
@@ -317,7 +318,9 @@ class Learner:
         rows = []
         for group in groups:
             advantages = rl.sample_advantages(
-                [s.reward for s in group.samples], [s.episode for s in group.samples]
+                [s.reward for s in group.samples],
+                [s.episode for s in group.samples],
+                self.config.advantage_std,
             )
             coef = self.teacher_coefs.get(group.env, 0.0)
             for sample, advantage in zip(group.samples, advantages, strict=True):

@@ -46,6 +46,7 @@ from coordinator.envsched import (
     env_health,
     group_sums,
     mixed_probability,
+    nearest_half_weight,
     pick,
     prior_moments,
     relation_weight,
@@ -393,6 +394,41 @@ def test_envsched_skips_predicted_zero_variance_work_down_to_the_target() -> Non
     assert min(late[1], late[3]) / 400 > params.floor / 3  # nothing starves
     uniform = Counter(t.difficulty for t in UniformScheduler([EnvConfig()]).choose(400))
     assert uniform[2] / 400 == pytest.approx(1 / 3, abs=0.08)
+
+
+def test_nearest_half_moves_the_mix_to_the_cells_the_policy_half_solves() -> None:
+    # 1-digit always right, 2-digit right half the time, 3-digit always wrong: "nearest_half"
+    # weighs 2-digit candidates 1 and the others the floor, so about 1/(1 + 2·0.1) of the
+    # picks are 2-digit once the cells are known; none starves; no frontier is offered.
+    params = EnvSchedConfig(selection="nearest_half", floor=0.1)
+    scheduler = EnvSched([EnvConfig()], params, group_size=8)
+    rng = random.Random(2)
+    chosen = []
+    for i in range(60):
+        for t in scheduler.choose(8, rng, grants_issued=8 * i):
+            rewards = {1: [1.0] * 8, 2: [1.0, 0.0] * 4, 3: [0.0] * 8}[t.difficulty]
+            scheduler.observe(t, report(rewards))
+            chosen.append(t.difficulty)
+    late = Counter(chosen[-240:])
+    assert late[2] / 240 == pytest.approx(1 / 1.2, abs=0.08)
+    assert min(late[1], late[3]) > 0
+    assert scheduler.frontiers["arithmetic"]  # mixed tasks are remembered...
+    pool = scheduler.candidates("arithmetic", 8, random.Random(3))
+    assert len(pool) <= params.pool_factor * 8  # ...but never offered: fresh draws only
+    # The policy moves on: 2-digit solved, 3-digit half right; the mix follows.
+    for i in range(120):
+        for t in scheduler.choose(8, rng, grants_issued=8 * (60 + i)):
+            rewards = {1: [1.0] * 8, 2: [1.0] * 8, 3: [1.0, 0.0] * 4}[t.difficulty]
+            scheduler.observe(t, report(rewards))
+            chosen.append(t.difficulty)
+    assert Counter(chosen[-240:])[3] / 240 > 0.7
+
+
+def test_nearest_half_weight_peaks_at_a_half_and_never_falls_under_the_floor() -> None:
+    assert nearest_half_weight(0.5, 0.1) == 1.0
+    assert nearest_half_weight(0.25, 0.1) == pytest.approx(0.5)
+    assert nearest_half_weight(0.75, 0.1) == pytest.approx(0.5)
+    assert nearest_half_weight(0.0, 0.1) == nearest_half_weight(1.0, 0.1) == 0.1
 
 
 def test_envsched_offers_tasks_whose_last_group_was_mixed_again() -> None:

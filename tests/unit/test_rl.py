@@ -31,6 +31,27 @@ def test_advantages_uneven_group():
     assert sum(adv) == pytest.approx(0.0, abs=1e-6)
 
 
+def test_dr_grpo_advantages_are_not_divided_by_the_std():
+    # rewards [1, 0, 0, 0]: r - mean = [0.75, -0.25, -0.25, -0.25]; all-equal groups stay 0
+    assert group_advantages([1.0, 0.0, 0.0, 0.0], std=False) == pytest.approx(
+        [0.75, -0.25, -0.25, -0.25]
+    )
+    assert group_advantages([1.0] * 4, std=False) == [0.0] * 4
+    assert sample_advantages([1.0, 0.0], [-1, -1], std=False) == pytest.approx([0.5, -0.5])
+
+
+def test_clip_higher_lets_a_positive_advantage_ratio_rise_further():
+    # ratio 1.5, A = 1: symmetric clip at 1.2 gives -1.2; clip_eps_high 0.28 gives -1.28,
+    # and the lower bound stays at 1 - clip_eps (ratio 0.5, A = -1: clipped at 0.8)
+    sampler = torch.log(torch.tensor([[0.4]]))
+    up = torch.log(torch.tensor([[0.6]]))
+    loss, _ = policy_loss(up, sampler, torch.tensor([1.0]), torch.ones(1, 1), 0.2, 1, 0.28)
+    assert float(loss) == pytest.approx(-1.28, rel=1e-5)
+    down = torch.log(torch.tensor([[0.2]]))
+    loss, _ = policy_loss(down, sampler, torch.tensor([-1.0]), torch.ones(1, 1), 0.2, 1, 0.28)
+    assert float(loss) == pytest.approx(0.8, rel=1e-5)
+
+
 def test_zero_variance_group_has_zero_advantage():
     assert group_advantages([1.0] * 8) == [0.0] * 8
     assert group_advantages([0.0] * 8) == [0.0] * 8

@@ -175,8 +175,13 @@ def evaluate(
     """`agentjet eval`: greedy, or `samples` sampled answers per task (no task file: the
     environment's own held-out tasks)."""
     task_file = [] if tasks is None else ["--tasks", str(tasks)]
-    # Scoring runs alone on the box: every core (training's rollout node has one).
-    overrides = [*(overrides or []), f"rollout.torch_threads={os.cpu_count() or 1}"]
+    # Scoring runs alone on the box: every core (training's rollout node has one); and in
+    # float32 whatever dtype training computed in, so every run is scored alike.
+    overrides = [
+        *(overrides or []),
+        f"rollout.torch_threads={os.cpu_count() or 1}",
+        'model.dtype="float32"',
+    ]
     out = subprocess.run(
         [*AGENTJET, "eval", "--checkpoint", checkpoint, *task_file,
          "--config", str(config), "--samples", str(samples), "--env", env,

@@ -9,7 +9,8 @@
 
 The curve's minutes count from the launch of `agentjet local` (model loading included),
 and a mark's point is the checkpoint saved at or before it: at the default resolution (5
-versions, ~40 s) a point may be up to that much older than its mark, never younger.
+versions, 50-80 s on a 2-core box) a point may be up to that much older than its mark,
+never younger. A checkpoint every 5 versions costs the runs a few percent of their time.
 
 Run: `just bench-learn` (or `.venv/bin/python bench/learn.py --minutes 15`).
 `--task parity` trains on your-own-data terms instead: a Parquet dataset of numbers to
@@ -217,7 +218,8 @@ def train(
     return time.monotonic() - start, peak, stop_s
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
+    """The options, with --out, --config and --seeds defaulted by --task."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--minutes", type=float, default=15.0)
     parser.add_argument("--heldout", type=int, default=300, help="held-out tasks")
@@ -229,9 +231,8 @@ def main() -> int:
     )
     parser.add_argument("--dataset", default="", help="--task reasoning_gym: which entry")
     parser.add_argument("--memory-only", action="store_true", help="no evaluation")
-    parser.add_argument(
-        "--seeds", type=int, default=None, help="runs, run.seed 0..N-1 (arithmetic: 3, else 1)"
-    )
+    parser.add_argument("--seeds", type=int, default=None, help="runs (arithmetic: 3, else 1)")
+    parser.add_argument("--first-seed", type=int, default=0, help="run.seed of the first run")
     parser.add_argument(
         "--marks", type=lambda v: [float(m) for m in v.split(",")], default=[2.5, 5.0, 10.0],
         help="minutes at which the curve scores the newest checkpoint (the end always)",
@@ -250,7 +251,13 @@ def main() -> int:
             args.config = ROOT / "configs" / "reasoning_gym.toml"
         if args.out == parser.get_default("out"):
             args.out = ROOT / "bench" / "results" / f"learn_rg_{args.dataset}.json"
+    if args.seeds is None:
+        args.seeds = 3 if args.task == "arithmetic" else 1
+    return args
 
+
+def main() -> int:
+    args = parse_args()
     run_dir = ROOT / "runs" / f"bench-learn-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir.mkdir(parents=True)
     env = "arithmetic"
@@ -266,15 +273,13 @@ def main() -> int:
     elif args.task == "reasoning_gym":
         tasks, env = None, "reasoning_gym"
         args.set = [*one_dataset(args.config, args.dataset, args.heldout), *args.set]
-    if args.seeds is None:
-        args.seeds = 3 if args.task == "arithmetic" else 1
     marks = [m for m in args.marks if m < args.minutes]
     before = evaluate("base", tasks, args.config, env=env, overrides=args.set)
     print("before:", json.dumps(before), flush=True)
 
     kept = ("overall", "mean_reward", "by_difficulty", "by_op", "n")
     seeds, curve = [], []
-    for seed in range(args.seeds):
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
         train_dir = run_dir / f"train-seed{seed}"
         one = train_seed(args, seed, train_dir, marks)
         for point in one.pop("points"):

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from learn import gen_tokens_per_s, run_facts, speed, train, write_result  # noqa: E402
+from learn import gen_tokens_per_s, run_facts, speed, train, trainer_steps, write_result  # noqa: E402
 
 from agentjet.metrics import read_metrics  # noqa: E402
 
@@ -49,7 +49,7 @@ def one_engine(
         if r.get("event") == "eval"
     ]
     return {
-        **speed(run_dir, wall_s),
+        **speed(trainer_steps(run_dir), wall_s),
         "wall_s": round(wall_s, 1),
         "first_batch_s": round(batches[0]["time"] - started, 1) if batches else None,
         "gen_tokens_per_s": gen_tokens_per_s(batches),

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from learn import run_facts, speed, train, write_result  # noqa: E402
+from learn import run_facts, speed, train, trainer_steps, write_result  # noqa: E402
 
 from agentjet.metrics import read_metrics  # noqa: E402
 
@@ -38,7 +38,7 @@ def one_run(minutes: float, config: Path, run_dir: Path, extra: list[str]) -> di
     ]
     eval_s = sum(r["eval/seconds"] for r in evals)
     return {
-        **speed(run_dir, wall_s),
+        **speed(trainer_steps(run_dir), wall_s),
         "wall_s": round(wall_s, 1),
         "evals": len(evals),
         "eval_s": round(eval_s, 1),

@@ -341,10 +341,10 @@ def train_seed(args: argparse.Namespace, seed: int, train_dir: Path, marks: list
               "--set", f"trainer.checkpoint_every={args.checkpoint_every}"]  # fmt: skip
     launched = time.time()
     wall_s, peak_pss, stop_s = train(args.minutes, args.config, train_dir, extra)
-    metrics = train_dir / "metrics"
-    steps = [r for r in read_metrics(metrics / "trainer.jsonl") if r.get("event") == "step"]
-    batches = [r for r in read_metrics(metrics / "rollout.jsonl") if r.get("event") == "batch"]
-    versions = len({r["policy_version"] for r in steps})
+    steps = trainer_steps(train_dir)
+    rows = read_metrics(train_dir / "metrics" / "rollout.jsonl")
+    batches = [r for r in rows if r.get("event") == "batch"]
+    made = speed(steps, wall_s)
     zero_var = sum(r["charts/zero_variance_groups"] for r in steps)
     groups = sum(len(r["trained_group_ids"]) for r in steps)
     informative = sum(r["charts/trained_samples"] for r in steps)
@@ -362,9 +362,9 @@ def train_seed(args: argparse.Namespace, seed: int, train_dir: Path, marks: list
                            "version": read_checkpoint_meta(d)["policy_version"]})  # fmt: skip
     return {
         "minutes": round(wall_s / 60, 2),
-        **speed(train_dir, wall_s),
+        **made,
         "gen_tokens_per_s": gen_tokens_per_s(batches),
-        "s_per_policy_version": round(wall_s / max(versions, 1), 2),
+        "s_per_policy_version": round(wall_s / max(made["policy_versions"], 1), 2),
         "zero_variance_group_frac": round(zero_var / max(groups, 1), 3),
         # Samples trained with a non-zero advantage (the gradient's), per second of wall time.
         "effective_samples_per_s": round(informative / wall_s, 3),
@@ -401,11 +401,14 @@ def run_facts(args: argparse.Namespace) -> dict[str, object]:
     }
 
 
-def speed(run_dir: Path, wall_s: float) -> dict[str, float]:
-    """Versions made and samples trained per second of a finished `train` run."""
-    steps = [
-        r for r in read_metrics(run_dir / "metrics" / "trainer.jsonl") if r.get("event") == "step"
-    ]
+def trainer_steps(run_dir: Path) -> list[dict]:
+    """The trainer's "step" rows of a finished `train` run."""
+    rows = read_metrics(run_dir / "metrics" / "trainer.jsonl")
+    return [r for r in rows if r.get("event") == "step"]
+
+
+def speed(steps: list[dict], wall_s: float) -> dict[str, float]:
+    """Versions made and samples trained per second, from a run's `trainer_steps`."""
     return {
         "policy_versions": len({r["policy_version"] for r in steps}),
         "samples_per_s": round(sum(r["charts/samples"] for r in steps) / wall_s, 3),
@@ -417,7 +420,7 @@ def memory_only(args: argparse.Namespace, run_dir: Path) -> int:
     wall_s, peak_pss, stop_s = train(args.minutes, args.config, run_dir / "train", extra)
     result = {
         "minutes": round(wall_s / 60, 2),
-        **speed(run_dir / "train", wall_s),
+        **speed(trainer_steps(run_dir / "train"), wall_s),
         "peak_pss_mb": {key: round(mb, 1) for key, mb in peak_pss.items()},
         "ctrl_c_exit_s": round(stop_s, 1),  # SIGINT to the launcher's exit
         **run_facts(args),

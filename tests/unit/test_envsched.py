@@ -374,6 +374,23 @@ def test_weighted_sampling_without_replacement() -> None:
 # ── the scheduler ─────────────────────────────────────────────────────────────────────────
 
 
+def play(
+    scheduler: EnvSched,
+    rng: random.Random,
+    batches: int,
+    rewards: dict[int, list[float]],
+    batches_before: int = 0,
+) -> list[int]:
+    """`batches` batches of 8 chosen and reported, each task's group getting its difficulty's
+    `rewards`; the difficulties chosen, in order."""
+    chosen = []
+    for i in range(batches_before, batches_before + batches):
+        for t in scheduler.choose(8, rng, grants_issued=8 * i):
+            scheduler.observe(t, report(rewards[t.difficulty]))
+            chosen.append(t.difficulty)
+    return chosen
+
+
 def test_envsched_skips_predicted_zero_variance_work_down_to_the_target() -> None:
     # 1-digit tasks always right, 3-digit always wrong, 2-digit right half the time: uniform
     # sampling gives 2/3 zero-variance groups. Skipping settles where the share is the
@@ -382,12 +399,7 @@ def test_envsched_skips_predicted_zero_variance_work_down_to_the_target() -> Non
     params = EnvSchedConfig(frontier_size=0)
     scheduler = EnvSched([EnvConfig()], params, group_size=8)
     rng = random.Random(1)
-    chosen = []
-    for i in range(100):
-        for t in scheduler.choose(8, rng, grants_issued=8 * i):
-            rewards = {1: [1.0] * 8, 2: [1.0, 0.0] * 4, 3: [0.0] * 8}[t.difficulty]
-            scheduler.observe(t, report(rewards))
-            chosen.append(t.difficulty)
+    chosen = play(scheduler, rng, 100, {1: [1.0] * 8, 2: [1.0, 0.0] * 4, 3: [0.0] * 8})
     late = Counter(chosen[-400:])
     assert (late[1] + late[3]) / 400 == pytest.approx(params.zero_variance_target, abs=0.05)
     assert scheduler.statistics.keep_rate("arithmetic") == pytest.approx(1 / 3, abs=0.1)
@@ -403,12 +415,7 @@ def test_nearest_half_moves_the_mix_to_the_cells_the_policy_half_solves() -> Non
     params = EnvSchedConfig(selection="nearest_half", floor=0.1)
     scheduler = EnvSched([EnvConfig()], params, group_size=8)
     rng = random.Random(2)
-    chosen = []
-    for i in range(60):
-        for t in scheduler.choose(8, rng, grants_issued=8 * i):
-            rewards = {1: [1.0] * 8, 2: [1.0, 0.0] * 4, 3: [0.0] * 8}[t.difficulty]
-            scheduler.observe(t, report(rewards))
-            chosen.append(t.difficulty)
+    chosen = play(scheduler, rng, 60, {1: [1.0] * 8, 2: [1.0, 0.0] * 4, 3: [0.0] * 8})
     late = Counter(chosen[-240:])
     assert late[2] / 240 == pytest.approx(1 / 1.2, abs=0.08)
     assert min(late[1], late[3]) > 0
@@ -416,11 +423,7 @@ def test_nearest_half_moves_the_mix_to_the_cells_the_policy_half_solves() -> Non
     pool = scheduler.candidates("arithmetic", 8, random.Random(3))
     assert len(pool) <= params.pool_factor * 8  # ...but never offered: fresh draws only
     # The policy moves on: 2-digit solved, 3-digit half right; the mix follows.
-    for i in range(120):
-        for t in scheduler.choose(8, rng, grants_issued=8 * (60 + i)):
-            rewards = {1: [1.0] * 8, 2: [1.0] * 8, 3: [1.0, 0.0] * 4}[t.difficulty]
-            scheduler.observe(t, report(rewards))
-            chosen.append(t.difficulty)
+    chosen += play(scheduler, rng, 120, {1: [1.0] * 8, 2: [1.0] * 8, 3: [1.0, 0.0] * 4}, 60)
     assert Counter(chosen[-240:])[3] / 240 > 0.7
 
 

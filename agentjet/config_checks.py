@@ -29,6 +29,7 @@ from agentjet.reasoning_gym_tasks import GymTasks, system_prompt
 def check_config(config: Config) -> None:
     """Cross-field rules that types alone cannot state, in the order of the config's
     sections; the first one broken is raised."""
+    _check_lr_schedule(config.trainer)
     _check_replay(config.trainer)
     _check_envs(config.envs)
     _check_envsched(config.coordinator.envsched, {env.name for env in config.envs})
@@ -36,6 +37,14 @@ def check_config(config: Config) -> None:
     _check_addresses(config)
     _check_devices(config)
     _check_exposure(config)
+
+
+def _check_lr_schedule(trainer: TrainerConfig) -> None:
+    if trainer.lr_end and not trainer.lr_decay_versions:
+        raise ConfigError(
+            f"config error at trainer.lr_end: {trainer.lr_end} is reached at version "
+            "trainer.lr_decay_versions, which is 0 (no schedule): set both, or neither"
+        )
 
 
 def _check_replay(trainer: TrainerConfig) -> None:

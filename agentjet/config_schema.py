@@ -399,6 +399,11 @@ class ReplayConfig(_Section):
 
 class TrainerConfig(_Section):
     lr: PositiveFloat = 1e-5
+    # Learning-rate schedule by policy version (the swarm's epoch, the same on every
+    # trainer of a run): from `lr` at version 0 linearly to `lr_end` at version
+    # `lr_decay_versions`, `lr_end` after. 0 = `lr` throughout.
+    lr_decay_versions: NonNegInt = 0
+    lr_end: NonNegFloat = 0.0
     weight_decay: NonNegFloat = 0.0
     # Groups per policy version (one optimizer step; the global batch with one trainer).
     groups_per_step: PositiveInt = 8

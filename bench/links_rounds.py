@@ -160,9 +160,9 @@ class TimedSwarm(SwarmOptimizer):
 
     out: TextIO | None = None
 
-    def step_outcome(self, batch_size: int) -> StepOutcome:
+    def step_outcome(self, batch_size: int, lr: float | None = None) -> StepOutcome:
         began = time.monotonic()
-        outcome = super().step_outcome(batch_size)
+        outcome = super().step_outcome(batch_size, lr)
         if self.out is not None:
             emit(
                 self.out,

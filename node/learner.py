@@ -141,10 +141,28 @@ class StepOptimizer(Protocol):
         them."""
         ...
 
-    def step_outcome(self, batch_size: int) -> StepOutcome:
-        """Step on the `.grad`s of `batch_size` samples (once the epoch's samples are in)
-        and clear them; what became of them."""
+    def step_outcome(self, batch_size: int, lr: float | None = None) -> StepOutcome:
+        """Step on the `.grad`s of `batch_size` samples (once the epoch's samples are in),
+        at learning rate `lr` (None: as the last step), and clear them; what became of
+        them."""
         ...
+
+
+def scheduled_lr(config: TrainerConfig, version: int) -> float:
+    """The learning rate of the step from policy `version` (trainer.lr_decay_versions):
+    linear from `lr` at version 0 to `lr_end` at `lr_decay_versions`, then `lr_end`. A
+    function of the version alone, so every trainer of a swarm steps at the same rate."""
+    if not config.lr_decay_versions:
+        return config.lr
+    done = min(version / config.lr_decay_versions, 1.0)
+    return config.lr + (config.lr_end - config.lr) * done
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float | None) -> None:
+    """Set every param group of `optimizer` to learning rate `lr` (None: leave it)."""
+    if lr is not None:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
 
 
 class Learner:
@@ -207,7 +225,8 @@ class Learner:
                 replays = [g for g in replays if g.group_id not in over]
         rejected = (over - replay_ids) | teacher_over
         grad_norm = self._clip_gradients(rows)
-        outcome = self._step_optimizer(groups, replays, len(rows), count_at_least)
+        lr = scheduled_lr(self.config, self.optimizer.epoch)
+        outcome = self._step_optimizer(groups, replays, len(rows), count_at_least, lr)
         passed = {g: gap for g, gap in gap_of.items() if g not in over}
         return StepResult(
             outcome=outcome,
@@ -217,6 +236,7 @@ class Learner:
             teacher_gaps=teacher_gaps,
             metrics={
                 **_step_metrics(done, grad_norm, groups, rows, passed, replay_ids, teacher_gaps),
+                "charts/lr": lr,
                 "perf/step_s": time.perf_counter() - start,
             },
         )
@@ -234,9 +254,10 @@ class Learner:
         replays: list[TrajectoryGroup],
         trained_samples: int,
         count_at_least: int,
+        lr: float,
     ) -> StepOutcome:
-        """Name the batch's groups and step the optimizer on the samples the batch counts
-        for; a batch that counts for none adds nothing."""
+        """Name the batch's groups and step the optimizer, at `lr`, on the samples the
+        batch counts for; a batch that counts for none adds nothing."""
         all_samples = sum(len(g.samples) for g in groups) + sum(len(g.samples) for g in replays)
         informative_only = bool(self.config.informative_samples_per_step)
         counted = _samples_counted(trained_samples, all_samples, informative_only, count_at_least)
@@ -246,7 +267,7 @@ class Learner:
         if counted == 0:
             # No sample with gradient, or every group rejected: the batch adds nothing.
             return StepOutcome(self.optimizer.epoch, applied=False, discarded=False)
-        return self.optimizer.step_outcome(batch_size=counted)
+        return self.optimizer.step_outcome(batch_size=counted, lr=lr)
 
     def _accumulate_or_explain(self, rows: list[_Row]) -> _Pass:
         """`_accumulate`, with CUDA running out of memory said in one line with its sizes."""

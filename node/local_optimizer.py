@@ -25,7 +25,7 @@ from functools import partial
 
 import torch
 
-from node.learner import StepOptimizer
+from node.learner import StepOptimizer, set_lr
 from node.local_steps import MakeOptimizer
 from node.rounds import StepOutcome
 
@@ -79,9 +79,9 @@ class LocalOptimizer(StepOptimizer):
         return f"local/{self.batches}"
 
     @torch.no_grad()
-    def step_outcome(self, batch_size: int) -> StepOutcome:
-        """Add the `.grad`s of `batch_size` samples to the epoch's, step once the epoch's
-        samples are in, and clear `.grad`."""
+    def step_outcome(self, batch_size: int, lr: float | None = None) -> StepOutcome:
+        """Add the `.grad`s of `batch_size` samples to the epoch's, step (at `lr`) once
+        the epoch's samples are in, and clear `.grad`."""
         epoch = self._epoch
         self._samples += batch_size
         self._times += 1
@@ -94,6 +94,7 @@ class LocalOptimizer(StepOptimizer):
             if self._times > 1:
                 for grad, accumulator in zip(self._grads(), self._accumulators, strict=True):
                     grad.copy_(accumulator).mul_(1.0 / self._times)
+            set_lr(self.optimizer, lr)
             self.optimizer.step()
             self._epoch += 1
             self.batches += 1

@@ -43,7 +43,7 @@ from functools import partial
 import torch
 
 from agentjet.config_schema import SwarmConfig
-from node.learner import StepOptimizer
+from node.learner import StepOptimizer, set_lr
 from node.rounds import StepOutcome
 
 MakeOptimizer = Callable[[Sequence[torch.nn.Parameter]], torch.optim.Optimizer]
@@ -121,12 +121,13 @@ class LocalSteps(StepOptimizer):
                 _copy(self.params, self.version)
 
     @torch.no_grad()
-    def step_outcome(self, batch_size: int) -> StepOutcome:
-        """An inner step on the `.grad`s of `batch_size` samples; after the `steps`-th,
-        the outer step on the pseudo-gradient, and what became of the inner steps' groups
-        (kept accumulated before it)."""
+    def step_outcome(self, batch_size: int, lr: float | None = None) -> StepOutcome:
+        """An inner step, at `lr`, on the `.grad`s of `batch_size` samples; after the
+        `steps`-th, the outer step on the pseudo-gradient (at swarm.outer_lr), and what
+        became of the inner steps' groups (kept accumulated before it)."""
         for weights, param in zip(self.weights, self.params, strict=True):
             weights.grad, param.grad = param.grad, None
+        set_lr(self.inner, lr)
         self.inner.step()
         self.inner.zero_grad(set_to_none=True)
         self.taken += 1

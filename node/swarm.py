@@ -44,6 +44,7 @@ from node.averagers import (
 )
 from node.dht import start_dht
 from node.directory import Directory
+from node.learner import set_lr
 from node.local_steps import outer_optimizer
 from node.members import MemberGate
 from node.optimizer import HivemindOptimizer, RoundFailed
@@ -266,9 +267,9 @@ class SwarmOptimizer:
         """Why this trainer's gradient rounds keep failing ("" while they work)."""
         return self.trouble.problem
 
-    def step_outcome(self, batch_size: int) -> StepOutcome:
-        """Hand the accumulated `.grad`s of `batch_size` samples to the swarm; whether they
-        were applied, kept or thrown away, and the epoch after."""
+    def step_outcome(self, batch_size: int, lr: float | None = None) -> StepOutcome:
+        """Hand the accumulated `.grad`s of `batch_size` samples to the swarm (the step
+        at `lr`); whether they were applied, kept or thrown away, and the epoch after."""
         self.rendezvous.pace.step_began()
         if self.attached and self.other_trainers() > 0 and not self.rendezvous.meet(batch_size):
             # stopping: the batch was given up
@@ -295,6 +296,8 @@ class SwarmOptimizer:
             averager.rounds = ()
             self.optimizer.peer_batches = ()
             batch_id, in_doubt = str(self.optimizer.grad_averager.batch_id), None
+            # hivemind's `param_groups` are copies: set its torch optimizer's.
+            set_lr(self.optimizer.state_averager.optimizer, lr)
             try:
                 self.optimizer.step(batch_size=batch_size)
             except RoundFailed as e:

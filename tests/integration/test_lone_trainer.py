@@ -111,7 +111,8 @@ def test_a_lone_swarm_optimizer_steps_as_the_local_one_does_bit_for_bit():
     of one batch and an epoch of two uneven ones, with weight decay (which hivemind's
     zero-gradient first step applies once), and calls with no backward before them (the
     learner's with only zero-advantage samples): the first on the zero `.grad`s hivemind
-    leaves when it is made, a later one on none."""
+    leaves when it is made, a later one on none; at the learning rate each call names
+    (trainer.lr_decay_versions), lr 0 moving nothing."""
     torch.manual_seed(1)
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 4))
     twin = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 4))
@@ -126,23 +127,37 @@ def test_a_lone_swarm_optimizer_steps_as_the_local_one_does_bit_for_bit():
         pairs = zip(model.parameters(), twin.parameters(), strict=True)
         return all(torch.equal(a, b) for a, b in pairs)
 
-    def outcomes(size: int, backward: bool) -> tuple[StepOutcome, StepOutcome]:
+    def outcomes(size: int, backward: bool, rate: float | None) -> tuple[StepOutcome, ...]:
         batch = torch.randn(size, 64)
         for m in (model, twin):
             if backward:
                 m(batch).square().mean().backward()
-        return swarm.step_outcome(batch_size=size), local.step_outcome(batch_size=size)
+        return swarm.step_outcome(size, rate), local.step_outcome(size, rate)
 
     try:
         assert same_weights(), "both made Adam's state with a step on zero gradients"
-        # (samples, a backward before): an epoch with none, whole epochs, one with none,
-        # an epoch of a batch of 2 and one of 4 (with none), a whole one again
-        calls = [(6, False), (6, True), (6, True), (6, False), (2, True), (4, False), (6, True)]
-        for size, backward in calls:
-            by_swarm, by_local = outcomes(size, backward)
-            assert by_swarm == by_local, (size, backward)
-            assert same_weights(), (size, backward)
+        # (samples, a backward before, lr): an epoch with none, whole epochs, one with
+        # none, an epoch of a batch of 2 and one of 4 (with none), a whole one again, one
+        # at lr 0
+        calls = [
+            (6, False, None),
+            (6, True, None),
+            (6, True, lr / 2),
+            (6, False, lr / 3),
+            (2, True, lr / 4),
+            (4, False, lr / 4),
+            (6, True, lr / 5),
+            (6, True, 0.0),
+        ]
+        for size, backward, rate in calls:
+            before = [p.detach().clone() for p in model.parameters()]
+            by_swarm, by_local = outcomes(size, backward, rate)
+            assert by_swarm == by_local, (size, backward, rate)
+            assert same_weights(), (size, backward, rate)
             assert all(p.grad is None for p in (*model.parameters(), *twin.parameters()))
-        assert (swarm.epoch, local.epoch) == (6, 6)
+            pairs = zip(model.parameters(), before, strict=True)
+            unmoved = all(torch.equal(a, b) for a, b in pairs)
+            assert unmoved == (rate == 0.0 or size == 2), (size, backward, rate)
+        assert (swarm.epoch, local.epoch) == (7, 7)
     finally:
         swarm.shutdown()

@@ -90,6 +90,10 @@ def test_overrides_parse_toml_values_and_bare_strings():
             {"sandbox": {"pool": 2}},
             "config error at sandbox.pool: unknown key (allowed here: backend",
         ),
+        (
+            {"trainer": {"lr_end": 1e-6}},
+            "config error at trainer.lr_end: 1e-06 is reached at version trainer.lr_decay_versions",
+        ),
     ],
 )
 def test_errors_name_the_key(data, message):

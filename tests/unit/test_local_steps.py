@@ -40,13 +40,17 @@ def local_steps(net: torch.nn.Module, steps: int = 3) -> tuple[LocalSteps, Local
 
 
 def test_h_inner_adamw_steps_then_one_nesterov_step_on_their_pseudo_gradient() -> None:
+    """The inner steps at the learning rate each names (the learner's schedule), the outer
+    one at swarm.outer_lr."""
     net, reference = model(), model()
     start = [p.detach().clone() for p in net.parameters()]
     optimizer, _ = local_steps(net)
     inner = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.0)
     for seed in range(3):
         backward(net, seed, optimizer)
-        outcome = optimizer.step_outcome(batch_size=5)
+        rate = LR / (1 + seed)
+        inner.param_groups[0]["lr"] = rate
+        outcome = optimizer.step_outcome(batch_size=5, lr=rate)
         assert outcome.applied == (seed == 2) and not outcome.discarded
         assert optimizer.epoch == (1 if seed == 2 else 0)
         if seed < 2:  # between batches the model holds the version's weights, not the inner

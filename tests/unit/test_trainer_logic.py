@@ -18,7 +18,7 @@ from agentjet import protocol
 from agentjet.config import TrainerConfig
 from agentjet.episode import Episode, SamplingParams
 from node.groups import take_batch
-from node.learner import Learner
+from node.learner import Learner, scheduled_lr
 from node.local_optimizer import LocalOptimizer
 from node.model import load_causal_lm
 from node.rollout_produce import build_group
@@ -108,6 +108,30 @@ def test_with_a_sample_budget_a_version_waits_for_enough_gradient(tiny_model_dir
         for name, rewards in (("same", (1.0, 1.0)), ("a", (1.0, 0.0)), ("b", (0.0, 1.0)))
     ]
     assert versions == [0, 0, 1]
+
+
+def test_the_learning_rate_falls_with_the_policy_version(tiny_model_dir: Path) -> None:
+    """trainer.lr_decay_versions: each step is taken at the rate its version is due, linear
+    from `lr` to `lr_end`, then `lr_end`; the step's metrics say which."""
+    config = TrainerConfig(lr=4e-3, lr_end=1e-3, lr_decay_versions=3, max_logprob_gap=0.0)
+    assert [scheduled_lr(config, v) for v in range(5)] == pytest.approx(
+        [4e-3, 3e-3, 2e-3, 1e-3, 1e-3]
+    )
+    assert scheduled_lr(TrainerConfig(lr=4e-3), 1000) == 4e-3, "no schedule: lr throughout"
+    model, _ = load_causal_lm(tiny_model_dir)
+    optimizer = lone_optimizer(model, target_batch_size=2, lr=1.0)  # the schedule overrides it
+    learner = Learner(model, optimizer, config, 1.0, 0)
+    used, rates = [], []
+    for i in range(5):
+        before = [p.detach().clone() for p in model.parameters()]
+        result = learner.train_step([make_group(f"g{i}", rewards=(1.0, 0.0))])
+        assert result.outcome.applied
+        rates.append(result.metrics["charts/lr"])
+        used.append(optimizer.optimizer.param_groups[0]["lr"])
+        pairs = zip(model.parameters(), before, strict=True)
+        moved = max((p - b).abs().max().item() for p, b in pairs)
+        assert 0 < moved < 0.1, "a step at lr 1.0 would move a weight by about 1"
+    assert rates == used == pytest.approx([4e-3, 3e-3, 2e-3, 1e-3, 1e-3])
 
 
 def lone_optimizer(

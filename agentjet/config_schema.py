@@ -60,7 +60,8 @@ class ModelConfig(_Section):
     cache_dir: str = "~/.cache/agentjet/models"
     # Compute dtype of the engine and the learner: "auto" is bfloat16 on CUDA, float32 on
     # CPU. The learner keeps float32 weights and optimizer state whatever this says and
-    # computes in it (autocast); policy versions travel in it.
+    # computes in it (autocast); policy versions travel in it. bfloat16 on a CPU without
+    # bfloat16 instructions (AVX512-BF16, AMX, Arm BF16) is emulated, slower: a warning says so.
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     # LoRA (peft): rank of the adapters trained instead of the full weights; 0 = train all
     # weights. With LoRA only adapter tensors are averaged between trainers and sent to

@@ -19,6 +19,7 @@ device it was given.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.metadata
 import importlib.util
 import json
@@ -94,13 +95,19 @@ def resolve_dtype(spec: str, device: torch.device) -> str:
     """model.dtype on `device`: "auto" is bfloat16 on CUDA and float32 elsewhere. bfloat16
     on a CPU that would emulate it is kept, with a warning."""
     if spec == "bfloat16" and device.type == "cpu" and native_bf16() is False:
-        log.warning(
-            "bfloat16 on this CPU is emulated (it has neither AVX512-BF16 nor AMX), slower "
-            'than float32: set model.dtype = "float32" (and rollout.dtype) for speed'
-        )
+        _warn_emulated_bf16()
     if spec != "auto":
         return spec
     return "bfloat16" if device.type == "cuda" else "float32"
+
+
+@functools.cache
+def _warn_emulated_bf16() -> None:
+    """Once per process."""
+    log.warning(
+        "bfloat16 on this CPU is emulated (it has no AVX512-BF16, AMX or Arm BF16), slower "
+        'than float32: set model.dtype = "float32" for speed'
+    )
 
 
 def native_bf16(cpuinfo: str | None = None) -> bool | None:

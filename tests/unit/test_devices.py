@@ -56,8 +56,10 @@ def test_bfloat16_on_a_cpu_that_would_emulate_it_is_kept_with_a_warning(
     assert native_bf16("") is None
     cpu = torch.device("cpu")
     monkeypatch.setattr(devices, "native_bf16", lambda: False)
+    devices._warn_emulated_bf16.cache_clear()
     with caplog.at_level(logging.WARNING, logger="agentjet.devices"):
         assert resolve_dtype("bfloat16", cpu) == "bfloat16"
+        assert resolve_dtype("bfloat16", cpu) == "bfloat16"  # said once
         assert resolve_dtype("float32", cpu) == "float32"
     [warning] = caplog.messages
     assert "emulated" in warning and 'model.dtype = "float32"' in warning

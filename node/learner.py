@@ -226,7 +226,10 @@ class Learner:
         rejected = (over - replay_ids) | teacher_over
         grad_norm = self._clip_gradients(rows)
         lr = scheduled_lr(self.config, self.optimizer.epoch)
-        outcome = self._step_optimizer(groups, replays, len(rows), count_at_least, lr)
+        # Without a schedule the optimizer keeps the rate it was made with (a trainer's is
+        # trainer.lr).
+        step_lr = lr if self.config.lr_decay_versions else None
+        outcome = self._step_optimizer(groups, replays, len(rows), count_at_least, step_lr)
         passed = {g: gap for g, gap in gap_of.items() if g not in over}
         return StepResult(
             outcome=outcome,
@@ -254,10 +257,10 @@ class Learner:
         replays: list[TrajectoryGroup],
         trained_samples: int,
         count_at_least: int,
-        lr: float,
+        lr: float | None,
     ) -> StepOutcome:
-        """Name the batch's groups and step the optimizer, at `lr`, on the samples the
-        batch counts for; a batch that counts for none adds nothing."""
+        """Name the batch's groups and step the optimizer, at `lr` (None: its own), on the
+        samples the batch counts for; a batch that counts for none adds nothing."""
         all_samples = sum(len(g.samples) for g in groups) + sum(len(g.samples) for g in replays)
         informative_only = bool(self.config.informative_samples_per_step)
         counted = _samples_counted(trained_samples, all_samples, informative_only, count_at_least)

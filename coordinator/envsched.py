@@ -1,6 +1,7 @@
 """EnvSched: grant (environment, task) work where GRPO learns, groups whose rewards differ,
 by skipping predicted zero-variance work down to a target share, never below a floor (or,
-with selection "nearest_half", by predicted success nearest 0.5).
+with selection "nearest_half", by predicted success nearest 0.5, or "failing", by predicted
+failure).
 
     GroupReport ──▶ Statistics.observe ──▶ decayed sums per node of the graph:
                       env ⊃ cell (env, op, difficulty) ⊃ task (cell, id)
@@ -72,6 +73,12 @@ up keeping the mix near the task distribution. Measured on arithmetic (bench/LOG
 2026-12-07) it lost 4 held-out points in 5 minutes: at temperature 1 the cells near 0.5
 stayed the 1-digit ones, which greedy decoding (what held-out accuracy scores) already
 solves, and the 2- and 3-digit work held-out accuracy grows on got less.
+
+Failing (`selection = "failing"`). A candidate weighs by its predicted failure rate, 1 − p,
+never under the floor; no frontier, no keep. Held-out accuracy grows where the policy still
+fails, so the work goes there: a solved cell keeps about the floor's share, a cell out of
+reach keeps its own (its groups come back all wrong: they cost generation, not training,
+since the learner skips samples whose advantage is 0).
 
 The floor: what is guaranteed. No candidate weighs less than `floor`, and none more than 1.
 So after any history, each draw without replacement takes a given candidate still in the
@@ -345,6 +352,16 @@ def nearest_half_weight(success: float, floor: float) -> float:
     """The sampling weight of a candidate whose predicted success rate is `success`, under
     "nearest_half": 1 at 0.5, falling to `floor` toward 0 and 1."""
     return max(floor, 1.0 - abs(2.0 * success - 1.0))
+
+
+def failing_weight(success: float, floor: float) -> float:
+    """The sampling weight of a candidate whose predicted success rate is `success`, under
+    "failing": its predicted failure rate 1 − p, never under `floor`."""
+    return max(floor, 1.0 - success)
+
+
+# The selections that weigh a candidate by its predicted success rate alone.
+SELECTIONS = {"nearest_half": nearest_half_weight, "failing": failing_weight}
 
 
 def frontier_share(keep: float, floor: float) -> float:
@@ -623,7 +640,7 @@ class EnvSched:
             if any(entry.can_draw(task) for entry in entries)
         ]
         share = frontier_share(self.statistics.keep_rate(env), self.params.floor)
-        if self.params.selection == "nearest_half":
+        if self.params.selection != "skip":
             share = 0.0
         offered = frontier[len(frontier) - round(share * len(frontier)) :]
         pool = {task.id: task for task in offered}
@@ -642,12 +659,13 @@ class EnvSched:
         return [pool[i] for i in pick(weights, count, rng)]
 
     def weight(self, task: Task) -> float:
-        """The sampling weight of a candidate task (candidate_weight, or nearest_half_weight
-        by the task's Beta mean)."""
+        """The sampling weight of a candidate task (candidate_weight, or by the task's Beta
+        mean: nearest_half_weight, failing_weight)."""
         stats = self.statistics
-        if self.params.selection == "nearest_half":
+        if self.params.selection != "skip":
             beta = stats.task_beta(task)
-            return nearest_half_weight(beta.alpha / (beta.alpha + beta.beta), self.params.floor)
+            by_success = SELECTIONS[self.params.selection]
+            return by_success(beta.alpha / (beta.alpha + beta.beta), self.params.floor)
         mixed = mixed_probability(stats.task_beta(task), stats.group_size)
         return candidate_weight(mixed, stats.keep_rate(task.env), self.params.floor)
 

@@ -44,6 +44,7 @@ from coordinator.envsched import (
     cell_mix,
     decay_factor,
     env_health,
+    failing_weight,
     group_sums,
     mixed_probability,
     nearest_half_weight,
@@ -432,6 +433,30 @@ def test_nearest_half_weight_peaks_at_a_half_and_never_falls_under_the_floor() -
     assert nearest_half_weight(0.25, 0.1) == pytest.approx(0.5)
     assert nearest_half_weight(0.75, 0.1) == pytest.approx(0.5)
     assert nearest_half_weight(0.0, 0.1) == nearest_half_weight(1.0, 0.1) == 0.1
+
+
+def test_failing_moves_the_mix_to_what_the_policy_gets_wrong() -> None:
+    # 1-digit always right, 2-digit right half the time, 3-digit always wrong: "failing"
+    # weighs candidates 0.1 (the floor), 0.5 and 1, so once the cells are known most picks
+    # are 3-digit, then 2-digit, and 1-digit keeps a floor's share; no frontier is offered.
+    params = EnvSchedConfig(selection="failing", floor=0.1)
+    scheduler = EnvSched([EnvConfig()], params, group_size=8)
+    rng = random.Random(2)
+    chosen = play(scheduler, rng, 60, {1: [1.0] * 8, 2: [1.0, 0.0] * 4, 3: [0.0] * 8})
+    late = Counter(chosen[-240:])
+    assert late[3] > late[2] > late[1] > 0
+    assert late[1] / 240 < 0.15 < 0.5 < late[3] / 240
+    pool = scheduler.candidates("arithmetic", 8, random.Random(3))
+    assert len(pool) <= params.pool_factor * 8  # fresh draws only
+    # The policy moves on: 3-digit solved; the work goes to the 2-digit tasks still missed.
+    chosen += play(scheduler, rng, 120, {1: [1.0] * 8, 2: [1.0, 0.0] * 4, 3: [1.0] * 8}, 60)
+    assert Counter(chosen[-240:])[2] / 240 > 0.5  # (the 3-digit failures fade by half-life)
+
+
+def test_failing_weight_is_the_failure_rate_never_under_the_floor() -> None:
+    assert failing_weight(0.0, 0.1) == 1.0
+    assert failing_weight(0.25, 0.1) == pytest.approx(0.75)
+    assert failing_weight(0.95, 0.1) == failing_weight(1.0, 0.1) == 0.1
 
 
 def test_envsched_offers_tasks_whose_last_group_was_mixed_again() -> None:

@@ -596,9 +596,9 @@ class EnvSchedConfig(_Section):
     # "nearest_half": by how near its predicted success rate p is to 0.5, 1 - |2p - 1|, never
     # under `floor` (PCL's pick from a uniform pool; the mix moves with the policy: solved
     # and out-of-reach cells keep about `floor` of their uniform share); no frontier, no
-    # steering. "failing": by its predicted failure rate 1 - p, never under `floor` (the
-    # work moves to what the policy gets wrong: solved cells keep about `floor` of their
-    # share, out-of-reach ones keep theirs); no frontier, no steering.
+    # steering. "failing": by the chance that a sample is wrong and its group is mixed,
+    # E[(1 - p) 1{mixed}], never under `floor` (the work moves to what the policy gets wrong
+    # and can learn: solved and out-of-reach cells keep about `floor`); no frontier either.
     selection: Literal["skip", "nearest_half", "failing"] = "skip"
     # No candidate weighs less than this (uniform sampling weighs each 1): whatever the
     # history, every task keeps about this share of its chance under uniform sampling.

@@ -74,11 +74,13 @@ up keeping the mix near the task distribution. Measured on arithmetic (bench/LOG
 stayed the 1-digit ones, which greedy decoding (what held-out accuracy scores) already
 solves, and the 2- and 3-digit work held-out accuracy grows on got less.
 
-Failing (`selection = "failing"`). A candidate weighs by its predicted failure rate, 1 − p,
+Failing (`selection = "failing"`). A candidate weighs by the chance that a sample of it is
+wrong and its group teaches, E[(1 − p) · 1{mixed}] under its Beta (`failing_and_mixed`),
 never under the floor; no frontier, no keep. Held-out accuracy grows where the policy still
-fails, so the work goes there: a solved cell keeps about the floor's share, a cell out of
-reach keeps its own (its groups come back all wrong: they cost generation, not training,
-since the learner skips samples whose advantage is 0).
+fails, but only a mixed group teaches: the weight peaks on tasks solved now and then (for
+groups of 8, at p ≈ 0.15), and solved cells and cells out of reach (3-digit products,
+always wrong) both fall to the floor. Against "nearest_half", which weighs p = 0.4 and
+p = 0.6 alike, it prefers the task the policy gets wrong.
 
 The floor: what is guaranteed. No candidate weighs less than `floor`, and none more than 1.
 So after any history, each draw without replacement takes a given candidate still in the
@@ -279,6 +281,24 @@ def updated_beta(prior: Beta, sums: Sums) -> Beta:
     return Beta(prior.alpha + sums.reward, prior.beta + sums.samples - sums.reward)
 
 
+def failing_and_mixed(beta: Beta, group_size: int) -> float:
+    """E[(1 − p) · 1{a group of `group_size` samples is mixed}], p ~ Beta: the chance that a
+    sample is wrong and its group teaches. With E[p^n (1 − p)] = E[p^n] · b / (a + b + n) and
+    E[(1 − p)^(n+1)] = E[(1 − p)^n] · (b + n) / (a + b + n), it is E[1 − p] less both."""
+    a, b, n = beta.alpha, beta.beta, group_size
+    all_right = all_wrong = 1.0
+    for i in range(n):
+        all_right *= (a + i) / (a + b + i)
+        all_wrong *= (b + i) / (a + b + i)
+    return max(0.0, b / (a + b) - all_right * b / (a + b + n) - all_wrong * (b + n) / (a + b + n))
+
+
+def failing_weight(beta: Beta, group_size: int, floor: float) -> float:
+    """The sampling weight of a candidate under "failing": `failing_and_mixed`, never under
+    `floor`."""
+    return max(floor, failing_and_mixed(beta, group_size))
+
+
 def mixed_probability(beta: Beta, group_size: int) -> float:
     """P(a group of `group_size` samples is mixed) = 1 − E[p^n] − E[(1−p)^n], p ~ Beta.
 
@@ -352,16 +372,6 @@ def nearest_half_weight(success: float, floor: float) -> float:
     """The sampling weight of a candidate whose predicted success rate is `success`, under
     "nearest_half": 1 at 0.5, falling to `floor` toward 0 and 1."""
     return max(floor, 1.0 - abs(2.0 * success - 1.0))
-
-
-def failing_weight(success: float, floor: float) -> float:
-    """The sampling weight of a candidate whose predicted success rate is `success`, under
-    "failing": its predicted failure rate 1 − p, never under `floor`."""
-    return max(floor, 1.0 - success)
-
-
-# The selections that weigh a candidate by its predicted success rate alone.
-SELECTIONS = {"nearest_half": nearest_half_weight, "failing": failing_weight}
 
 
 def frontier_share(keep: float, floor: float) -> float:
@@ -659,13 +669,14 @@ class EnvSched:
         return [pool[i] for i in pick(weights, count, rng)]
 
     def weight(self, task: Task) -> float:
-        """The sampling weight of a candidate task (candidate_weight, or by the task's Beta
-        mean: nearest_half_weight, failing_weight)."""
+        """The sampling weight of a candidate task: candidate_weight, nearest_half_weight or
+        failing_weight, by `selection`."""
         stats = self.statistics
-        if self.params.selection != "skip":
+        if self.params.selection == "nearest_half":
             beta = stats.task_beta(task)
-            by_success = SELECTIONS[self.params.selection]
-            return by_success(beta.alpha / (beta.alpha + beta.beta), self.params.floor)
+            return nearest_half_weight(beta.alpha / (beta.alpha + beta.beta), self.params.floor)
+        if self.params.selection == "failing":
+            return failing_weight(stats.task_beta(task), stats.group_size, self.params.floor)
         mixed = mixed_probability(stats.task_beta(task), stats.group_size)
         return candidate_weight(mixed, stats.keep_rate(task.env), self.params.floor)
 

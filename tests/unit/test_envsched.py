@@ -44,6 +44,7 @@ from coordinator.envsched import (
     cell_mix,
     decay_factor,
     env_health,
+    failing_and_mixed,
     failing_weight,
     group_sums,
     mixed_probability,
@@ -435,28 +436,37 @@ def test_nearest_half_weight_peaks_at_a_half_and_never_falls_under_the_floor() -
     assert nearest_half_weight(0.0, 0.1) == nearest_half_weight(1.0, 0.1) == 0.1
 
 
-def test_failing_moves_the_mix_to_what_the_policy_gets_wrong() -> None:
+def test_failing_moves_the_mix_to_what_the_policy_gets_wrong_and_can_learn() -> None:
     # 1-digit always right, 2-digit right half the time, 3-digit always wrong: "failing"
-    # weighs candidates 0.1 (the floor), 0.5 and 1, so once the cells are known most picks
-    # are 3-digit, then 2-digit, and 1-digit keeps a floor's share; no frontier is offered.
+    # weighs 2-digit candidates about 0.5 and the solved and hopeless ones the floor, so
+    # most picks are 2-digit once the cells are known; none starves; no frontier is offered.
     params = EnvSchedConfig(selection="failing", floor=0.1)
     scheduler = EnvSched([EnvConfig()], params, group_size=8)
     rng = random.Random(2)
     chosen = play(scheduler, rng, 60, {1: [1.0] * 8, 2: [1.0, 0.0] * 4, 3: [0.0] * 8})
     late = Counter(chosen[-240:])
-    assert late[3] > late[2] > late[1] > 0
-    assert late[1] / 240 < 0.15 < 0.5 < late[3] / 240
+    assert late[2] / 240 > 0.6
+    assert min(late[1], late[3]) > 0
     pool = scheduler.candidates("arithmetic", 8, random.Random(3))
     assert len(pool) <= params.pool_factor * 8  # fresh draws only
-    # The policy moves on: 3-digit solved; the work goes to the 2-digit tasks still missed.
-    chosen += play(scheduler, rng, 120, {1: [1.0] * 8, 2: [1.0, 0.0] * 4, 3: [1.0] * 8}, 60)
-    assert Counter(chosen[-240:])[2] / 240 > 0.5  # (the 3-digit failures fade by half-life)
+    # The policy moves on: 2-digit solved, 3-digit right now and then; the mix follows.
+    chosen += play(scheduler, rng, 120, {1: [1.0] * 8, 2: [1.0] * 8, 3: [1.0] + [0.0] * 7}, 60)
+    assert Counter(chosen[-240:])[3] / 240 > 0.6
 
 
-def test_failing_weight_is_the_failure_rate_never_under_the_floor() -> None:
-    assert failing_weight(0.0, 0.1) == 1.0
-    assert failing_weight(0.25, 0.1) == pytest.approx(0.75)
-    assert failing_weight(0.95, 0.1) == failing_weight(1.0, 0.1) == 0.1
+def test_failing_weight_is_a_wrong_sample_in_a_mixed_group() -> None:
+    # Against a point mass (a huge Beta), E[(1 - p) 1{mixed}] = (1 - p)(1 - p^n - (1 - p)^n).
+    for p in (0.0, 0.15, 0.5, 0.9, 1.0):
+        beta = Beta(p * 1e7 + 1e-9, (1 - p) * 1e7 + 1e-9)
+        expected = (1 - p) * (1 - p**8 - (1 - p) ** 8)
+        assert failing_and_mixed(beta, 8) == pytest.approx(expected, abs=1e-5)
+    # Against the uniform prior Beta(1, 1), the integral of (1 - p)(1 - p^8 - (1 - p)^8):
+    # 1/2 - 1/90 - 1/10.
+    assert failing_and_mixed(Beta(1.0, 1.0), 8) == pytest.approx(0.5 - 1 / 90 - 1 / 10)
+    # Solved and hopeless tasks weigh the floor; one right now and then weighs most.
+    solved, hopeless, rare = Beta(1e6, 1e-3), Beta(1e-3, 1e6), Beta(15.0, 85.0)
+    assert failing_weight(solved, 8, 0.1) == failing_weight(hopeless, 8, 0.1) == 0.1
+    assert failing_weight(rare, 8, 0.1) > failing_weight(Beta(60.0, 40.0), 8, 0.1) > 0.1
 
 
 def test_envsched_offers_tasks_whose_last_group_was_mixed_again() -> None:

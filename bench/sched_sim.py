@@ -6,7 +6,7 @@ which groups does the trainer get?
     teaches (its task gains TASK_LEARN_LOGIT, its cell CELL_LEARN_LOGIT), and every group
     played moves every task by DRIFT_LOGIT_PER_GROUP (the policy improves everywhere)
     policy ──choose 8──▶ World.play ──GroupReport──▶ policy.observe ──▶ … (2000 groups)
-    ──▶ zero-variance share, mixed groups per group, trained mix (envsched.cell_mix), keep
+    ──▶ zero-variance share, mixed groups per group, trained mix (envsched_status.cell_mix), keep
     ──▶ bench/results/sched_sim.json
 
 Calibration. Cell bases are set so the mean p per digit count is SmolLM2-135M's measured
@@ -56,9 +56,9 @@ from coordinator.envsched import (  # noqa: E402
     EnvSched,
     apportion,
     candidate_weight,
-    cell_mix,
     cell_of,
 )
+from coordinator.envsched_status import cell_mix  # noqa: E402
 from coordinator.scheduler import Scheduler, UniformScheduler, draw_rng  # noqa: E402
 
 GROUP_SIZE = 8

@@ -47,7 +47,7 @@ from learn import AGENTJET, HELDOUT_SEED, ROOT, evaluate, train, write_result  #
 
 from agentjet.metrics import read_metrics  # noqa: E402
 from agentjet.rl import zero_variance  # noqa: E402
-from coordinator.envsched import cell_mix  # noqa: E402
+from coordinator.envsched_status import cell_mix  # noqa: E402
 from coordinator.store import Store  # noqa: E402
 
 ARMS = ("uniform", "envsched")

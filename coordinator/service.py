@@ -61,7 +61,7 @@ from agentjet.protocol import (
 from agentjet.roles import print_join_command, run_role, supervise
 from agentjet.transport import Server
 from coordinator.beacon import Beacon
-from coordinator.envsched import status_table
+from coordinator.envsched_status import status_table
 from coordinator.scheduler import (
     Scheduler,
     draw_rng,

@@ -41,7 +41,6 @@ from coordinator.envsched import (
     apportion,
     beta_from_moments,
     candidate_weight,
-    cell_mix,
     decay_factor,
     env_health,
     failing_and_mixed,
@@ -53,7 +52,6 @@ from coordinator.envsched import (
     prior_moments,
     relation_weight,
     shrink,
-    status_table,
     steered_keep,
     updated,
     updated_beta,
@@ -61,6 +59,7 @@ from coordinator.envsched import (
     weights_at,
     within_variance,
 )
+from coordinator.envsched_status import cell_mix, status_table
 from coordinator.scheduler import UniformScheduler, draw_rng, make_scheduler
 from coordinator.store import Accepted, Store
 

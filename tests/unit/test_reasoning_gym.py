@@ -19,7 +19,8 @@ from agentjet.errors import ConfigError
 from agentjet.protocol import Task
 from agentjet.reasoning_gym_tasks import GymTasks, ScoreError
 from agentjet.tasks import TaskSource, held_out_tasks
-from coordinator.envsched import cell_name, cell_of
+from coordinator.envsched import cell_of
+from coordinator.envsched_status import cell_name
 from node.verify import reward_checkers
 from sandboxes.envs import ReasoningGymEnv, make_env
 from tests.factories import RuleGenerator

@@ -80,7 +80,9 @@ never under the floor; no frontier, no keep. Held-out accuracy grows where the p
 fails, but only a mixed group teaches: the weight peaks on tasks solved now and then (for
 groups of 8, at p ≈ 0.15), and solved cells and cells out of reach (3-digit products,
 always wrong) both fall to the floor. Against "nearest_half", which weighs p = 0.4 and
-p = 0.6 alike, it prefers the task the policy gets wrong.
+p = 0.6 alike, it prefers the task the policy gets wrong. Measured on arithmetic (bench/LOG.md,
+2026-12-07 third) it lost too, 7 points at 5 minutes: early, the tasks wrong but sometimes
+right at temperature 1 were mostly 1-digit ones again.
 
 The floor: what is guaranteed. No candidate weighs less than `floor`, and none more than 1.
 So after any history, each draw without replacement takes a given candidate still in the

@@ -285,10 +285,7 @@ def failing_and_mixed(beta: Beta, group_size: int) -> float:
     sample is wrong and its group teaches. With E[p^n (1 − p)] = E[p^n] · b / (a + b + n) and
     E[(1 − p)^(n+1)] = E[(1 − p)^n] · (b + n) / (a + b + n), it is E[1 − p] less both."""
     a, b, n = beta.alpha, beta.beta, group_size
-    all_right = all_wrong = 1.0
-    for i in range(n):
-        all_right *= (a + i) / (a + b + i)
-        all_wrong *= (b + i) / (a + b + i)
+    all_right, all_wrong = _all_agree(beta, n)
     return max(0.0, b / (a + b) - all_right * b / (a + b + n) - all_wrong * (b + n) / (a + b + n))
 
 
@@ -303,12 +300,18 @@ def mixed_probability(beta: Beta, group_size: int) -> float:
 
     E[p^n] = Π_{i<n} (a + i) / (a + b + i); with a point mass at p this is 1 − p^n − (1−p)^n.
     """
+    all_right, all_wrong = _all_agree(beta, group_size)
+    return max(0.0, 1.0 - all_right - all_wrong)
+
+
+def _all_agree(beta: Beta, group_size: int) -> tuple[float, float]:
+    """(E[p^n], E[(1−p)^n]), p ~ Beta: the chances that a group of n is all right, all wrong."""
     all_right = all_wrong = 1.0
     total = beta.alpha + beta.beta
     for i in range(group_size):
         all_right *= (beta.alpha + i) / (total + i)
         all_wrong *= (beta.beta + i) / (total + i)
-    return max(0.0, 1.0 - all_right - all_wrong)
+    return all_right, all_wrong
 
 
 def within_variance(beta: Beta) -> float:

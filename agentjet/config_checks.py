@@ -165,6 +165,8 @@ def _check_openenv(env: EnvConfig, i: int) -> None:
 
 def _check_rewards(env: EnvConfig, i: int) -> None:
     where = f"config error at envs.{i}"
+    if env.partial_credit and env.name != "arithmetic":
+        raise ConfigError(f'{where}.partial_credit: only "arithmetic" environments take it')
     if env.name == "env_class":  # optional there: the class's get_reward may score alone
         if env.reward and env.rewards:
             raise ConfigError(f"{where}.reward: give reward or [[envs.rewards]], not both")

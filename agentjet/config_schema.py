@@ -182,6 +182,11 @@ class EnvConfig(_Section):
         default_factory=lambda: [1, 2, 3]
     )
     ops: list[Literal["+", "-", "*"]] = msgspec.field(default_factory=lambda: ["+", "-", "*"])
+    # "arithmetic": a wrong answer earns partial_credit x the share of its digit places
+    # (from the ones place) that are right, so a group whose answers are all wrong still
+    # ranks them; a right answer earns 1. Held-out accuracy counts only right answers.
+    # 0 = right or wrong (1 or 0).
+    partial_credit: Annotated[float, Meta(ge=0, lt=1)] = 0.0
     # A task file ("" = generated tasks): JSONL, JSON (a list), CSV, Parquet or a folder
     # saved by `datasets` (task_split picks a DatasetDict's split; default train). Rows:
     # an id, a prompt (text, or [{"role", "content"}, ...] chat messages), an answer (any

@@ -83,10 +83,12 @@ def reward_checkers(
     """The environments whose rewards this trainer can recompute, with how (an async reward
     function given `timeout_s` per completion)."""
 
+    credit = next((env.partial_credit for env in envs if env.name == "arithmetic"), 0.0)
+
     async def arithmetic(
         tokenizer: Any, completions: list[list[int]], task: protocol.Task
     ) -> list[float]:
-        return [score_completion(tokenizer, ids, task) for ids in completions]
+        return [score_completion(tokenizer, ids, task, credit) for ids in completions]
 
     checkers: dict[str, Checker] = {"arithmetic": arithmetic}
     for env in envs:

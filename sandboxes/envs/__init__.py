@@ -70,7 +70,7 @@ def make_env(config: EnvConfig, pool: SandboxPool | None = None) -> Environment:
     episode's sandbox from `pool` (at most its size at once); without one, each episode
     gets a fresh ProcessSandbox."""
     if config.name == "arithmetic":
-        return ArithmeticEnv()
+        return ArithmeticEnv(partial_credit=config.partial_credit)
     if config.name == "prompt":
         sandboxes: Callable[[], Sandbox] = ProcessSandbox if pool is None else pool.lease
         return PromptEnv(Rewards.from_config(config, sandboxes))

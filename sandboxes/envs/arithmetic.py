@@ -1,4 +1,5 @@
-"""The arithmetic environment: one model turn, reward 1 when the final integer is right.
+"""The arithmetic environment: one model turn, reward 1 when the final integer is right
+(and, with partial_credit, a share of that for each digit place a wrong one has right).
 
 task prompt ──chat template──▶ prompt ids ──await generate(n)──▶ n completions ──▶ n Episodes
                                                              └─ final integer == answer?
@@ -22,10 +23,12 @@ from sandboxes.envs.parsing import exact_answer_reward
 ARITHMETIC_SYSTEM_PROMPT: str | None = None
 
 
-def score_completion(tokenizer: Any, token_ids: Sequence[int], task: Task) -> float:
+def score_completion(
+    tokenizer: Any, token_ids: Sequence[int], task: Task, partial_credit: float = 0.0
+) -> float:
     """The reward of one completion of `task`; trainers re-check rewards with it too."""
     text = tokenizer.decode(token_ids, skip_special_tokens=True)
-    return exact_answer_reward(text, task.answer)
+    return exact_answer_reward(text, task.answer, partial_credit)
 
 
 class ArithmeticEnv:
@@ -33,9 +36,13 @@ class ArithmeticEnv:
 
     name = "arithmetic"
 
-    def __init__(self, system_prompt: str | None = ARITHMETIC_SYSTEM_PROMPT) -> None:
-        """`system_prompt=None` keeps the chat template's default system message."""
+    def __init__(
+        self, system_prompt: str | None = ARITHMETIC_SYSTEM_PROMPT, partial_credit: float = 0.0
+    ) -> None:
+        """`system_prompt=None` keeps the chat template's default system message;
+        `partial_credit`: EnvConfig.partial_credit."""
         self.system_prompt = system_prompt
+        self.partial_credit = partial_credit
 
     async def run_group(
         self, generator: Generator, tasks: list[Task], n: int, params: SamplingParams
@@ -44,5 +51,7 @@ class ArithmeticEnv:
         groups = await single_turn_episodes(generator, self.system_prompt, tasks, n, params)
         for task, group in zip(tasks, groups, strict=True):
             for episode in group:
-                episode.reward = score_completion(generator.tokenizer, episode.completion_ids, task)
+                episode.reward = score_completion(
+                    generator.tokenizer, episode.completion_ids, task, self.partial_credit
+                )
         return groups

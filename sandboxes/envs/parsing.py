@@ -48,9 +48,26 @@ def final_integer(text: str) -> int | None:
     return -value if last.group("sign") else value
 
 
-def exact_answer_reward(text: str, answer: int) -> float:
-    """1.0 when the final integer of `text` equals `answer`, else 0.0 (binary, for GRPO)."""
-    return 1.0 if final_integer(text) == answer else 0.0
+def exact_answer_reward(text: str, answer: int, partial_credit: float = 0.0) -> float:
+    """1.0 when the final integer of `text` equals `answer`. Otherwise 0.0, or with
+    `partial_credit` > 0 that times the share of the answer's digits it has right
+    (`digit_share`): a group whose answers are all wrong then still ranks them."""
+    given = final_integer(text)
+    if given == answer:
+        return 1.0
+    if given is None or partial_credit == 0.0:
+        return 0.0
+    return partial_credit * digit_share(given, answer)
+
+
+def digit_share(given: int, answer: int) -> float:
+    """The share of digit places, aligned from the ones place, where `given` and `answer`
+    agree, over the longer of the two (a missing or extra digit counts as wrong); 0 when
+    the signs differ. 1036 for 936: 2 of 4; 36 for 936: 2 of 3."""
+    if (given < 0) != (answer < 0):
+        return 0.0
+    a, b = str(abs(given))[::-1], str(abs(answer))[::-1]
+    return sum(x == y for x, y in zip(a, b, strict=False)) / max(len(a), len(b))
 
 
 def first_code_block(text: str, tags: tuple[str, ...] = PYTHON_TAGS) -> str | None:

@@ -11,13 +11,19 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-from agentjet.config import EnvConfig
+from agentjet.config import EnvConfig, config_from_dict
 from agentjet.episode import Completion, SamplingParams
 from agentjet.errors import ConfigError
 from agentjet.protocol import Task
 from sandboxes.base import ExecResult
 from sandboxes.envs import ArithmeticEnv, PythonToolEnv, make_env
-from sandboxes.envs.parsing import final_integer, first_code_block, strip_code_blocks
+from sandboxes.envs.parsing import (
+    digit_share,
+    exact_answer_reward,
+    final_integer,
+    first_code_block,
+    strip_code_blocks,
+)
 from sandboxes.envs.sandboxed import MAX_TOOL_OUTPUT_CHARS, tool_feedback
 
 pytestmark = pytest.mark.unit
@@ -52,6 +58,41 @@ START_VERSION = 3
 )
 def test_final_integer(text: str, expected: int | None) -> None:
     assert final_integer(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("given", "answer", "expected"),
+    [
+        (936, 936, 1.0),
+        (926, 936, 2 / 3),  # ones and hundreds
+        (36, 936, 2 / 3),  # a missing digit is wrong
+        (1036, 936, 2 / 4),  # so is an extra one
+        (639, 936, 1 / 3),  # digits in the wrong places: only the middle one
+        (-12, 12, 0.0),  # the sign differs
+        (-13, -12, 1 / 2),
+        (0, 0, 1.0),
+        (7, 0, 0.0),
+    ],
+)
+def test_digit_share(given: int, answer: int, expected: float) -> None:
+    assert digit_share(given, answer) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    ("text", "credit", "expected"),
+    [
+        ("936", 0.0, 1.0),
+        ("926", 0.0, 0.0),  # no partial credit: right or wrong
+        ("936", 0.5, 1.0),
+        ("The answer is 926.", 0.5, 0.5 * 2 / 3),
+        ("no number", 0.5, 0.0),
+        ("93.6", 0.5, 0.0),  # not an integer
+    ],
+)
+def test_partial_credit_ranks_wrong_answers_below_a_right_one(
+    text: str, credit: float, expected: float
+) -> None:
+    assert exact_answer_reward(text, 936, credit) == pytest.approx(expected)
 
 
 @pytest.mark.parametrize(
@@ -153,6 +194,26 @@ def _rendered_prompt(tokenizer: Any, system: str | None, user: str) -> str:
     messages = [] if system is None else [{"role": "system", "content": system}]
     messages.append({"role": "user", "content": user})
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def test_arithmetic_with_partial_credit_scores_wrong_answers_by_their_digits(
+    tokenizer: Any,
+) -> None:
+    tasks = [_task(936, "What is 347 + 589?")]
+    replies: list[Reply] = ["936", "926", "1036", "nine hundred"]
+    generator = ScriptedGenerator(tokenizer, [[replies]])
+    env = make_env(EnvConfig(name="arithmetic", partial_credit=0.5))
+    [group] = asyncio.run(env.run_group(generator, tasks, 4, PARAMS))
+    assert [e.reward for e in group] == pytest.approx([1.0, 1 / 3, 0.25, 0.0])
+
+
+def test_partial_credit_is_only_for_arithmetic(tmp_path: Path) -> None:
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "Say hi.", "answer": "hi"}\n')
+    entry = {"name": "prompt", "task_file": str(rows), "reward": "tests.rewards:even_length"}
+    config_from_dict({"envs": [entry]})  # loads without it
+    with pytest.raises(ConfigError, match='envs.0.partial_credit: only "arithmetic"'):
+        config_from_dict({"envs": [entry | {"partial_credit": 0.5}]})
 
 
 def test_arithmetic_rewards_the_final_integer(tokenizer: Any) -> None:

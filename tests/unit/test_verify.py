@@ -186,6 +186,12 @@ def test_rewards_are_rechecked_against_the_task_the_prompt_asks(tiny_model_dir: 
     # a right answer to another question, claimed for this task
     asked_other = arithmetic_problem(group(other, ["7"], [1.0]), task, tokenizer)
     assert asked_other == "sample 0: the prompt does not ask task 'd1:3+4'"
+    # with partial credit (envs' partial_credit) the checker scores a wrong 17 by its digits
+    credit = reward_checkers([EnvConfig(name="arithmetic", partial_credit=0.5)])["arithmetic"]
+    shaped = group(task, ["It is 7.", "17"], [1.0, 0.25])
+    assert asyncio.run(reward_problem(shaped, task, tokenizer, credit)) is None
+    unshaped = arithmetic_problem(shaped, task, tokenizer)
+    assert unshaped == "sample 1: reward 0.25 reported, 0 on re-check"
 
 
 class CharTokenizer:

@@ -228,6 +228,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "learn.json")
     parser.add_argument("--set", action="append", default=[], help="config override")
     parser.add_argument(
+        "--score-set", action="append", default=[],
+        help="config override for scoring only, after --set: e.g. an arm that trains with"
+        " shorter answers scored at the default rollout.sampling.max_new_tokens",
+    )  # fmt: skip
+    parser.add_argument(
         "--task", choices=["arithmetic", "parity", "reasoning_gym"], default="arithmetic"
     )
     parser.add_argument("--dataset", default="", help="--task reasoning_gym: which entry")
@@ -281,7 +286,8 @@ def main() -> int:
         tasks, env = None, "reasoning_gym"
         args.set = [*one_dataset(args.config, args.dataset, args.heldout), *args.set]
     marks = [m for m in args.marks if m < args.minutes]
-    before = evaluate("base", tasks, args.config, env=env, overrides=args.set)
+    scoring = [*args.set, *args.score_set]
+    before = evaluate("base", tasks, args.config, env=env, overrides=scoring)
     print("before:", json.dumps(before), flush=True)
 
     kept = ("overall", "mean_reward", "by_difficulty", "by_op", "n")
@@ -290,12 +296,12 @@ def main() -> int:
         train_dir = run_dir / f"train-seed{seed}"
         one = train_seed(args, seed, train_dir, marks)
         for point in one.pop("points"):
-            scored = evaluate(point["checkpoint"], tasks, args.config, env=env, overrides=args.set)
+            scored = evaluate(point["checkpoint"], tasks, args.config, env=env, overrides=scoring)
             curve.append({"seed": seed, "mark": point["mark"], "minutes": point["minutes"],
                           "version": point["version"], "overall": scored["overall"]})  # fmt: skip
             print("curve:", json.dumps(curve[-1]), flush=True)
         after = evaluate(str(final_checkpoint(train_dir)), tasks, args.config, env=env,
-                         overrides=args.set)  # fmt: skip
+                         overrides=scoring)  # fmt: skip
         print(f"after (seed {seed}):", json.dumps(after), flush=True)
         curve.append({"seed": seed, "mark": args.minutes, "minutes": one["minutes"],
                       "version": one["policy_versions"], "overall": after["overall"]})  # fmt: skip
@@ -426,6 +432,7 @@ def run_facts(args: argparse.Namespace) -> dict[str, object]:
     return {
         "config": str(args.config.relative_to(ROOT)),
         "overrides": args.set,
+        **({"score_overrides": args.score_set} if args.score_set else {}),
         "machine": f"{os.cpu_count()} CPU cores",
         "date": time.strftime("%Y-%m-%d"),
     }

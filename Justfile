@@ -149,6 +149,10 @@ bench-sandbox *ARGS: ensure
 bench-merge *ARGS: ensure
     {{bin}}/python bench/merge.py {{ARGS}}
 
+# One trainer step of the default run's shape, timed by micro-batch size and attention kernel (a minute; writes bench/results/learner_step.json)
+bench-learner-step *ARGS: ensure
+    {{bin}}/python bench/learner_step.py {{ARGS}}
+
 # Scheduling simulation: EnvSched vs uniform vs oracle on synthetic drifting tasks (seconds)
 bench-sched-sim *ARGS: ensure
     {{bin}}/python bench/sched_sim.py {{ARGS}}

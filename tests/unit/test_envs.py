@@ -95,6 +95,12 @@ def test_partial_credit_ranks_wrong_answers_below_a_right_one(
     assert exact_answer_reward(text, 936, credit) == pytest.approx(expected)
 
 
+def test_partial_credit_for_an_answer_that_is_not_a_number_is_none() -> None:
+    # an arithmetic task file's answer can be any JSON
+    assert exact_answer_reward("926", "936", 0.5) == 0.0  # type: ignore[arg-type]
+    assert exact_answer_reward("926", None, 0.5) == 0.0  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize(
     ("text", "expected"),
     [

@@ -22,6 +22,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -64,9 +65,13 @@ def make_groups(tokenizer, rng: random.Random, count: int, tag: str) -> list:
     return groups_from_samples(prompts, sampled, tag)
 
 
-def one_setting(args: argparse.Namespace, micro: int, attention: str) -> dict:
-    """Seconds per step of a fresh model and optimizer with this micro-batch and kernel."""
-    config = load_config(args.config, [f"trainer.micro_batch_samples={micro}"])
+def one_setting(args: argparse.Namespace, micro: int, attention: str, profiled: bool) -> dict:
+    """Seconds per step of a fresh model and optimizer with this micro-batch and kernel;
+    `profiled`: and the top operations of one more step."""
+    # The logprob check off (as bench/gpu_check.py): the completions here were not sampled,
+    # so their logprobs are made up, and a rejected group would be trained a second time.
+    settings = [f"trainer.micro_batch_samples={micro}", "trainer.max_logprob_gap=0"]
+    config = load_config(args.config, settings)
     compute = DTYPES[config.model.dtype]
     model, tokenizer = load_causal_lm(resolve_model(config.model.name), "float32")
     model.set_attn_implementation(attention)
@@ -97,18 +102,23 @@ def one_setting(args: argparse.Namespace, micro: int, attention: str) -> dict:
         "trained_tokens": tokens,
         "trained_tokens_per_s": round(tokens / statistics.median(seconds), 1),
     }
-    if args.profile and not args.profiled:
-        from torch.profiler import ProfilerActivity, profile
-
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            learner.train_step(make_groups(tokenizer, rng, args.groups, "profiled"))
-        total = sum(e.self_cpu_time_total for e in prof.key_averages())
-        top = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
-        row["profile_top"] = [
-            {"op": e.key, "self_share": round(e.self_cpu_time_total / total, 3)} for e in top[:8]
-        ]
-        args.profiled = True
+    if profiled:
+        row["profile_top"] = profile_top(
+            lambda: learner.train_step(make_groups(tokenizer, rng, args.groups, "profiled"))
+        )
     return row
+
+
+def profile_top(step: Callable[[], object], count: int = 8) -> list[dict]:
+    """The operations of `step` that took the most of its CPU time, with their shares."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events)
+    top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:count]
+    return [{"op": e.key, "self_share": round(e.self_cpu_time_total / total, 3)} for e in top]
 
 
 def main() -> int:
@@ -123,12 +133,11 @@ def main() -> int:
         "--out", type=Path, default=ROOT / "bench" / "results" / "learner_step.json"
     )
     args = parser.parse_args()
-    args.profiled = False
     torch.set_num_threads(1)
-    rows = []
+    rows: list[dict] = []
     for attention in args.attention:
         for micro in args.micro:
-            rows.append(one_setting(args, micro, attention))
+            rows.append(one_setting(args, micro, attention, profiled=args.profile and not rows))
             print(json.dumps({k: v for k, v in rows[-1].items() if k != "profile_top"}), flush=True)
     result = {
         "config": str(args.config.relative_to(ROOT))

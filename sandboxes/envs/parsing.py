@@ -56,7 +56,7 @@ def exact_answer_reward(text: str, answer: int, partial_credit: float = 0.0) -> 
     if given == answer:
         return 1.0
     if given is None or partial_credit == 0.0 or not isinstance(answer, int):
-        return 0.0  # (a task file's answer may be anything: no digits to compare)
+        return 0.0  # (no digits to compare; arithmetic task files are checked for integers)
     return partial_credit * digit_share(given, answer)
 
 

@@ -96,7 +96,7 @@ def test_partial_credit_ranks_wrong_answers_below_a_right_one(
 
 
 def test_partial_credit_for_an_answer_that_is_not_a_number_is_none() -> None:
-    # an arithmetic task file's answer can be any JSON
+    # another caller's answer (an arithmetic task file's is refused unless an integer)
     assert exact_answer_reward("926", "936", 0.5) == 0.0  # type: ignore[arg-type]
     assert exact_answer_reward("926", None, 0.5) == 0.0  # type: ignore[arg-type]
 

@@ -83,9 +83,12 @@ def average_once(
     compression: CompressionBase,
     peer_kwargs: Sequence[dict] = ({}, {}),
     weights: Sequence[float] | None = None,
+    silent_sender_s: float = 30.0,
 ) -> tuple[list[torch.Tensor], list[Any], list[Any]]:
     """One averaging round of `len(peer_kwargs)` peers; each peer's tensor afterwards, its
-    result, and its peer id."""
+    result, and its peer id. A reducer leaves out a sender silent for `silent_sender_s`:
+    long by default, so that a busy box (CI once stalled a sender past 3 s) does not cut a
+    healthy round short; the test of a sender that stops sets it short."""
     peers = len(peer_kwargs)
     dhts = [hivemind.DHT(start=True)]
     for _ in range(peers - 1):
@@ -102,8 +105,7 @@ def average_once(
                     target_group_size=peers,
                     min_matchmaking_time=2.0,
                     request_timeout=1.0,
-                    # A sender silent this long is left out (as trainers set it).
-                    next_chunk_timeout=3.0,
+                    next_chunk_timeout=silent_sender_s,
                     compression=compression,
                     # Many parts, so that each peer reduces some and receives the others.
                     part_size_bytes=1 << 14,
@@ -204,7 +206,10 @@ def test_a_sender_that_stops_midway_makes_the_round_partial_for_every_peer() -> 
     the parts' total weights, which every reply carries, tell it. Both are told the round
     is partial and vouch for no one; the peer that stopped is told its round is incomplete."""
     (first, second, _), outcomes, _ = average_once(
-        PeerThatMayStopSending, NoCompression(), peer_kwargs=({}, {}, {"stops": True})
+        PeerThatMayStopSending,
+        NoCompression(),
+        peer_kwargs=({}, {}, {"stops": True}),
+        silent_sender_s=3.0,
     )
     for outcome in outcomes[:2]:
         assert outcome.partial and not incomplete(outcome)

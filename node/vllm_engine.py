@@ -53,7 +53,7 @@ import shutil
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast
 
 import torch
 from transformers import AutoConfig
@@ -167,7 +167,8 @@ class VLLMEngine(BridgedEngine):
         lora_args = _lora_args([*([lora] if lora is not None else []), *policy_loras])
         self._llm = LLM(
             model=str(model_path),
-            dtype=dtype,
+            # (checked against DTYPES above; vLLM 0.32 types it as a Literal of names)
+            dtype=cast(Literal["float32", "bfloat16", "float16"], dtype),
             seed=seed,
             logprobs_mode="processed_logprobs",
             worker_extension_cls=WORKER_EXTENSION,

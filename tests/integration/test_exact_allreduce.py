@@ -88,7 +88,8 @@ def average_once(
     """One averaging round of `len(peer_kwargs)` peers; each peer's tensor afterwards, its
     result, and its peer id. A reducer leaves out a sender silent for `silent_sender_s`:
     long by default, so that a busy box (CI once stalled a sender past 3 s) does not cut a
-    healthy round short; the test of a sender that stops sets it short."""
+    healthy round short; the tests of a failed reducer and of a sender that stops, whose
+    rounds wait it out, set it short."""
     peers = len(peer_kwargs)
     dhts = [hivemind.DHT(start=True)]
     for _ in range(peers - 1):
@@ -175,7 +176,7 @@ def test_a_peer_that_a_reducer_failed_is_told_its_round_is_incomplete() -> None:
     have averaged at the peer's own values; a trainer stepping on that would differ from
     the others at the same version. The peer's result says so instead."""
     (healthy, faulty), (told_healthy, _), _ = average_once(
-        PeerWithFaultyReducer, NoCompression(), ({}, {"faulty": True})
+        PeerWithFaultyReducer, NoCompression(), ({}, {"faulty": True}), silent_sender_s=3.0
     )
     # (The faulty peer may be told too: the healthy one, its own outputs complete, can
     # stop serving it before the last averages reach it.)
